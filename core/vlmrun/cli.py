@@ -1,0 +1,260 @@
+"""The ``vlmrun`` command: a thin layer over :mod:`vlmrun.pipeline`.
+
+    vlmrun --image photo.jpg --prompt "Describe the image." [--layout reference] [--vision X --decoder Y]
+    vlmrun demo | export | plugins | make-tiny DIR | doctor
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import VlmrunError
+from .stages import STAGES
+
+DEMO_PROMPT = "Describe the image."
+
+
+def _stage_options(f):
+    for stage in reversed(STAGES):
+        f = click.option(f"--{stage}", f"{stage}_backend", metavar="PLUGIN",
+                         help=f"Backend plugin for the {stage} stage (overrides the layout).")(f)
+    return f
+
+
+def _pipeline_options(f):
+    f = click.option("--model", "model_dir", type=click.Path(path_type=Path),
+                     help="FastVLM checkpoint directory (transformers-native or Apple llava_qwen2 layout)."
+                          " Default: the tiny model vlmrun builds itself.")(f)
+    f = click.option("--layout", default=None, help="Layout preset: reference, hybrid, all-npu. [default: reference]")(f)
+    f = click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")(f)
+    f = click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
+                     help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")(f)
+    f = click.option("--rebuild", is_flag=True, help="Export/compile again even if the store has the artifacts.")(f)
+    f = click.option("--image-size", type=int, default=1024, show_default=True,
+                     help="Image size of the tiny default model (ignored with --model).")(f)
+    f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
+    return _stage_options(f)
+
+
+def _generation_options(f):
+    f = click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)(f)
+    f = click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+                     help="0 = greedy.")(f)
+    f = click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")(f)
+    f = click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)(f)
+    f = click.option("--seed", type=int, default=0, show_default=True)(f)
+    f = click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")(f)
+    f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")(f)
+    return f
+
+
+def _build(opts: dict, stages=STAGES):
+    from .pipeline import Pipeline
+    from .progress import step
+
+    overrides = {s: opts.get(f"{s}_backend") for s in STAGES}
+    return Pipeline.build(
+        opts.get("model_dir"),
+        opts.get("layout"),
+        overrides=overrides,
+        layout_file=opts.get("layout_file"),
+        store=opts.get("cache_dir"),
+        rebuild=opts.get("rebuild", False),
+        image_size=opts.get("image_size", 1024),
+        stages=stages,
+        progress=step,
+    )
+
+
+def _settings(opts: dict):
+    from .pipeline import GenerationSettings
+    from .sampling import SamplingSettings
+
+    return GenerationSettings(
+        max_new_tokens=opts["max_new_tokens"],
+        sampling=SamplingSettings(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"]),
+        ignore_eos=opts["ignore_eos"],
+    )
+
+
+def _format_timings(t: dict) -> str:
+    parts = [f"{k} {t[k + '_ms']:.1f} ms" for k in ("vision", "projector", "embed") if k + "_ms" in t]
+    if "ttft_ms" in t:
+        parts.append(f"prefill/TTFT {t['ttft_ms']:.1f} ms ({t.get('prompt_tokens', 0)} prompt tokens)")
+    if "tokens_per_s" in t:
+        parts.append(f"{t['tokens_per_s']:.1f} tokens/s")
+    parts.append(f"{t.get('new_tokens', 0)} new tokens")
+    return " | ".join(parts)
+
+
+def _generate(pipe, image, prompt: str, opts: dict) -> None:
+    gen = pipe.generate(image, prompt, _settings(opts))
+    if opts["as_json"]:
+        gen.run()
+        click.echo(json.dumps({
+            "text": gen.text, "token_ids": gen.token_ids, "stopped_by": gen.stopped_by,
+            "timings": gen.timings, "layout": {s: pipe.layout.backend(s) for s in STAGES},
+            "model": str(pipe.model.source),
+        }))
+        return
+    click.echo(f"[{pipe.layout.describe()}]", err=True)
+    for piece in gen:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    click.echo(_format_timings(gen.timings), err=True)
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--image", type=click.Path(path_type=Path), help="Image file to ask about.")
+@click.option("--prompt", help="The question about the image.")
+@_pipeline_options
+@_generation_options
+@click.version_option(package_name="vlmrun")
+@click.pass_context
+def cli(ctx, image, prompt, **opts):
+    """Run FastVLM stage by stage on pluggable backends.
+
+    \b
+    Answer a prompt about an image (every stage on the `reference` layout, tiny default model):
+      vlmrun --image photo.jpg --prompt "Describe the image."
+    Move stages to other backends:
+      vlmrun --layout hybrid ...          or   vlmrun --vision qnn_htp --decoder genie_cpu ...
+    Stages: vision, projector, embed, decoder. `vlmrun plugins` lists the backends installed.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if image is None or prompt is None:
+        if image is None and prompt is None:
+            click.echo(ctx.get_help())
+            ctx.exit(0)
+        raise click.UsageError("give both --image and --prompt (or use a subcommand such as `vlmrun demo`)")
+    pipe = _build(opts)
+    _generate(pipe, image, prompt, opts)
+
+
+@cli.command()
+@_pipeline_options
+@_generation_options
+@click.option("--prompt", default=DEMO_PROMPT, show_default=True)
+def demo(prompt, **opts):
+    """Build (once) the tiny FastVLM, export its stages, and answer a prompt about a generated image."""
+    from .demo_image import demo_image
+
+    pipe = _build(opts)
+    _generate(pipe, demo_image(), prompt, opts)
+
+
+@cli.command()
+@_pipeline_options
+@click.option("--stage", "only", type=click.Choice(STAGES), multiple=True, help="Only these stages (repeatable).")
+def export(only, **opts):
+    """Export (and compile, for backends that compile) every stage of a layout into the artifact store."""
+    pipe = _build(opts, tuple(only) or STAGES)
+    for name in pipe.store.builds:
+        click.echo(f"built {name}")
+    click.echo(f"artifact store: {pipe.store.root} ({len(pipe.store.builds)} built, others reused)")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--debug", is_flag=True, hidden=True)
+def plugins(as_json, debug):
+    """List installed backend plugins: version, stages, hooks, and plugins that failed to load."""
+    from . import plugins as plugins_mod
+
+    reg = plugins_mod.load()
+    if as_json:
+        click.echo(json.dumps({
+            "plugins": [
+                {"name": p.name, "version": p.version, "module": p.module, "hooks": list(p.hooks),
+                 "backends": [{"name": b.name, "stages": list(b.stages), "summary": b.summary} for b in p.backends]}
+                for p in reg.plugins.values()
+            ],
+            "failed": reg.failures,
+        }, indent=2))
+        return
+    if not reg.plugins:
+        click.echo("no plugins installed")
+    for p in reg.plugins.values():
+        click.echo(f"{p.name} {p.version}")
+        for b in p.backends:
+            click.echo(f"  backend {b.name}: stages {', '.join(b.stages)}" + (f" - {b.summary}" if b.summary else ""))
+        click.echo(f"  hooks: {', '.join(p.hooks)}")
+    for name, why in reg.failures.items():
+        click.echo(f"{name} FAILED to load: {why}")
+
+
+@cli.command("make-tiny")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--image-size", type=int, default=1024, show_default=True, help="Multiple of 64.")
+@click.option("--full-size", is_flag=True, help="FastVLM-0.5B dimensions (random weights, about 2 GB).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--debug", is_flag=True, hidden=True)
+def make_tiny(out_dir, image_size, full_size, seed, debug):
+    """Build a random-weight FastVLM checkpoint with the real architecture (native transformers layout)."""
+    from .errors import UsageError
+    from .progress import step
+    from .tiny import make_tiny as build
+
+    if image_size % 64 or image_size < 64:
+        raise UsageError(f"--image-size must be a positive multiple of 64, got {image_size}")
+    with step(f"building {'full-size' if full_size else 'tiny'} FastVLM in {out_dir}"):
+        build(out_dir, image_size=image_size, full_size=full_size, seed=seed)
+    click.echo(str(out_dir))
+
+
+@cli.command()
+@click.option("--debug", is_flag=True, hidden=True)
+def doctor(debug):
+    """Check each plugin's environment (runtimes, libraries, SDK tools, devices)."""
+    from . import plugins as plugins_mod
+
+    reg = plugins_mod.load()
+    for name, record in reg.plugins.items():
+        plugin = reg.pm.get_plugin(name)
+        impl = getattr(plugin, "doctor", None)
+        click.echo(f"{name} {record.version}")
+        for check in (impl() if impl else []):
+            click.echo(f"  [{'ok' if check.ok else '!!'}] {check.name}: {check.detail}")
+    for name, why in reg.failures.items():
+        click.echo(f"{name}\n  [!!] failed to load: {why}")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        cli.main(args=argv, prog_name="vlmrun", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except VlmrunError as exc:
+        if debug:
+            raise
+        click.echo(f"vlmrun: error: {exc}", err=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("vlmrun: interrupted", err=True)
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        click.echo(f"vlmrun: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)",
+                   err=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Layouts: which backend runs which stage, with per-stage options.
+
+Presets::
+
+    reference : every stage on ort_reference
+    hybrid    : vision, projector, embed on qnn_htp; decoder on genie_cpu
+    all-npu   : every stage on qnn_htp
+
+Per-stage overrides (``--vision qnn_htp``) apply on top of the preset. A TOML layout file looks like::
+
+    base = "reference"          # optional preset to start from
+    [vision]
+    backend = "qnn_htp"
+    precision = "int8"          # any other key is a per-stage option passed to the plugin
+    [decoder]
+    backend = "ort_reference"
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Mapping
+
+import attrs
+
+from .errors import UsageError
+from .stages import STAGES
+
+PRESETS: dict[str, dict[str, str]] = {
+    "reference": dict.fromkeys(STAGES, "ort_reference"),
+    "hybrid": {"vision": "qnn_htp", "projector": "qnn_htp", "embed": "qnn_htp", "decoder": "genie_cpu"},
+    "all-npu": dict.fromkeys(STAGES, "qnn_htp"),
+}
+
+
+@attrs.frozen
+class StageAssignment:
+    backend: str
+    options: Mapping[str, object] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Layout:
+    name: str
+    stages: Mapping[str, StageAssignment]
+
+    def backend(self, stage: str) -> str:
+        return self.stages[stage].backend
+
+    def describe(self) -> str:
+        return " ".join(f"{s}={self.stages[s].backend}" for s in STAGES)
+
+
+def resolve(
+    name: str | None = None,
+    file: str | Path | None = None,
+    overrides: Mapping[str, str | None] | None = None,
+) -> Layout:
+    """Build a layout from a preset name, an optional TOML file and per-stage backend overrides."""
+    table: dict = {}
+    if file is not None:
+        try:
+            table = tomllib.loads(Path(file).read_text())
+        except OSError as exc:
+            raise UsageError(f"cannot read layout file {file}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise UsageError(f"layout file {file} is not valid TOML: {exc}") from None
+        unknown = [k for k, v in table.items() if isinstance(v, dict) and k not in STAGES]
+        if unknown:
+            raise UsageError(f"layout file {file} names unknown stage(s) {unknown}; stages are {list(STAGES)}")
+    base = name or table.get("base") or "reference"
+    if base not in PRESETS:
+        raise UsageError(f"unknown layout '{base}'; presets are: {', '.join(PRESETS)} (or use --layout-file)")
+    stages: dict[str, StageAssignment] = {}
+    for stage in STAGES:
+        section = dict(table.get(stage, {}))
+        backend = section.pop("backend", PRESETS[base][stage])
+        stages[stage] = StageAssignment(backend, section)
+    for stage, backend in (overrides or {}).items():
+        if backend:
+            if stage not in STAGES:
+                raise UsageError(f"unknown stage '{stage}'; stages are {list(STAGES)}")
+            stages[stage] = StageAssignment(backend, stages[stage].options)
+    label = str(table.get("name") or (Path(file).stem if file else base))
+    if overrides and any(overrides.values()):
+        label += "+overrides"
+    return Layout(label, stages)
+
+
+def validate(layout: Layout, registry) -> None:
+    """Reject a layout naming an unknown plugin or a plugin that lacks a stage, before any work starts."""
+    for stage in STAGES:
+        registry.require_stage(layout.backend(stage), stage)

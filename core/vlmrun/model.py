@@ -1,0 +1,260 @@
+"""FastVLM checkpoints on disk, read without torch.
+
+:class:`FastVLMModel` reads a local checkpoint directory offline: transformers' native layout
+(``model_type: fast_vlm``) directly, Apple's original ``llava_qwen2`` layout through a one-time conversion
+into the artifact store (see :mod:`vlmrun.checkpoints`). Only :meth:`FastVLMModel.load_torch` imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+
+import attrs
+
+from .errors import BackendError, InputError
+from .store import ArtifactStore, sha256_file
+
+TINY_VERSION = "tiny-v1"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read {path}: {exc}") from None
+
+
+@attrs.define(slots=False)
+class FastVLMModel:
+    """A native-layout FastVLM checkpoint directory and what the pipeline needs to know about it."""
+
+    path: Path
+    source: Path
+    source_layout: str
+
+    @classmethod
+    def open(cls, model_dir: str | os.PathLike, store: ArtifactStore | None = None) -> "FastVLMModel":
+        from . import checkpoints
+
+        src = Path(model_dir).expanduser()
+        layout = checkpoints.detect_layout(src)
+        if layout == checkpoints.NATIVE:
+            return cls(src, src, layout)
+        store = store or ArtifactStore()
+        digest = weights_hash(src, store)
+        def convert(tmp: Path) -> dict:
+            checkpoints.convert_apple_to_native(src, tmp / "model")
+            _flatten(tmp / "model", tmp)
+            return {"files": ["config.json"], "converted_from": str(src)}
+
+        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "weights": digest, "v": 1}
+        art = store.get_or_build(key, convert)
+        return cls(art.path, src, layout)
+
+    # -- configuration -------------------------------------------------------------------------------
+    @cached_property
+    def config(self) -> dict:
+        return _read_json(self.path / "config.json")
+
+    @property
+    def text_config(self) -> dict:
+        return self.config["text_config"]
+
+    @property
+    def vision_config(self) -> dict:
+        return self.config["vision_config"]
+
+    @cached_property
+    def image_processor_config(self) -> dict:
+        for name in ("preprocessor_config.json", "processor_config.json"):
+            cfg = _read_json(self.path / name)
+            if "image_processor" in cfg:
+                cfg = cfg["image_processor"]
+            if cfg.get("crop_size") or cfg.get("size"):
+                return cfg
+        raise InputError(f"{self.path} has no image processor config (preprocessor_config.json)")
+
+    @property
+    def image_size(self) -> int:
+        crop = self.image_processor_config.get("crop_size") or self.image_processor_config.get("size")
+        if isinstance(crop, dict):
+            return int(crop.get("height") or crop.get("shortest_edge"))
+        return int(crop)
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.image_size // 64) ** 2
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config["vocab_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.text_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.text_config.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.text_config.get("head_dim") or self.hidden_size // self.num_heads)
+
+    @property
+    def rope_theta(self) -> float:
+        rope = self.text_config.get("rope_parameters") or {}
+        return float(rope.get("rope_theta") or self.text_config.get("rope_theta") or 10000.0)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.text_config.get("max_position_embeddings") or 32768)
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.config.get("image_token_id", self.config.get("image_token_index")))
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.vision_config["hidden_size"])
+
+    def dims(self) -> dict[str, int]:
+        """Symbolic dims of the stage contracts (:mod:`vlmrun.stages`)."""
+        return {
+            "S": self.image_size,
+            "N": self.image_tokens,
+            "F": self.feature_dim,
+            "H": self.hidden_size,
+            "V": self.vocab_size,
+        }
+
+    @cached_property
+    def generation_config(self) -> dict:
+        return _read_json(self.path / "generation_config.json")
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.generation_config, self.text_config, self.config):
+            eos = source.get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            tid = self.tokenizer.token_to_id(tok)
+            if tid is not None:
+                ids.add(tid)
+        return frozenset(ids)
+
+    # -- tokenizer -----------------------------------------------------------------------------------
+    @cached_property
+    def tokenizer(self):
+        from tokenizers import Tokenizer
+
+        path = self.path / "tokenizer.json"
+        if not path.is_file():
+            raise InputError(f"{self.path} has no tokenizer.json (a fast tokenizer is required)")
+        return Tokenizer.from_file(str(path))
+
+    @cached_property
+    def chat_template(self) -> str:
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text()
+        for name in ("tokenizer_config.json", "processor_config.json", "chat_template.json"):
+            template = _read_json(self.path / name).get("chat_template")
+            if isinstance(template, str):
+                return template
+        raise InputError(f"{self.path} has no chat template (chat_template.jinja or tokenizer_config.json)")
+
+    # -- identity ------------------------------------------------------------------------------------
+    def weights_hash(self, store: ArtifactStore | None = None) -> str:
+        return weights_hash(self.path, store)
+
+    # -- torch (export only) -------------------------------------------------------------------------
+    def load_torch(self):
+        """The model as ``transformers.FastVlmForConditionalGeneration`` in eval mode, float32 (loaded once)."""
+        cached = self.__dict__.get("_torch_model")
+        if cached is not None:
+            return cached
+        try:
+            import torch
+            from transformers import FastVlmForConditionalGeneration
+        except ImportError as exc:
+            raise BackendError(
+                f"loading the torch model needs torch, timm and transformers ({exc}); pip install 'vlmrun[export]'"
+            ) from None
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model = FastVlmForConditionalGeneration.from_pretrained(self.path, dtype=torch.float32).eval()
+        self.__dict__["_torch_model"] = model
+        return model
+
+
+def _flatten(src: Path, dst: Path) -> None:
+    """Move a checkpoint's files from ``src`` up into the artifact directory ``dst``."""
+    for item in src.iterdir():
+        os.replace(item, dst / item.name)
+    src.rmdir()
+
+
+def weights_hash(model_dir: Path, store: ArtifactStore | None = None) -> str:
+    """sha256 over config.json and the weight files; cached by (path, size, mtime) in the store root."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file())
+    stamp = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    cache_file = (store.root if store else None) and store.root / "weights-hashes.json"
+    cache = _read_json(cache_file) if cache_file else {}
+    entry = cache.get(str(model_dir.resolve()))
+    if entry and entry.get("stamp") == stamp:
+        return entry["sha256"]
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in files:
+        if p.suffix == ".json" and p.name not in {"config.json"}:
+            continue
+        h.update(p.name.encode())
+        h.update(sha256_file(p).encode())
+    digest = h.hexdigest()[:16]
+    if cache_file:
+        cache[str(model_dir.resolve())] = {"stamp": stamp, "sha256": digest}
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    return digest
+
+
+def no_progress(label: str):
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def default_model(store: ArtifactStore, image_size: int = 1024, progress=None) -> FastVLMModel:
+    """The tiny random-weight FastVLM the project builds itself (built once per image size, then reused)."""
+    from . import tiny
+
+    def build(tmp: Path) -> dict:
+        with (progress or no_progress)(f"building the tiny FastVLM ({image_size}x{image_size}, once)"):
+            tiny.make_tiny(tmp / "model", image_size=image_size)
+        _flatten(tmp / "model", tmp)
+        return {"files": ["config.json"], "image_size": image_size}
+
+    art = store.get_or_build({"stage": "model", "kind": TINY_VERSION, "image_size": image_size}, build)
+    return FastVLMModel(art.path, art.path, "fast_vlm")

@@ -1,0 +1,352 @@
+"""The Python API: build a pipeline from a model and a layout, generate with streaming, run or capture stages.
+
+>>> from vlmrun import Pipeline, GenerationSettings
+>>> pipe = Pipeline.build(layout="reference")                # the tiny default model
+>>> gen = pipe.generate("photo.jpg", "Describe the image.", GenerationSettings(max_new_tokens=32))
+>>> for piece in gen:                                        # text streams as tokens arrive
+...     print(piece, end="", flush=True)
+>>> gen.token_ids, gen.timings                               # afterwards
+>>> pipe.capture("photo.jpg", "Describe the image.")         # every stage-boundary tensor (for diffs)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Callable, ContextManager, Iterator, Mapping
+
+import attrs
+import numpy as np
+
+from . import layouts as layouts_mod
+from . import plugins as plugins_mod
+from .errors import BackendError, InputError
+from .model import FastVLMModel, default_model
+from .preprocess import load_image, preprocess_image, render_prompt, splice, tokenize_prompt
+from .sampling import Sampler, SamplingSettings
+from .stages import CONTRACTS, STAGES, DecodeRequest, ExportForm, check_tensor
+from .store import Artifact, ArtifactStore
+
+Progress = Callable[[str], ContextManager]
+
+
+def no_progress(label: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+@attrs.define
+class StageContext:
+    """What ``load_stage`` gets: the model, the stage's options, and cached access to artifacts."""
+
+    backend: str
+    stage: str
+    model: FastVLMModel
+    options: Mapping[str, object]
+    store: ArtifactStore
+    registry: plugins_mod.Registry
+    rebuild: bool = False
+    progress: Progress = no_progress
+
+    def _versions(self, hook: str) -> dict[str, str]:
+        return {p.name: p.version for p in self.registry.plugins.values() if hook in p.hooks}
+
+    def exported(self, form: ExportForm) -> Artifact:
+        """The ONNX export of ``form`` (cached in the store; the ``export`` hook runs only when missing)."""
+        return export_artifact(self.registry, self.store, self.model, form, self.progress, self.rebuild)
+
+    def compiled(self, source: Artifact, options: Mapping[str, object], kind: str) -> Artifact:
+        """``source`` compiled by this backend's ``compile`` hook (cached by source, options, versions)."""
+        key = {
+            "stage": self.stage,
+            "backend": self.backend,
+            "kind": kind,
+            "source": source.path.name,
+            "options": dict(options),
+            "versions": self._versions("compile"),
+        }
+
+        def build(tmp: Path) -> dict:
+            with self.progress(f"compiling {self.stage} for {self.backend} ({kind})"):
+                result = self.registry.hook.compile(
+                    backend=self.backend, stage=self.stage, model=self.model, source=source,
+                    options=dict(options), out_dir=tmp,
+                )
+            if result is None:
+                raise BackendError(f"backend '{self.backend}' cannot compile stage '{self.stage}'")
+            return result
+
+        return self.store.get_or_build(key, build, rebuild=self.rebuild)
+
+
+def export_artifact(registry, store, model, form: ExportForm, progress: Progress = no_progress, rebuild=False):
+    versions = {p.name: p.version for p in registry.plugins.values() if "export" in p.hooks}
+    key = {
+        "stage": form.stage,
+        "backend": "onnx",
+        "kind": form.label(),
+        "weights": model.weights_hash(store),
+        "versions": versions,
+    }
+
+    def build(tmp: Path) -> dict:
+        with progress(f"exporting {form.stage} ({form.label()}) to ONNX"):
+            result = registry.hook.export(model=model, stage=form.stage, form=form, out_dir=tmp)
+        if result is None:
+            raise BackendError(
+                f"no installed plugin can export '{form.label()}' for stage '{form.stage}';"
+                " install vlmrun-ort-reference (it exports every stage)"
+            )
+        return result
+
+    return store.get_or_build(key, build, rebuild=rebuild)
+
+
+@attrs.frozen
+class GenerationSettings:
+    max_new_tokens: int = 64
+    sampling: SamplingSettings = SamplingSettings()
+    ignore_eos: bool = False
+    system: str | None = None
+
+
+@attrs.define
+class Prepared:
+    """The host-side inputs of one request."""
+
+    pixel_values: np.ndarray  # [1, 3, S, S] float32
+    input_ids: np.ndarray  # [1, T] int64, placeholder expanded
+    image_start: int
+    prompt_text: str
+
+
+class Generation:
+    """An iterator of text pieces; after it is exhausted, ``token_ids``, ``text`` and ``timings`` are final."""
+
+    def __init__(self, pipeline: "Pipeline", prepared: Prepared, settings: GenerationSettings):
+        self.pipeline = pipeline
+        self.prepared = prepared
+        self.settings = settings
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.timings: dict[str, float] = {}
+        self.stopped_by = ""
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._iter
+
+    def __next__(self) -> str:
+        return next(self._iter)
+
+    def run(self) -> "Generation":
+        """Consume the whole generation (no streaming)."""
+        for _ in self._iter:
+            pass
+        return self
+
+    def _run(self) -> Iterator[str]:
+        pipe, s = self.pipeline, self.settings
+        inputs_embeds = pipe.embed_prompt(self.prepared, self.timings)
+        prompt_len = inputs_embeds.shape[1]
+        ctx_len = pipe.context_length
+        budget = min(s.max_new_tokens, ctx_len - prompt_len)
+        stops = frozenset() if s.ignore_eos else pipe.model.stop_ids
+        request = DecodeRequest(
+            inputs_embeds=inputs_embeds,
+            max_new_tokens=budget,
+            sampler=Sampler(s.sampling),
+            stop_ids=stops,
+            embed_tokens=pipe.embed_tokens,
+            context_length=ctx_len,
+        )
+        self.timings["prompt_tokens"] = prompt_len
+        backend = pipe.layout.backend("decoder")
+        t0 = time.perf_counter()
+        tokens = pipe.registry.hook.decode(backend=backend, handle=pipe.handles["decoder"], request=request)
+        if tokens is None:
+            raise BackendError(f"backend '{backend}' does not implement decode")
+        t_first = t_last = None
+        tok = pipe.model.tokenizer
+        for tid in tokens:
+            t_last = time.perf_counter()
+            if t_first is None:
+                t_first = t_last
+            self.token_ids.append(int(tid))
+            if int(tid) in stops:
+                self.stopped_by = "eos"
+                break
+            text = tok.decode(self.token_ids, skip_special_tokens=True)
+            if not text.endswith("\ufffd") and len(text) > len(self.text) and text.startswith(self.text):
+                piece, self.text = text[len(self.text) :], text
+                yield piece
+            if len(self.token_ids) >= budget:
+                break
+        self.stopped_by = self.stopped_by or ("context" if budget < s.max_new_tokens else "max_new_tokens")
+        self.text = tok.decode(self.token_ids, skip_special_tokens=True)
+        n = len(self.token_ids)
+        self.timings["new_tokens"] = n
+        if t_first is not None:
+            self.timings["ttft_ms"] = (t_first - t0) * 1e3
+            self.timings["decode_ms"] = (t_last - t_first) * 1e3
+            if n > 1 and t_last > t_first:
+                self.timings["tokens_per_s"] = (n - 1) / (t_last - t_first)
+
+
+class Pipeline:
+    """FastVLM on a layout: one loaded stage per backend. Build with :meth:`build`."""
+
+    def __init__(self, model, layout, registry, store, handles, progress: Progress = no_progress):
+        self.model: FastVLMModel = model
+        self.layout: layouts_mod.Layout = layout
+        self.registry: plugins_mod.Registry = registry
+        self.store: ArtifactStore = store
+        self.handles: dict[str, object] = handles
+        self.progress = progress
+        self._lut: np.ndarray | None = None
+
+    @classmethod
+    def build(
+        cls,
+        model: str | os.PathLike | FastVLMModel | None = None,
+        layout: str | layouts_mod.Layout | None = "reference",
+        *,
+        overrides: Mapping[str, str | None] | None = None,
+        layout_file: str | os.PathLike | None = None,
+        store: ArtifactStore | str | os.PathLike | None = None,
+        registry: plugins_mod.Registry | None = None,
+        rebuild: bool = False,
+        image_size: int = 1024,
+        stages: tuple[str, ...] = STAGES,
+        progress: Progress = no_progress,
+    ) -> "Pipeline":
+        """Resolve and check the layout, open the model (the tiny default if ``None``), load every stage.
+
+        The layout is validated against the installed plugins before anything is exported or loaded.
+        """
+        registry = registry or plugins_mod.load()
+        if not isinstance(layout, layouts_mod.Layout):
+            layout = layouts_mod.resolve(layout, layout_file, overrides)
+        for stage in stages:
+            registry.require_stage(layout.backend(stage), stage)
+        if not isinstance(store, ArtifactStore):
+            store = ArtifactStore(store)
+        store.clean_stale()
+        if isinstance(model, FastVLMModel):
+            fvlm = model
+        elif model is None:
+            fvlm = default_model(store, image_size, progress)
+        else:
+            fvlm = FastVLMModel.open(model, store)
+        pipe = cls(fvlm, layout, registry, store, {}, progress)
+        for stage in stages:
+            pipe.handles[stage] = pipe._load(stage, rebuild)
+        return pipe
+
+    def _load(self, stage: str, rebuild: bool) -> object:
+        assignment = self.layout.stages[stage]
+        ctx = StageContext(
+            assignment.backend, stage, self.model, dict(assignment.options), self.store, self.registry,
+            rebuild, self.progress,
+        )
+        handle = self.registry.hook.load_stage(backend=assignment.backend, stage=stage, ctx=ctx)
+        if handle is None:
+            raise BackendError(f"backend '{assignment.backend}' did not load stage '{stage}'")
+        return handle
+
+    # -- properties ----------------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        opts = self.layout.stages["decoder"].options
+        return int(opts.get("context_length") or self.model.max_context)
+
+    # -- single stages -------------------------------------------------------------------------------
+    def run_stage(self, stage: str, inputs: Mapping[str, np.ndarray], producer: str = "the caller") -> dict:
+        """Run one stage on its backend; inputs and outputs are checked against the stage contract."""
+        backend = self.layout.backend(stage)
+        contract, dims = CONTRACTS[stage], self.model.dims()
+        checked = {}
+        for spec in contract.inputs:
+            if spec.name not in inputs:
+                raise InputError(f"stage '{stage}' needs input '{spec.name}'")
+            checked[spec.name] = check_tensor(inputs[spec.name], spec, dims, producer, f"{backend} ({stage})")
+        out = self.registry.hook.run_stage(backend=backend, stage=stage, handle=self.handles[stage], inputs=checked)
+        if out is None:
+            raise BackendError(f"backend '{backend}' does not implement run_stage for '{stage}'")
+        result = {}
+        for spec in contract.outputs:
+            if spec.name not in out:
+                raise BackendError(f"backend '{backend}' returned no '{spec.name}' from stage '{stage}'")
+            result[spec.name] = check_tensor(out[spec.name], spec, dims, f"{backend} ({stage})", "the next stage")
+        return result
+
+    def prepare(self, image, prompt: str, system: str | None = None) -> Prepared:
+        """Image path or PIL image + question -> pixel_values and token ids (placeholder expanded)."""
+        if isinstance(image, (str, os.PathLike)):
+            image = load_image(image)
+        pixel_values = preprocess_image(image, self.model.image_processor_config)
+        text = render_prompt(self.model.chat_template, prompt, system)
+        ids, start = tokenize_prompt(
+            self.model.tokenizer, text, self.model.image_token_id, self.model.image_tokens
+        )
+        if ids.shape[1] >= self.context_length:
+            raise InputError(
+                f"the prompt is {ids.shape[1]} tokens ({self.model.image_tokens} of them image) but the context"
+                f" holds {self.context_length}; shorten the prompt or raise the decoder's context_length"
+            )
+        return Prepared(pixel_values, ids, start, text)
+
+    def embed_prompt(self, prepared: Prepared, timings: dict | None = None) -> np.ndarray:
+        """vision -> projector, embed, splice: the decoder's ``inputs_embeds`` [1, T, H]."""
+        timings = timings if timings is not None else {}
+        t = time.perf_counter()
+        feats = self.run_stage("vision", {"pixel_values": prepared.pixel_values})["image_features"]
+        timings["vision_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        img = self.run_stage("projector", {"image_features": feats}, self.layout.backend("vision"))["image_embeds"]
+        timings["projector_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        txt = self.run_stage("embed", {"input_ids": prepared.input_ids})["inputs_embeds"]
+        timings["embed_ms"] = (time.perf_counter() - t) * 1e3
+        return splice(txt, img, prepared.image_start)
+
+    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Embeddings of generated tokens from the exported float32 LUT: int [n] -> float32 [1, n, H]."""
+        if self._lut is None:
+            art = export_artifact(self.registry, self.store, self.model, ExportForm.of("embed", "embed/lut"))
+            self._lut = np.load(art.file("embed_lut_f32.npy"), mmap_mode="r")
+        return np.asarray(self._lut[np.asarray(ids, dtype=np.int64).reshape(-1)], dtype=np.float32)[None]
+
+    def generate(self, image, prompt: str, settings: GenerationSettings = GenerationSettings()) -> Generation:
+        """Start a generation; iterate it for streamed text. Inputs are checked before this returns."""
+        if settings.max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        return Generation(self, self.prepare(image, prompt, settings.system), settings)
+
+    def capture(self, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
+                teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
+        """Every stage-boundary tensor of one request, for diffs.
+
+        Generates with ``settings``, then runs the decoder once under teacher forcing over the prompt plus
+        ``teacher_tokens`` (default: its own tokens) to capture per-step ``logits``.
+        """
+        gen = self.generate(image, prompt, settings).run()
+        p = gen.prepared
+        feats = self.run_stage("vision", {"pixel_values": p.pixel_values})["image_features"]
+        img = self.run_stage("projector", {"image_features": feats})["image_embeds"]
+        txt = self.run_stage("embed", {"input_ids": p.input_ids})["inputs_embeds"]
+        embeds = splice(txt, img, p.image_start)
+        forced = list(teacher_tokens if teacher_tokens is not None else gen.token_ids)
+        full = np.concatenate([embeds, self.embed_tokens(np.asarray(forced, dtype=np.int64))], axis=1) if forced else embeds
+        logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"]
+        return {
+            "pixel_values": p.pixel_values,
+            "input_ids": p.input_ids,
+            "image_features": feats,
+            "image_embeds": img,
+            "text_embeds": txt,
+            "inputs_embeds": embeds,
+            "logits": logits[:, embeds.shape[1] - 1 :, :],
+            "tokens": np.asarray(gen.token_ids, dtype=np.int64),
+        }

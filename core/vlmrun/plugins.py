@@ -1,0 +1,140 @@
+"""Loading plugins: entry points of group ``vlmrun``, built-ins loaded the same way.
+
+``VLMRUN_PLUGINS`` (comma-separated names) restricts which entry points are loaded; unset means all.
+A plugin that raises on import is recorded in :attr:`Registry.failures` and skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from typing import Iterable
+
+import attrs
+import pluggy
+
+from . import hookspecs
+from .errors import UsageError
+
+ENTRY_POINT_GROUP = "vlmrun"
+ENV_PLUGINS = "VLMRUN_PLUGINS"
+
+
+@attrs.frozen
+class BackendInfo:
+    """What a plugin says about one backend it provides (returned by the ``describe`` hook)."""
+
+    name: str
+    stages: tuple[str, ...]
+    summary: str = ""
+
+
+@attrs.frozen
+class Check:
+    """One line of ``vlmrun doctor``."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@attrs.frozen
+class PluginRecord:
+    name: str
+    version: str
+    module: str
+    backends: tuple[BackendInfo, ...]
+    hooks: tuple[str, ...]
+
+
+def mine(backend: str, name: str) -> bool:
+    """True when a hook call for ``backend`` is meant for the plugin providing ``name``."""
+    return backend == name
+
+
+@attrs.define
+class Registry:
+    """The loaded plugins: a pluggy manager plus what each plugin said about itself."""
+
+    pm: pluggy.PluginManager
+    plugins: dict[str, PluginRecord] = attrs.field(factory=dict)
+    failures: dict[str, str] = attrs.field(factory=dict)
+
+    @property
+    def hook(self):
+        return self.pm.hook
+
+    def backends(self) -> dict[str, BackendInfo]:
+        return {b.name: b for p in self.plugins.values() for b in p.backends}
+
+    def backend(self, name: str) -> BackendInfo:
+        """The backend called ``name``, or a UsageError that lists what is installed."""
+        backends = self.backends()
+        if name in backends:
+            return backends[name]
+        if name in self.failures:
+            raise UsageError(f"plugin '{name}' is installed but failed to load: {self.failures[name]}")
+        raise UsageError(f"unknown backend plugin '{name}'; installed: {self.describe_installed()}")
+
+    def require_stage(self, name: str, stage: str) -> None:
+        info = self.backend(name)
+        if stage not in info.stages:
+            raise UsageError(
+                f"backend '{name}' does not support stage '{stage}' (it supports: {', '.join(info.stages)});"
+                f" installed: {self.describe_installed()}"
+            )
+
+    def describe_installed(self) -> str:
+        backends = self.backends()
+        if not backends:
+            return f"none (install a plugin such as vlmrun-ort-reference, or check {ENV_PLUGINS})"
+        return "; ".join(f"{b.name} ({', '.join(b.stages)})" for b in backends.values())
+
+
+def _allowed(env: str | None) -> set[str] | None:
+    if env is None:
+        return None
+    return {n.strip() for n in env.split(",") if n.strip()}
+
+
+def _version_of(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.version if dist is not None else "?"
+
+
+def load(extra: Iterable[object] = (), only: str | None = None) -> Registry:
+    """Build a registry from installed entry points (plus ``extra`` plugin objects, for embedding).
+
+    :param only: comma-separated plugin names to load; defaults to ``$VLMRUN_PLUGINS`` (all when unset).
+    """
+    pm = pluggy.PluginManager("vlmrun")
+    pm.add_hookspecs(hookspecs)
+    registry = Registry(pm)
+    allowed = _allowed(only if only is not None else os.environ.get(ENV_PLUGINS))
+    seen: set[str] = set()
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in seen or (allowed is not None and ep.name not in allowed):
+            continue
+        seen.add(ep.name)
+        try:
+            module = ep.load()
+            _register(registry, module, ep.name, _version_of(ep))
+        except Exception as exc:  # a broken plugin must not break the others
+            registry.failures[ep.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    for plugin in extra:
+        _register(registry, plugin, getattr(plugin, "__name__", type(plugin).__name__), "?")
+    return registry
+
+
+def _register(registry: Registry, plugin: object, name: str, version: str) -> None:
+    pm = registry.pm
+    pm.register(plugin, name=name)
+    impl = getattr(plugin, "describe", None)
+    try:
+        result = impl() if impl is not None else None
+    except Exception as exc:
+        pm.unregister(plugin)
+        raise RuntimeError(f"describe() failed: {exc}") from exc
+    infos = tuple(result if isinstance(result, (list, tuple)) else ([result] if result else []))
+    hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or []))
+    registry.plugins[name] = PluginRecord(name, version, getattr(plugin, "__name__", name), infos, hooks)

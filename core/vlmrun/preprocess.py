@@ -1,0 +1,127 @@
+"""Inputs exactly as the real model prepares them, without torch.
+
+Image: pad to square with the processor's mean colour (black for FastVLM, as Apple's ``image_aspect_ratio:
+pad``), then the checkpoint's CLIP image processor (resize shortest edge, bicubic; centre crop; x/255;
+normalise). Prompt: the tokenizer's own chat template, tokenized with the checkpoint's tokenizer.json; the
+``<image>`` placeholder is expanded to one position per image token, where the image embeddings are spliced.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+
+IMAGE_PLACEHOLDER = "<image>"
+DEFAULT_SYSTEM = None  # the template's own default system message
+
+
+def load_image(path: str | os.PathLike):
+    """Open an image file as RGB, with one clear error for missing, unreadable, non-image or truncated files."""
+    from PIL import Image, UnidentifiedImageError
+
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"image not found: {p}")
+    if p.is_dir():
+        raise InputError(f"image path is a directory, not a file: {p}")
+    try:
+        with Image.open(p) as im:
+            im.load()
+            return im.convert("RGB")
+    except UnidentifiedImageError:
+        raise InputError(f"{p} is not an image file Pillow can read (give a JPEG, PNG, ...)") from None
+    except PermissionError:
+        raise InputError(f"cannot read image {p}: permission denied") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise InputError(f"image {p} is truncated or corrupt ({exc}); re-export or re-download it") from None
+
+
+def pad_to_square(image, fill: tuple[int, int, int]):
+    from PIL import Image
+
+    w, h = image.size
+    if w == h:
+        return image
+    side = max(w, h)
+    out = Image.new("RGB", (side, side), fill)
+    out.paste(image, ((side - w) // 2, (side - h) // 2))
+    return out
+
+
+def preprocess_image(image, processor_config: dict) -> np.ndarray:
+    """PIL image -> ``pixel_values`` float32 [1, 3, S, S] per a CLIPImageProcessor config."""
+    from PIL import Image
+
+    cfg = processor_config
+    mean = np.asarray(cfg.get("image_mean", [0.0, 0.0, 0.0]), dtype=np.float32)
+    std = np.asarray(cfg.get("image_std", [1.0, 1.0, 1.0]), dtype=np.float32)
+    image = pad_to_square(image.convert("RGB"), tuple(int(m * 255) for m in mean))
+    size = cfg.get("size", {})
+    if cfg.get("do_resize", True):
+        short = size.get("shortest_edge") if isinstance(size, dict) else size
+        w, h = image.size
+        if short:
+            if w <= h:
+                new = (int(short), int(short * h / w))
+            else:
+                new = (int(short * w / h), int(short))
+        else:
+            new = (int(size["width"]), int(size["height"]))
+        resample = Image.Resampling(int(cfg.get("resample", 3)))
+        if new != image.size:
+            image = image.resize(new, resample=resample)
+    if cfg.get("do_center_crop", True):
+        crop = cfg.get("crop_size", {})
+        ch, cw = (crop["height"], crop["width"]) if isinstance(crop, dict) else (crop, crop)
+        w, h = image.size
+        top, left = (h - ch) // 2, (w - cw) // 2
+        image = image.crop((left, top, left + cw, top + ch))
+    x = np.asarray(image, dtype=np.float32)
+    if cfg.get("do_rescale", True):
+        x = x * np.float32(cfg.get("rescale_factor", 1 / 255))
+    if cfg.get("do_normalize", True):
+        x = (x - mean) / std
+    return np.ascontiguousarray(x.transpose(2, 0, 1)[None], dtype=np.float32)
+
+
+def render_prompt(chat_template: str, question: str, system: str | None = None) -> str:
+    """The chat template applied to one user turn with the image first, plus the generation prompt."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise InputError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    messages = []
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+    text = env.from_string(chat_template).render(messages=messages, add_generation_prompt=True)
+    if IMAGE_PLACEHOLDER not in text:
+        raise InputError("the model's chat template did not place an <image> placeholder; cannot splice the image")
+    return text
+
+
+def tokenize_prompt(tokenizer, text: str, image_token_id: int, image_tokens: int) -> tuple[np.ndarray, int]:
+    """Token ids [1, T] int64 with the placeholder expanded to ``image_tokens`` copies, and where it starts."""
+    before, _, after = text.partition(IMAGE_PLACEHOLDER)
+    if IMAGE_PLACEHOLDER in after:
+        raise InputError("the prompt holds more than one <image> placeholder; vlmrun takes one image")
+    head = tokenizer.encode(before, add_special_tokens=False).ids
+    tail = tokenizer.encode(after, add_special_tokens=False).ids
+    ids = head + [image_token_id] * image_tokens + tail
+    return np.asarray([ids], dtype=np.int64), len(head)
+
+
+def splice(text_embeds: np.ndarray, image_embeds: np.ndarray, image_start: int) -> np.ndarray:
+    """Put the image embeddings where the placeholder positions are: [1, T, H]."""
+    out = text_embeds.copy()
+    n = image_embeds.shape[1]
+    out[:, image_start : image_start + n, :] = image_embeds
+    return out

@@ -1,0 +1,138 @@
+"""The four FastVLM stages and the tensor contracts checked at every hand-off.
+
+::
+
+    pixel_values --[vision]--> image_features --[projector]--> image_embeds ---+
+    input_ids ----[embed]----> inputs_embeds (text) ---------------- splice ---+--> [decoder] --> tokens
+
+Shapes are written with symbolic dims filled from the model (:meth:`vlmrun.model.FastVLMModel.dims`):
+``S`` image size, ``N`` image tokens, ``F`` vision feature width, ``H`` LLM hidden size, ``V`` vocab rows,
+``T`` a sequence length (free).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import attrs
+import numpy as np
+
+from .errors import ContractError
+
+STAGES = ("vision", "projector", "embed", "decoder")
+
+
+@attrs.frozen
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[object, ...]  # ints or symbolic dim names
+
+    def concrete(self, dims: Mapping[str, int]) -> tuple[object, ...]:
+        return tuple(dims.get(d, d) if isinstance(d, str) else d for d in self.shape)
+
+
+@attrs.frozen
+class StageContract:
+    stage: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+CONTRACTS: dict[str, StageContract] = {
+    "vision": StageContract(
+        "vision",
+        (TensorSpec("pixel_values", "float32", (1, 3, "S", "S")),),
+        (TensorSpec("image_features", "float32", (1, "N", "F")),),
+    ),
+    "projector": StageContract(
+        "projector",
+        (TensorSpec("image_features", "float32", (1, "N", "F")),),
+        (TensorSpec("image_embeds", "float32", (1, "N", "H")),),
+    ),
+    "embed": StageContract(
+        "embed",
+        (TensorSpec("input_ids", "int64", (1, "T")),),
+        (TensorSpec("inputs_embeds", "float32", (1, "T", "H")),),
+    ),
+    "decoder": StageContract(
+        "decoder",
+        (TensorSpec("inputs_embeds", "float32", (1, "T", "H")),),
+        (TensorSpec("logits", "float32", (1, "T", "V")),),
+    ),
+}
+
+
+@attrs.frozen
+class QuantizedTensor:
+    """A quantized tensor as a backend produced it: ``float = (q + offset) * scale`` (QNN's convention)."""
+
+    data: np.ndarray
+    scale: float
+    offset: int
+
+    def dequantize(self) -> np.ndarray:
+        return ((self.data.astype(np.float32) + np.float32(self.offset)) * np.float32(self.scale)).astype(np.float32)
+
+
+def check_tensor(
+    value: object, spec: TensorSpec, dims: Mapping[str, int], producer: str, consumer: str
+) -> np.ndarray:
+    """Check one tensor at a hand-off and return it as a plain float/int ndarray.
+
+    Quantized tensors are dequantized here, never passed on silently. A mismatch raises a ContractError
+    naming the tensor and both sides.
+    """
+    if isinstance(value, QuantizedTensor):
+        value = value.dequantize()
+    if not isinstance(value, np.ndarray):
+        raise ContractError(
+            f"{producer} produced {type(value).__name__} for '{spec.name}', {consumer} expects a numpy array"
+        )
+    want = spec.concrete(dims)
+    ok_shape = len(value.shape) == len(want) and all(
+        isinstance(w, str) or w == got for w, got in zip(want, value.shape)
+    )
+    if not ok_shape or value.dtype != np.dtype(spec.dtype):
+        shown = tuple(w for w in want)
+        raise ContractError(
+            f"tensor '{spec.name}' from {producer} is {value.dtype}{list(value.shape)} but {consumer}"
+            f" expects {spec.dtype}{list(shown)}"
+        )
+    return value
+
+
+@attrs.frozen
+class ExportForm:
+    """What kind of ONNX graph a backend wants for a stage.
+
+    ``kind`` names the form (``vision``, ``projector``, ``embed``, ``embed/lut``, ``decoder/kv``,
+    ``decoder/fixed``); ``params`` are sorted ``(key, value)`` pairs (e.g. ``ar``, ``ctx``, ``seq``).
+    """
+
+    stage: str
+    kind: str
+    params: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, stage: str, kind: str | None = None, **params: object) -> "ExportForm":
+        return cls(stage, kind or stage, tuple(sorted(params.items())))
+
+    def get(self, key: str, default: object = None) -> object:
+        return dict(self.params).get(key, default)
+
+    def label(self) -> str:
+        extra = ",".join(f"{k}={v}" for k, v in self.params)
+        return self.kind + (f"[{extra}]" if extra else "")
+
+
+@attrs.define
+class DecodeRequest:
+    """Everything a ``decode`` hook needs to generate tokens."""
+
+    inputs_embeds: np.ndarray  # [1, T, H] float32, image embeddings spliced in
+    max_new_tokens: int
+    sampler: object  # vlmrun.sampling.Sampler
+    stop_ids: frozenset[int]
+    embed_tokens: Callable[[np.ndarray], np.ndarray]  # int64 [n] -> float32 [1, n, H]
+    context_length: int

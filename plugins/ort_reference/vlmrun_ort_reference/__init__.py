@@ -1,0 +1,132 @@
+"""vlmrun plugin ``ort_reference``: every FastVLM stage on ONNX Runtime (CPU), the reference layout.
+
+It also provides the ``export`` hook (torch -> ONNX, see :mod:`vlmrun_ort_reference.export`) that every
+other backend builds on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vlmrun import hookimpl
+from vlmrun.plugins import BackendInfo, Check, mine
+from vlmrun.stages import STAGES, ExportForm
+
+NAME = "ort_reference"
+__version__ = "0.1.0"
+
+# Which graph each stage runs here.
+FORMS = {
+    "vision": ExportForm.of("vision"),
+    "projector": ExportForm.of("projector"),
+    "embed": ExportForm.of("embed"),
+    "decoder": ExportForm.of("decoder", "decoder/kv"),
+}
+
+
+@hookimpl
+def describe():
+    return BackendInfo(NAME, STAGES, "ONNX Runtime on the CPU: the reference every device is compared with")
+
+
+@hookimpl
+def doctor():
+    import onnxruntime as ort
+
+    checks = [Check("onnxruntime", True, ort.__version__)]
+    try:
+        import torch
+
+        checks.append(Check("torch (export)", True, torch.__version__))
+    except ImportError:
+        checks.append(Check("torch (export)", False, "not installed: export unavailable"))
+    return checks
+
+
+@hookimpl
+def export(model, stage, form, out_dir):
+    from .export import export_stage
+
+    return export_stage(model, form, out_dir)
+
+
+class Session:
+    """An onnxruntime session with its input/output names."""
+
+    def __init__(self, path):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.inputs = [i.name for i in self.sess.get_inputs()]
+        self.outputs = [o.name for o in self.sess.get_outputs()]
+
+    def run(self, feeds: dict) -> dict:
+        return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
+
+
+class KVDecoder:
+    """The growing-KV decoder graph and the loop around it."""
+
+    def __init__(self, path, model):
+        self.session = Session(path)
+        self.layers, self.kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
+        self.past_names = [n for n in self.session.inputs if n.startswith("past_")]
+        self.present_names = [n for n in self.session.outputs if n.startswith("present_")]
+
+    def empty_past(self) -> dict:
+        z = np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32)
+        return dict.fromkeys(self.past_names, z)
+
+    def forward(self, embeds: np.ndarray, past: dict, past_len: int):
+        t = embeds.shape[1]
+        feeds = {
+            "inputs_embeds": embeds,
+            "attention_mask": np.ones((1, past_len + t), dtype=np.int64),
+            "position_ids": np.arange(past_len, past_len + t, dtype=np.int64)[None],
+            **past,
+        }
+        outs = self.session.sess.run(None, feeds)
+        logits = outs[0]
+        new_past = dict(zip(self.past_names, outs[1:]))
+        return logits, new_past
+
+    def generate(self, request):
+        embeds = request.inputs_embeds
+        logits, past = self.forward(embeds, self.empty_past(), 0)
+        n_past = embeds.shape[1]
+        for i in range(request.max_new_tokens):
+            tok = request.sampler(logits[0, -1])
+            yield tok
+            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or n_past >= request.context_length:
+                return
+            logits, past = self.forward(request.embed_tokens(np.array([tok])), past, n_past)
+            n_past += 1
+
+
+@hookimpl
+def load_stage(backend, stage, ctx):
+    if not mine(backend, NAME):
+        return None
+    art = ctx.exported(FORMS[stage])
+    if stage == "decoder":
+        return KVDecoder(art.file(), ctx.model)
+    return Session(art.file())
+
+
+@hookimpl
+def run_stage(backend, stage, handle, inputs):
+    if not mine(backend, NAME):
+        return None
+    if stage == "decoder":
+        logits, _ = handle.forward(inputs["inputs_embeds"], handle.empty_past(), 0)
+        return {"logits": logits}
+    return handle.run(dict(inputs))
+
+
+@hookimpl
+def decode(backend, handle, request):
+    if not mine(backend, NAME):
+        return None
+    return handle.generate(request)

@@ -1,0 +1,249 @@
+"""torch -> ONNX export of FastVLM stages (legacy TorchScript exporter, opset 17).
+
+Graph forms (``ExportForm.kind``):
+
+``vision``        pixel_values [1,3,S,S] -> image_features [1,N,F]
+``projector``     image_features [1,N,F] -> image_embeds [1,N,H]
+``embed``         input_ids int64 [1,T] -> inputs_embeds [1,T,H]   (``seq`` param: static T for NPUs)
+``embed/lut``     no graph: the token-embedding table as float32 [V,H] and int8 [V,H] with a scale
+``decoder/kv``    growing KV cache (ONNX Runtime): inputs_embeds [1,T,H], attention_mask int64 [1,P+T],
+                  position_ids int64 [1,T], past_key_i/past_value_i [1,KV,P,D]
+                  -> logits [1,T,V], present_key_i/present_value_i [1,KV,P+T,D]
+``decoder/fixed`` fixed KV for NPUs, params ``ar`` (N) and ``ctx`` (C): inputs_embeds [1,N,H], attention_mask
+                  float32 additive [1,1,N,C] (0 or -65504), position_ids int32 [1,N], past_key_i/past_value_i
+                  [1,KV,C-N,D] -> logits [1,N,V], new_key_i/new_value_i [1,KV,N,D]
+
+The decoder is written out explicitly over the checkpoint's own Qwen2 modules (same weights, same math as
+transformers' eager attention) with a precomputed rotary cos/sin table looked up by position, which keeps the
+graph free of dynamic ``Range``-based rope and makes the fixed-KV form static.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+OPSET = 17
+EXTERNAL_DATA_THRESHOLD = 512 * 1024 * 1024  # bytes of ONNX above which weights go to a .data file
+MASK_MIN = -65504.0  # the fixed-KV mask value (fp16-representable, as NPUs want)
+
+
+def _torch():
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError as exc:
+        from vlmrun.errors import BackendError
+
+        raise BackendError(f"ONNX export needs torch ({exc}); pip install 'vlmrun-ort-reference[export]'") from None
+    return torch, F
+
+
+def build_wrapper(model, form):
+    """The torch module, example inputs, names and dynamic axes for ``form``."""
+    torch, F = _torch()
+    nn = torch.nn
+    fvlm = model.load_torch()
+    inner = fvlm.model
+    S, H = model.image_size, model.hidden_size
+
+    if form.kind == "vision":
+
+        class Vision(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.tower = inner.vision_tower
+
+            def forward(self, pixel_values):
+                out = self.tower(pixel_values, return_dict=True).last_hidden_state
+                return out.flatten(2).transpose(1, 2)
+
+        return Vision(), (torch.zeros(1, 3, S, S),), ["pixel_values"], ["image_features"], None
+
+    if form.kind == "projector":
+
+        class Projector(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = inner.multi_modal_projector
+
+            def forward(self, image_features):
+                return self.proj(image_features)
+
+        ex = (torch.zeros(1, model.image_tokens, model.feature_dim),)
+        return Projector(), ex, ["image_features"], ["image_embeds"], None
+
+    if form.kind == "embed":
+        seq = form.get("seq")
+
+        class Embed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = inner.language_model.embed_tokens.weight
+
+            def forward(self, input_ids):
+                return F.embedding(input_ids, self.weight)
+
+        ex = (torch.zeros(1, int(seq or 7), dtype=torch.int64),)
+        axes = None if seq else {"input_ids": {1: "seq"}, "inputs_embeds": {1: "seq"}}
+        return Embed(), ex, ["input_ids"], ["inputs_embeds"], axes
+
+    if form.kind in ("decoder/kv", "decoder/fixed"):
+        return _decoder_wrapper(model, fvlm, form)
+
+    return None
+
+
+def _decoder_wrapper(model, fvlm, form):
+    torch, F = _torch()
+    nn = torch.nn
+    lm = fvlm.model.language_model
+    L, KV, D, H = model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size
+    nh = model.num_heads
+    fixed = form.kind == "decoder/fixed"
+    ctx = int(form.get("ctx") or 0)
+    ar = int(form.get("ar") or 1)
+    table_len = ctx if fixed else model.max_context
+    with torch.no_grad():
+        pos = torch.arange(table_len)[None]
+        cos, sin = lm.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+    cos_table, sin_table = cos[0].float().contiguous(), sin[0].float().contiguous()
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+            self.lm_head = fvlm.lm_head
+            self.register_buffer("cos_table", cos_table, persistent=False)
+            self.register_buffer("sin_table", sin_table, persistent=False)
+
+        def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+            T = inputs_embeds.shape[1]
+            cos = F.embedding(position_ids, self.cos_table)[:, None]  # [1,1,T,D]
+            sin = F.embedding(position_ids, self.sin_table)[:, None]
+            if fixed:
+                mask = attention_mask  # additive [1,1,N,C]
+            else:
+                P = past[0].shape[2]
+                q_pos = torch.arange(T, device=inputs_embeds.device) + P
+                k_pos = torch.arange(P + T, device=inputs_embeds.device)
+                allowed = (k_pos[None, :] <= q_pos[:, None]) & (attention_mask[0][None, :] > 0)
+                mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+            h = inputs_embeds
+            outs = []
+            for i, layer in enumerate(self.lm.layers):
+                attn = layer.self_attn
+                x = layer.input_layernorm(h)
+                q = attn.q_proj(x).view(1, T, nh, D).transpose(1, 2)
+                k = attn.k_proj(x).view(1, T, KV, D).transpose(1, 2)
+                v = attn.v_proj(x).view(1, T, KV, D).transpose(1, 2)
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
+                k_all = torch.cat([past[2 * i], k], dim=2)
+                v_all = torch.cat([past[2 * i + 1], v], dim=2)
+                rep = nh // KV
+                k_rep = k_all.repeat_interleave(rep, dim=1) if rep > 1 else k_all
+                v_rep = v_all.repeat_interleave(rep, dim=1) if rep > 1 else v_all
+                scores = torch.matmul(q, k_rep.transpose(2, 3)) * attn.scaling + mask
+                probs = torch.softmax(scores.float(), dim=-1)
+                o = torch.matmul(probs, v_rep).transpose(1, 2).reshape(1, T, nh * D)
+                h = h + attn.o_proj(o)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if fixed:
+                    outs += [k, v]
+                else:
+                    outs += [k_all, v_all]
+            logits = self.lm_head(self.lm.norm(h))
+            return (logits, *outs)
+
+    kv_in = [n for i in range(L) for n in (f"past_key_{i}", f"past_value_{i}")]
+    prefix = "new" if fixed else "present"
+    kv_out = [n for i in range(L) for n in (f"{prefix}_key_{i}", f"{prefix}_value_{i}")]
+    if fixed:
+        past_len = ctx - ar
+        ex = (
+            torch.zeros(1, ar, H),
+            torch.zeros(1, 1, ar, ctx),
+            torch.zeros(1, ar, dtype=torch.int32),
+            *[torch.zeros(1, KV, past_len, D) for _ in kv_in],
+        )
+        axes = None
+    else:
+        seq, past_len = 5, 3
+        ex = (
+            torch.zeros(1, seq, H),
+            torch.ones(1, past_len + seq, dtype=torch.int64),
+            torch.arange(past_len, past_len + seq)[None],
+            *[torch.zeros(1, KV, past_len, D) for _ in kv_in],
+        )
+        axes = {"inputs_embeds": {1: "seq"}, "attention_mask": {1: "total"}, "position_ids": {1: "seq"},
+                "logits": {1: "seq"}}
+        axes.update({n: {2: "past"} for n in kv_in})
+        axes.update({n: {2: "total"} for n in kv_out})
+    names_in = ["inputs_embeds", "attention_mask", "position_ids", *kv_in]
+    return Decoder(), ex, names_in, ["logits", *kv_out], axes
+
+
+def export_stage(model, form, out_dir: Path) -> dict | None:
+    """Write ``form`` of ``model`` into ``out_dir``; return the manifest fields (see module docstring)."""
+    if form.kind == "embed/lut":
+        return export_lut(model, out_dir)
+    torch, _ = _torch()
+    built = build_wrapper(model, form)
+    if built is None:
+        return None
+    module, example, names_in, names_out, axes = built
+    module.eval()  # a fresh wrapper is in train mode; the exporter would restore that flag tree-wide
+    path = out_dir / f"{form.stage}.onnx"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notices
+        torch.onnx.export(
+            module, example, str(path), input_names=names_in, output_names=names_out,
+            dynamic_axes=axes, opset_version=OPSET, dynamo=False, do_constant_folding=True,
+        )
+    files = [path.name]
+    if path.stat().st_size > EXTERNAL_DATA_THRESHOLD:
+        import onnx
+
+        proto = onnx.load(str(path))
+        data = path.name + ".data"
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+        files.append(data)
+    return {
+        "files": files,
+        "form": form.label(),
+        "inputs": names_in,
+        "outputs": names_out,
+        "opset": OPSET,
+        "torch": torch.__version__,
+    }
+
+
+def export_lut(model, out_dir: Path) -> dict:
+    """Token-embedding table: float32 [V,H] and symmetric int8 with scale = max|x| / 127."""
+    from safetensors import safe_open
+
+    table = None
+    for f in sorted(model.path.glob("*.safetensors")):
+        with safe_open(str(f), framework="numpy") as st:
+            for key in st.keys():
+                if key.endswith("language_model.embed_tokens.weight"):
+                    table = st.get_tensor(key)
+    if table is None:  # e.g. bf16 weights numpy cannot read: go through torch
+        torch, _ = _torch()
+        table = model.load_torch().get_input_embeddings().weight.detach().float().numpy()
+    table = np.ascontiguousarray(table, dtype=np.float32)
+    scale = float(np.abs(table).max() / 127.0) or 1.0
+    q = np.clip(np.rint(table / scale), -127, 127).astype(np.int8)
+    np.save(out_dir / "embed_lut_f32.npy", table)
+    np.save(out_dir / "embed_lut_int8.npy", q)
+    meta = {"vocab": table.shape[0], "hidden": table.shape[1], "int8_scale": scale, "int8_offset": 0}
+    (out_dir / "embed_lut.json").write_text(json.dumps(meta))
+    return {"files": ["embed_lut_f32.npy", "embed_lut_int8.npy", "embed_lut.json"], **meta}

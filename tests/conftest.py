@@ -1,0 +1,65 @@
+"""Shared fixtures: one tiny FastVLM (256x256, 16 image tokens) built and exported once per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+IMAGE_SIZE = 256
+VLMRUN = [sys.executable, "-m", "vlmrun.cli"]
+
+
+def run_cli(args, cache_dir, env_extra=None, timeout=600):
+    """Run the vlmrun CLI in a subprocess; returns CompletedProcess (text)."""
+    env = dict(os.environ, VLMRUN_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1")
+    env.update(env_extra or {})
+    return subprocess.run([*VLMRUN, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def cosine(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vlmrun-cache")
+
+
+@pytest.fixture(scope="session")
+def store(cache_dir):
+    from vlmrun.store import ArtifactStore
+
+    return ArtifactStore(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(store):
+    from vlmrun.model import default_model
+
+    return default_model(store, IMAGE_SIZE)
+
+
+@pytest.fixture(scope="session")
+def ref_pipe(tiny_model, store):
+    from vlmrun import Pipeline
+
+    return Pipeline.build(tiny_model, "reference", store=store)
+
+
+@pytest.fixture(scope="session")
+def image_path(tmp_path_factory) -> Path:
+    from vlmrun.demo_image import demo_image
+
+    path = tmp_path_factory.mktemp("images") / "scene.jpg"
+    demo_image().save(path, quality=95)
+    return path
