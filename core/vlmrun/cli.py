@@ -36,6 +36,8 @@ def _pipeline_options(f):
     f = click.option("--rebuild", is_flag=True, help="Export/compile again even if the store has the artifacts.")(f)
     f = click.option("--image-size", type=int, default=1024, show_default=True,
                      help="Image size of the tiny default model (ignored with --model).")(f)
+    f = click.option("--context-length", type=click.IntRange(2), default=None,
+                     help="Decoder context length (prompt + generated tokens). [default: the model's]")(f)
     f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
     return _stage_options(f)
 
@@ -61,6 +63,7 @@ def _build(opts: dict, stages=STAGES):
         opts.get("model_dir"),
         opts.get("layout"),
         overrides=overrides,
+        options={"decoder": {"context_length": opts.get("context_length")}},
         layout_file=opts.get("layout_file"),
         store=opts.get("cache_dir"),
         rebuild=opts.get("rebuild", False),

@@ -56,8 +56,9 @@ def resolve(
     name: str | None = None,
     file: str | Path | None = None,
     overrides: Mapping[str, str | None] | None = None,
+    options: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Layout:
-    """Build a layout from a preset name, an optional TOML file and per-stage backend overrides."""
+    """Build a layout from a preset name, an optional TOML file, per-stage backend overrides and options."""
     table: dict = {}
     if file is not None:
         try:
@@ -82,6 +83,11 @@ def resolve(
             if stage not in STAGES:
                 raise UsageError(f"unknown stage '{stage}'; stages are {list(STAGES)}")
             stages[stage] = StageAssignment(backend, stages[stage].options)
+    for stage, extra in (options or {}).items():
+        if stage not in STAGES:
+            raise UsageError(f"unknown stage '{stage}'; stages are {list(STAGES)}")
+        merged = {**stages[stage].options, **{k: v for k, v in extra.items() if v is not None}}
+        stages[stage] = StageAssignment(stages[stage].backend, merged)
     label = str(table.get("name") or (Path(file).stem if file else base))
     if overrides and any(overrides.values()):
         label += "+overrides"

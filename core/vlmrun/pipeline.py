@@ -184,7 +184,10 @@ class Generation:
             if len(self.token_ids) >= budget:
                 break
         self.stopped_by = self.stopped_by or ("context" if budget < s.max_new_tokens else "max_new_tokens")
-        self.text = tok.decode(self.token_ids, skip_special_tokens=True)
+        final = tok.decode(self.token_ids, skip_special_tokens=True)
+        if final.startswith(self.text) and len(final) > len(self.text):
+            yield final[len(self.text) :]  # what was held back (an incomplete UTF-8 sequence)
+        self.text = final
         n = len(self.token_ids)
         self.timings["new_tokens"] = n
         if t_first is not None:
@@ -213,6 +216,7 @@ class Pipeline:
         layout: str | layouts_mod.Layout | None = "reference",
         *,
         overrides: Mapping[str, str | None] | None = None,
+        options: Mapping[str, Mapping[str, object]] | None = None,
         layout_file: str | os.PathLike | None = None,
         store: ArtifactStore | str | os.PathLike | None = None,
         registry: plugins_mod.Registry | None = None,
@@ -227,7 +231,7 @@ class Pipeline:
         """
         registry = registry or plugins_mod.load()
         if not isinstance(layout, layouts_mod.Layout):
-            layout = layouts_mod.resolve(layout, layout_file, overrides)
+            layout = layouts_mod.resolve(layout, layout_file, overrides, options)
         for stage in stages:
             registry.require_stage(layout.backend(stage), stage)
         if not isinstance(store, ArtifactStore):

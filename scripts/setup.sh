@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up (or update) the project's virtualenv in .venv: vlmrun, every plugin under plugins/, torch for export,
+# pytest. Idempotent and quick when nothing changed. Needs Python 3.11 and network access to PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# onnxruntime-qnn's HTP libraries need libatomic.so.1 (Debian package libatomic1).
+if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libatomic.so.1'; then
+    echo "setup: installing libatomic1 (needed by onnxruntime-qnn)" >&2
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libatomic1 >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || { echo "setup: creating .venv" >&2; "$PY" -m venv .venv; }
+
+plugins=(plugins/*/)
+stamp=.venv/.vlmrun-setup
+want=$(cat pyproject.toml plugins/*/pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+echo "setup: installing packages into .venv (first time: several minutes, torch is large)" >&2
+.venv/bin/python -m pip install -q --upgrade pip
+# timm (FastVLM's vision tower) imports torchvision; this is the pair that imports on these machines.
+.venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+args=(-e ".[export,test]")
+for p in "${plugins[@]}"; do args+=(-e "${p%/}"); done
+.venv/bin/python -m pip install -q "${args[@]}"
+echo "$want" > "$stamp"
+echo "setup: done" >&2

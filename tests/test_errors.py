@@ -1,0 +1,145 @@
+"""Bad inputs give one clear line, a non-zero exit and no traceback; killed builds leave nothing trusted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import run_cli
+
+BASE = ["--image-size", "256", "--max-new-tokens", "3"]
+
+
+def one_error_line(res, code=1):
+    assert res.returncode == code, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.startswith("vlmrun: error:")]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def warm(cache_dir, tiny_model, ref_pipe):
+    """The tiny model and its exports already in the shared store."""
+    return cache_dir
+
+
+def test_missing_image(warm, tmp_path):
+    line = one_error_line(run_cli(["--image", str(tmp_path / "nope.jpg"), "--prompt", "x", *BASE], warm))
+    assert f"image not found: {tmp_path / 'nope.jpg'}" in line
+
+
+def test_text_file_named_jpg(warm, tmp_path):
+    f = tmp_path / "notes.jpg"
+    f.write_text("this is not a picture\n")
+    line = one_error_line(run_cli(["--image", str(f), "--prompt", "x", *BASE], warm))
+    assert "is not an image file" in line and "notes.jpg" in line
+
+
+def test_truncated_jpeg(warm, tmp_path, image_path):
+    f = tmp_path / "cut.jpg"
+    f.write_bytes(image_path.read_bytes()[:2000])
+    line = one_error_line(run_cli(["--image", str(f), "--prompt", "x", *BASE], warm))
+    assert "truncated or corrupt" in line
+
+
+def test_prompt_longer_than_context(warm, image_path):
+    line = one_error_line(run_cli(["--image", str(image_path), "--prompt", "tell me " * 40, "--context-length", "64",
+                                   *BASE], warm))
+    assert "holds 64" in line and "shorten the prompt" in line
+    # the model's own context (max_position_embeddings) applies without the option
+    line = one_error_line(run_cli(["--image", str(image_path), "--prompt", "hello there " * 2500, *BASE], warm))
+    assert "shorten the prompt" in line
+
+
+def test_model_dir_that_is_not_fastvlm(warm, tmp_path, image_path):
+    d = tmp_path / "qwen"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    line = one_error_line(run_cli(["--image", str(image_path), "--prompt", "x", "--model", str(d), *BASE], warm))
+    assert "qwen2" in line and "FastVLM" in line
+    line = one_error_line(run_cli(["--image", str(image_path), "--prompt", "x", "--model", str(tmp_path / "none"),
+                                   *BASE], warm))
+    assert "none" in line
+
+
+def test_usage_errors_exit_2(warm, image_path):
+    res = run_cli(["--image", str(image_path)], warm)
+    assert res.returncode == 2 and "give both --image and --prompt" in res.stderr
+    res = run_cli(["--image", str(image_path), "--prompt", "x", "--layout", "fastest"], warm)
+    assert res.returncode == 2 and "unknown layout 'fastest'" in res.stderr
+
+
+def test_debug_shows_traceback(warm, tmp_path):
+    res = run_cli(["--image", str(tmp_path / "nope.jpg"), "--prompt", "x", "--debug", *BASE], warm)
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+KILLED_BUILD = textwrap.dedent('''
+    import os, signal, sys
+    from vlmrun.store import ArtifactStore
+    store = ArtifactStore(sys.argv[1])
+    def build(tmp):
+        (tmp / "vision.onnx").write_bytes(b"half an onnx file")
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.get_or_build({"stage": "vision", "backend": "onnx", "kind": "vision"}, build)
+''')
+
+
+def writer(name, data):
+    def build(d):
+        (d / name).write_bytes(data)
+        return {"files": [name]}
+
+    return build
+
+
+def test_killed_export_leaves_no_trusted_artifact(tmp_path):
+    from vlmrun.store import ArtifactStore
+
+    res = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(tmp_path)], capture_output=True)
+    assert res.returncode == -9
+    key = {"stage": "vision", "backend": "onnx", "kind": "vision"}
+    store = ArtifactStore(tmp_path)
+    assert store.lookup(key) is None
+    assert not store.path_for(key).exists()
+    leftovers = list((tmp_path / "artifacts").glob(".tmp-*"))
+    assert leftovers, "the killed build's temp dir is where the half file went"
+    art = store.get_or_build(key, writer("vision.onnx", b"whole"))
+    assert art.file().read_bytes() == b"whole"
+    store.clean_stale(older_than_s=0)
+    assert not list((tmp_path / "artifacts").glob(".tmp-*"))
+
+
+def test_exception_during_export_cleans_up(tmp_path):
+    from vlmrun.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path)
+    key = {"stage": "decoder", "kind": "x"}
+
+    def fail(d):
+        (d / "partial.onnx").write_bytes(b"x")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        store.get_or_build(key, fail)
+    assert store.lookup(key) is None and not list((tmp_path / "artifacts").iterdir())
+
+
+def test_corrupted_artifact_is_rebuilt(tmp_path):
+    from vlmrun.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path)
+    key = {"stage": "vision", "kind": "y"}
+    art = store.get_or_build(key, writer("a.bin", b"1234"))
+    art.file().write_bytes(b"4321")  # same size, different bytes
+    fresh = ArtifactStore(tmp_path)
+    assert fresh.lookup(key) is None
+    calls = []
+    build = writer("a.bin", b"1234")
+    fresh.get_or_build(key, lambda d: calls.append(1) or build(d))
+    assert calls == [1] and fresh.lookup(key).file().read_bytes() == b"1234"
