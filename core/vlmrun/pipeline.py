@@ -167,19 +167,23 @@ class Generation:
         tokens = pipe.registry.hook.decode(backend=backend, handle=pipe.handles["decoder"], request=request)
         if tokens is None:
             raise BackendError(f"backend '{backend}' does not implement decode")
+        from tokenizers.decoders import DecodeStream
+
         t_first = t_last = None
         tok = pipe.model.tokenizer
+        stream = DecodeStream(skip_special_tokens=True)  # incremental detokenizer (handles split UTF-8)
         for tid in tokens:
             t_last = time.perf_counter()
             if t_first is None:
                 t_first = t_last
-            self.token_ids.append(int(tid))
-            if int(tid) in stops:
+            tid = int(tid)
+            self.token_ids.append(tid)
+            if tid in stops:
                 self.stopped_by = "eos"
                 break
-            text = tok.decode(self.token_ids, skip_special_tokens=True)
-            if not text.endswith("\ufffd") and len(text) > len(self.text) and text.startswith(self.text):
-                piece, self.text = text[len(self.text) :], text
+            piece = stream.step(tok, tid)
+            if piece:
+                self.text += piece
                 yield piece
             if len(self.token_ids) >= budget:
                 break
