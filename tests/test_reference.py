@@ -101,3 +101,19 @@ def test_seeded_sampling_is_reproducible(ref_pipe, image_path):
     a, b, c = sample(1), sample(1), sample(2)
     assert a == b and len(a) == 12
     assert a != c
+
+
+def test_apple_llava_qwen2_layout_gives_the_same_tokens(ref_pipe, tiny_model, store, image_path, tmp_path):
+    from vlmrun import Pipeline
+    from vlmrun.checkpoints import save_as_apple
+
+    apple = save_as_apple(tiny_model.path, tmp_path / "apple-fastvlm")
+    cfg = (apple / "config.json").read_text()
+    assert '"llava_qwen2"' in cfg and "mm_projector" in (apple / "model.safetensors").read_bytes()[:20000].decode(
+        "latin1")
+    pipe = Pipeline.build(apple, "reference", store=store)
+    assert pipe.model.source_layout == "llava_qwen2"
+    settings = GenerationSettings(max_new_tokens=N_TOKENS, ignore_eos=True)
+    ours = pipe.generate(image_path, "What is in the picture?", settings).run().token_ids
+    ref = ref_pipe.generate(image_path, "What is in the picture?", settings).run().token_ids
+    assert ours == ref and len(ours) == N_TOKENS

@@ -1,6 +1,6 @@
 """vlmrun plugin ``ort_reference``: every FastVLM stage on ONNX Runtime (CPU), the reference layout.
 
-It also provides the ``export`` hook (torch -> ONNX, see :mod:`vlmrun_ort_reference.export`) that every
+It also provides the ``export`` hook (torch -> ONNX, see :mod:`vlmrun_ort_reference.onnx_export`) that every
 other backend builds on.
 """
 
@@ -45,7 +45,7 @@ def doctor():
 
 @hookimpl
 def export(model, stage, form, out_dir):
-    from .export import export_stage
+    from .onnx_export import export_stage
 
     return export_stage(model, form, out_dir)
 
