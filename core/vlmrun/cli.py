@@ -38,6 +38,8 @@ def _pipeline_options(f):
                      help="Image size of the tiny default model (ignored with --model).")(f)
     f = click.option("--context-length", type=click.IntRange(2), default=None,
                      help="Decoder context length (prompt + generated tokens). [default: the model's]")(f)
+    f = click.option("--compiler", metavar="PLUGIN", default=None,
+                     help="Plugin that compiles the stages' binaries (e.g. qaihub). [default: each stage's backend]")(f)
     f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
     return _stage_options(f)
 
@@ -63,7 +65,7 @@ def _build(opts: dict, stages=STAGES):
         opts.get("model_dir"),
         opts.get("layout"),
         overrides=overrides,
-        options={"decoder": {"context_length": opts.get("context_length")}},
+        options=_stage_option_overrides(opts),
         layout_file=opts.get("layout_file"),
         store=opts.get("cache_dir"),
         rebuild=opts.get("rebuild", False),
@@ -71,6 +73,13 @@ def _build(opts: dict, stages=STAGES):
         stages=stages,
         progress=step,
     )
+
+
+def _stage_option_overrides(opts: dict) -> dict:
+    """Per-stage options given on the command line (None = keep the layout's)."""
+    out = {s: {"compiler": opts.get("compiler")} for s in STAGES}
+    out["decoder"]["context_length"] = opts.get("context_length")
+    return out
 
 
 def _settings(opts: dict):
@@ -228,11 +237,18 @@ def doctor(debug):
         click.echo(f"{name}\n  [!!] failed to load: {why}")
 
 
+from .cli_compile import compile_command  # noqa: E402  (subcommands living in their own modules)
+from .cli_diff import diff_command  # noqa: E402
+
+cli.add_command(compile_command, "compile")
+cli.add_command(diff_command, "diff")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        cli.main(args=argv, prog_name="vlmrun", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="vlmrun", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
@@ -256,7 +272,7 @@ def main(argv=None) -> int:
         click.echo(f"vlmrun: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)",
                    err=True)
         return 1
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -69,12 +69,15 @@ def export(model, stage, form, out_dir):
 
 
 @hookspec(firstresult=True)
-def compile(backend, stage, model, source, options, out_dir):
+def compile(backend, stage, model, source, options, out_dir, target):
     """Compile an exported stage into a backend's own format (e.g. a QNN context binary).
 
     Called by the core when ``ctx.compiled(...)`` has no valid copy in the store.
 
-    :param backend: the backend name the binary is for; return ``None`` if it is not yours.
+    :param backend: the plugin asked to compile: the stage's ``compiler`` option (``--compiler``), which
+                    defaults to the stage's backend; return ``None`` if it is not yours.
+    :param target: the backend that will load the result (equal to ``backend`` unless another plugin
+                   compiles for it, e.g. ``qaihub`` compiling context binaries that ``qnn_htp`` runs).
     :param stage: the stage name.
     :param model: the :class:`vlmrun.model.FastVLMModel`.
     :param source: the :class:`vlmrun.store.Artifact` of the exported ONNX stage.

@@ -58,9 +58,11 @@ class StageContext:
 
     def compiled(self, source: Artifact, options: Mapping[str, object], kind: str) -> Artifact:
         """``source`` compiled by this backend's ``compile`` hook (cached by source, options, versions)."""
+        compiler = str(self.options.get("compiler") or self.backend)
         key = {
             "stage": self.stage,
             "backend": self.backend,
+            "compiler": compiler,
             "kind": kind,
             "source": source.path.name,
             "options": dict(options),
@@ -68,13 +70,14 @@ class StageContext:
         }
 
         def build(tmp: Path) -> dict:
-            with self.progress(f"compiling {self.stage} for {self.backend} ({kind})"):
+            via = "" if compiler == self.backend else f" with {compiler}"
+            with self.progress(f"compiling {self.stage} for {self.backend}{via} ({kind})"):
                 result = self.registry.hook.compile(
-                    backend=self.backend, stage=self.stage, model=self.model, source=source,
-                    options=dict(options), out_dir=tmp,
+                    backend=compiler, stage=self.stage, model=self.model, source=source,
+                    options=dict(options), out_dir=tmp, target=self.backend,
                 )
             if result is None:
-                raise BackendError(f"backend '{self.backend}' cannot compile stage '{self.stage}'")
+                raise BackendError(f"'{compiler}' cannot compile stage '{self.stage}' for backend '{self.backend}'")
             return result
 
         return self.store.get_or_build(key, build, rebuild=self.rebuild)
@@ -131,6 +134,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.text = ""
         self.timings: dict[str, float] = {}
+        self.tensors: dict[str, np.ndarray] = {}  # stage-boundary tensors of this request
         self.stopped_by = ""
         self._iter = self._run()
 
@@ -148,7 +152,7 @@ class Generation:
 
     def _run(self) -> Iterator[str]:
         pipe, s = self.pipeline, self.settings
-        inputs_embeds = pipe.embed_prompt(self.prepared, self.timings)
+        inputs_embeds = pipe.embed_prompt(self.prepared, self.timings, self.tensors)
         prompt_len = inputs_embeds.shape[1]
         ctx_len = pipe.context_length
         budget = min(s.max_new_tokens, ctx_len - prompt_len)
@@ -238,6 +242,9 @@ class Pipeline:
             layout = layouts_mod.resolve(layout, layout_file, overrides, options)
         for stage in stages:
             registry.require_stage(layout.backend(stage), stage)
+            compiler = layout.stages[stage].options.get("compiler")
+            if compiler:
+                registry.backend(str(compiler))
         if not isinstance(store, ArtifactStore):
             store = ArtifactStore(store)
         store.clean_stale()
@@ -305,8 +312,11 @@ class Pipeline:
             )
         return Prepared(pixel_values, ids, start, text)
 
-    def embed_prompt(self, prepared: Prepared, timings: dict | None = None) -> np.ndarray:
-        """vision -> projector, embed, splice: the decoder's ``inputs_embeds`` [1, T, H]."""
+    def embed_prompt(self, prepared: Prepared, timings: dict | None = None, tensors: dict | None = None) -> np.ndarray:
+        """vision -> projector, embed, splice: the decoder's ``inputs_embeds`` [1, T, H].
+
+        ``timings`` gets each stage's latency, ``tensors`` each boundary tensor (when given).
+        """
         timings = timings if timings is not None else {}
         t = time.perf_counter()
         feats = self.run_stage("vision", {"pixel_values": prepared.pixel_values})["image_features"]
@@ -317,7 +327,10 @@ class Pipeline:
         t = time.perf_counter()
         txt = self.run_stage("embed", {"input_ids": prepared.input_ids})["inputs_embeds"]
         timings["embed_ms"] = (time.perf_counter() - t) * 1e3
-        return splice(txt, img, prepared.image_start)
+        embeds = splice(txt, img, prepared.image_start)
+        if tensors is not None:
+            tensors.update(image_features=feats, image_embeds=img, text_embeds=txt, inputs_embeds=embeds)
+        return embeds
 
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
         """Embeddings of generated tokens from the exported float32 LUT: int [n] -> float32 [1, n, H]."""
@@ -340,21 +353,14 @@ class Pipeline:
         ``teacher_tokens`` (default: its own tokens) to capture per-step ``logits``.
         """
         gen = self.generate(image, prompt, settings).run()
-        p = gen.prepared
-        feats = self.run_stage("vision", {"pixel_values": p.pixel_values})["image_features"]
-        img = self.run_stage("projector", {"image_features": feats})["image_embeds"]
-        txt = self.run_stage("embed", {"input_ids": p.input_ids})["inputs_embeds"]
-        embeds = splice(txt, img, p.image_start)
+        p, embeds = gen.prepared, gen.tensors["inputs_embeds"]
         forced = list(teacher_tokens if teacher_tokens is not None else gen.token_ids)
         full = np.concatenate([embeds, self.embed_tokens(np.asarray(forced, dtype=np.int64))], axis=1) if forced else embeds
         logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"]
         return {
             "pixel_values": p.pixel_values,
             "input_ids": p.input_ids,
-            "image_features": feats,
-            "image_embeds": img,
-            "text_embeds": txt,
-            "inputs_embeds": embeds,
+            **gen.tensors,
             "logits": logits[:, embeds.shape[1] - 1 :, :],
             "tokens": np.asarray(gen.token_ids, dtype=np.int64),
         }

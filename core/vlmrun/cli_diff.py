@@ -1,0 +1,117 @@
+"""``vlmrun diff``: the command over :mod:`vlmrun.diff` (registered in :mod:`vlmrun.cli` as ``diff_command``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .errors import VlmrunError
+from .stages import STAGES
+
+
+def _device_options(f):
+    for stage in reversed(STAGES):
+        f = click.option(f"--device-{stage}", f"device_{stage}", metavar="PLUGIN",
+                         help=f"Backend plugin for the device side's {stage} stage (overrides --device).")(f)
+    return f
+
+
+@click.command("diff", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--reference", default="reference", show_default=True, metavar="LAYOUT|torch",
+              help="The side to trust: a layout (preset or TOML file), or `torch` for torch fp32 eager.")
+@click.option("--device", default="reference", show_default=True, metavar="LAYOUT|torch",
+              help="The side under test: a layout (preset or TOML file), or `torch`.")
+@_device_options
+@click.option("--image", type=click.Path(path_type=Path), help="Image file. [default: the built-in demo image]")
+@click.option("--prompt", help='The question. [default: "Describe the image."]')
+@click.option("--model", "model_dir", type=click.Path(path_type=Path),
+              help="FastVLM checkpoint directory. Default: the tiny model vlmrun builds itself.")
+@click.option("--image-size", type=int, default=1024, show_default=True,
+              help="Image size of the tiny default model (ignored with --model).")
+@click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
+              help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=None,
+              help="Tokens to generate on each side. [default: 32, or what a --from reference used]")
+@click.option("--ignore-eos", is_flag=True, help="Generate all --max-new-tokens even past end-of-sequence.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default=None,
+              help="Which default thresholds to use. [default: from the device layout's stage options, else fp32]")
+@click.option("--threshold", "threshold_specs", multiple=True, metavar="STAGE.METRIC=VALUE",
+              help="Override one threshold, e.g. projector.sqnr_db=25 or decoder.kl_mean=none (repeatable).")
+@click.option("--thresholds-file", type=click.Path(path_type=Path),
+              help="TOML thresholds: optional precision = \"fp16\", then tables like [projector] sqnr_db = 25.")
+@click.option("--from", "from_dirs", multiple=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="Use a saved capture instead of running a side: once = a --save DIR (both sides) or the"
+                   " reference (the device runs live, teacher-forced on its tokens); twice = reference, device.")
+@click.option("--save", "save_dir", type=click.Path(path_type=Path), metavar="DIR",
+              help="Save both captures (npz) to DIR/reference and DIR/device, and DIR/metrics.json.")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), metavar="DIR",
+              help="Write DIR/index.html (plots embedded) and DIR/metrics.json.")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as one JSON object instead of a table.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.pass_context
+def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, cache_dir, max_new_tokens,
+                 ignore_eos, precision, threshold_specs, thresholds_file, from_dirs, save_dir, report_dir, as_json,
+                 debug, **device_overrides):
+    """Compare a device layout with a reference stage by stage; name the first stage that breaks.
+
+    \b
+    Both sides get the same image and prompt; every stage boundary is captured (pixel_values, image_features,
+    image_embeds, text embeds, inputs_embeds, per-step logits, tokens). The device decoder is fed the
+    reference tokens (teacher forcing) so per-step logits stay comparable.
+    \b
+      vlmrun diff --reference reference --device all-npu --image I --prompt P
+      vlmrun diff --reference torch --device reference          # check the ONNX Runtime reference itself
+      vlmrun diff --device-vision qnn_htp --precision fp16 --report out/
+      vlmrun diff --from host/reference --from phone/device     # compare saved captures
+    Exit status: 0 every threshold holds, 1 some threshold fails, 2 usage error.
+    """
+    from . import diff
+    from .progress import step
+
+    thresholds: dict[str, dict[str, float | None]] = {}
+    for spec in threshold_specs:
+        stage, metric, value = diff.parse_threshold(spec)
+        thresholds.setdefault(stage, {})[metric] = value
+    overrides = {stage: device_overrides.get(f"device_{stage}") for stage in STAGES}
+    result_run = diff.run(
+        reference=diff.Side(reference),
+        device=diff.Side(device, {s: b for s, b in overrides.items() if b}),
+        image=image,
+        prompt=prompt,
+        model=model_dir,
+        store=cache_dir,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+        precision=precision,
+        thresholds=thresholds,
+        thresholds_file=thresholds_file,
+        from_dirs=from_dirs,
+        image_size=image_size,
+        progress=step,
+    )
+    result = result_run.result
+    if save_dir is not None:
+        diff.save_run(result_run, save_dir)
+        click.echo(f"captures saved to {save_dir} (compare again with --from {save_dir})", err=True)
+    if report_dir is not None:
+        page = diff.write_report(result_run, report_dir)
+        click.echo(f"report: {page}", err=True)
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        click.echo(diff.format_table(result))
+    if not result.passed:
+        # an exception rather than ctx.exit(1): vlmrun.cli.main ignores the return value of cli.main(...,
+        # standalone_mode=False), which is where click puts ctx.exit codes
+        raise DiffFailed(
+            f"thresholds failed; likely culprit: {result.culprit}"
+            f" (failing: {', '.join(result.failed_stages)})"
+        )
+
+
+class DiffFailed(VlmrunError):
+    """Some threshold failed (exit status 1); the table or JSON on stdout says which."""
+
+    exit_code = 1
