@@ -40,6 +40,11 @@ def _pipeline_options(f):
                      help="Decoder context length (prompt + generated tokens). [default: the model's]")(f)
     f = click.option("--compiler", metavar="PLUGIN", default=None,
                      help="Plugin that compiles the stages' binaries (e.g. qaihub). [default: each stage's backend]")(f)
+    f = click.option("--target", type=click.Choice(["local", "android"]), default=None,
+                     help="Where compiled stages run: this machine (the emulator or a local NPU) or a phone over"
+                          " adb (needs the QNN SDK: QAIRT_SDK_ROOT). [default: local]")(f)
+    f = click.option("--device", "device_serial", metavar="SERIAL", default=None,
+                     help="adb serial of the phone, when more than one is connected.")(f)
     f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
     return _stage_options(f)
 
@@ -77,7 +82,8 @@ def _build(opts: dict, stages=STAGES):
 
 def _stage_option_overrides(opts: dict) -> dict:
     """Per-stage options given on the command line (None = keep the layout's)."""
-    out = {s: {"compiler": opts.get("compiler")} for s in STAGES}
+    out = {s: {"compiler": opts.get("compiler"), "target": opts.get("target"), "device": opts.get("device_serial")}
+           for s in STAGES}
     out["decoder"]["context_length"] = opts.get("context_length")
     return out
 

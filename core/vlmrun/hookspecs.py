@@ -96,7 +96,9 @@ def load_stage(backend, stage, ctx):
     :param ctx: a :class:`vlmrun.pipeline.StageContext` with ``model``, ``options``, ``store``,
                 ``exported(form)`` and ``compiled(form, ...)`` to get (and cache) artifacts, and
                 ``progress(text)`` for long steps.
-    :return: any object (a handle) the plugin wants back in ``run_stage`` and ``decode``.
+    :return: any object (a handle) the plugin wants back in ``run_stage`` and ``decode``. A decoder handle
+             with a fixed context (compiled graphs) exposes it as ``handle.context_length``; the core checks
+             prompt lengths against it.
     """
 
 

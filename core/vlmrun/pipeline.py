@@ -273,8 +273,11 @@ class Pipeline:
     # -- properties ----------------------------------------------------------------------------------
     @property
     def context_length(self) -> int:
+        """The decoder's context: its handle's ``context_length`` (compiled backends fix it), else the
+        layout option, else the model's ``max_position_embeddings``."""
+        fixed = getattr(self.handles.get("decoder"), "context_length", None)
         opts = self.layout.stages["decoder"].options
-        return int(opts.get("context_length") or self.model.max_context)
+        return int(fixed or opts.get("context_length") or self.model.max_context)
 
     # -- single stages -------------------------------------------------------------------------------
     def run_stage(self, stage: str, inputs: Mapping[str, np.ndarray], producer: str = "the caller") -> dict:

@@ -1,0 +1,190 @@
+"""A small adb transport shared by plugins that run on an Android device (qnn_htp's qnn-net-run, Genie).
+
+Every call takes an argument list (never a shell string built by hand), quotes remote paths with
+:func:`shlex.quote` inside ``adb shell`` command lines, and has a timeout. Device selection gives one clear
+line for: adb missing, no device, several devices without ``--device``, an unauthorized or offline device.
+
+>>> adb = Adb.connect(serial=None)                # exactly one authorized device, else BackendError
+>>> adb.push("model.bin", "/data/local/tmp/vlmrun/model.bin")   # skipped when the remote sha256 matches
+>>> adb.shell(["ls", "/data/local/tmp/vlmrun"], timeout=10)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .errors import BackendError
+
+DEFAULT_TIMEOUT = 60.0
+ENV_ADB = "VLMRUN_ADB"
+
+
+def find_adb(path: str | os.PathLike | None = None) -> str:
+    """The adb executable: ``path``, else ``$VLMRUN_ADB``, else ``adb`` on PATH (BackendError if none)."""
+    cand = str(path) if path else os.environ.get(ENV_ADB) or shutil.which("adb")
+    if not cand or not (os.path.isfile(cand) or shutil.which(cand)):
+        raise BackendError("adb not found: install Android platform-tools or set VLMRUN_ADB to the adb executable")
+    return cand
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _run(argv: Sequence[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    """Run ``argv`` with a timeout; on timeout the whole process group is killed (no orphan holds the pipes)."""
+    try:
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    except OSError as exc:
+        raise BackendError(f"{what} could not start: {exc.strerror or exc}") from None
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise BackendError(f"{what} timed out after {timeout:g} s") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        proc.kill()
+    try:
+        proc.communicate(timeout=5)
+    except Exception:
+        pass
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def list_devices(adb: str | None = None, timeout: float = 10.0) -> list[tuple[str, str]]:
+    """``adb devices`` as (serial, state) pairs; state is ``device``, ``unauthorized``, ``offline``, ..."""
+    exe = find_adb(adb)
+    res = _run([exe, "devices"], timeout, "adb devices")
+    if res.returncode != 0:
+        raise BackendError(f"adb devices failed: {_first_line(res.stderr or res.stdout)}")
+    out = []
+    for line in res.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and not line.startswith(("List of devices", "*")):
+            out.append((parts[0], parts[1]))
+    return out
+
+
+class Adb:
+    """One selected device. Build with :meth:`connect`."""
+
+    def __init__(self, exe: str, serial: str, timeout: float = DEFAULT_TIMEOUT):
+        self.exe = exe
+        self.serial = serial
+        self.timeout = timeout
+        self.pushed: list[str] = []  # remote paths actually transferred (skips are not listed)
+        self.skipped: list[str] = []
+
+    @classmethod
+    def connect(cls, serial: str | None = None, adb: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> "Adb":
+        exe = find_adb(adb)
+        devices = list_devices(exe, min(timeout, 15.0))
+        if serial:
+            states = dict(devices)
+            if serial not in states:
+                seen = ", ".join(s for s, _ in devices) or "none"
+                raise BackendError(f"device {serial} is not connected (adb sees: {seen})")
+            _check_state(serial, states[serial])
+            return cls(exe, serial, timeout)
+        if not devices:
+            raise BackendError("no Android device connected: plug one in and enable USB debugging (adb devices)")
+        if len(devices) > 1:
+            listed = ", ".join(f"{s} ({st})" for s, st in devices)
+            raise BackendError(f"several Android devices connected ({listed}); choose one with --device SERIAL")
+        _check_state(*devices[0])
+        return cls(exe, devices[0][0], timeout)
+
+    # -- raw ---------------------------------------------------------------------------------------------
+    def _argv(self, *args: str) -> list[str]:
+        return [self.exe, "-s", self.serial, *args]
+
+    def run(self, args: Sequence[str], timeout: float | None = None, what: str | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+        what = what or f"adb {args[0] if args else ''}".strip()
+        res = _run(self._argv(*args), timeout or self.timeout, what)
+        if check and res.returncode != 0:
+            msg = _first_line(res.stderr) or _first_line(res.stdout) or f"exit code {res.returncode}"
+            raise BackendError(f"{what} failed on {self.serial}: {msg}")
+        return res
+
+    # -- shell ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def command_line(argv: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None) -> str:
+        """The remote shell line for ``argv``: every argument (paths included) shlex-quoted."""
+        parts = []
+        if cwd:
+            parts.append(f"cd {shlex.quote(cwd)} &&")
+        if env:
+            parts.append("env " + " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items()))
+        parts.append(shlex.join([str(a) for a in argv]))
+        return " ".join(parts)
+
+    def shell(self, argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+              timeout: float | None = None, what: str | None = None, check: bool = True
+              ) -> subprocess.CompletedProcess:
+        line = self.command_line(argv, cwd, env)
+        return self.run(["shell", line], timeout, what or f"adb shell {Path(str(argv[0])).name}", check)
+
+    def remote_sha256(self, remote: str, timeout: float | None = None) -> str | None:
+        res = self.shell(["sha256sum", remote], timeout=timeout, check=False, what="adb shell sha256sum")
+        if res.returncode != 0:
+            return None
+        word = (res.stdout.split() or [""])[0].lower()
+        return word if len(word) == 64 else None
+
+    def mkdir(self, remote: str, timeout: float | None = None) -> None:
+        self.shell(["mkdir", "-p", remote], timeout=timeout, what="adb shell mkdir")
+
+    # -- files ---------------------------------------------------------------------------------------------
+    def push(self, local: str | os.PathLike, remote: str, timeout: float | None = None, skip_same: bool = True) -> bool:
+        """Copy ``local`` to ``remote``; returns False (and transfers nothing) when the remote sha256 matches."""
+        local = Path(local)
+        if not local.is_file():
+            raise BackendError(f"adb push: local file {local} does not exist")
+        if skip_same and self.remote_sha256(remote, timeout) == _sha256(local):
+            self.skipped.append(remote)
+            return False
+        self.run(["push", str(local), remote], timeout, f"adb push {local.name}")
+        self.pushed.append(remote)
+        return True
+
+    def pull(self, remote: str, local: str | os.PathLike, timeout: float | None = None) -> Path:
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.run(["pull", remote, str(local)], timeout, f"adb pull {Path(remote).name}")
+        if not local.exists():
+            raise BackendError(f"adb pull {remote}: nothing arrived at {local}")
+        return local
+
+
+def _check_state(serial: str, state: str) -> None:
+    if state == "device":
+        return
+    if state == "unauthorized":
+        raise BackendError(f"device {serial} is unauthorized: accept the USB debugging prompt on the phone")
+    raise BackendError(f"device {serial} is {state}: reconnect it (adb reconnect) and check adb devices")

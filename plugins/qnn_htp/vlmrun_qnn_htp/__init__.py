@@ -1,0 +1,292 @@
+"""vlmrun plugin ``qnn_htp``: FastVLM stages as QNN context binaries on the Qualcomm HTP.
+
+Compile: ONNX -> QNN context binary with onnxruntime-qnn (EPContext, embed mode 0, CPU fallback disabled,
+static shapes, ``soc_model`` from :mod:`.socs`), fp16 by default or int8 via static QDQ (:mod:`.quant`).
+Run: locally on the HTP backend of onnxruntime-qnn (the v79 emulator on x86_64, the NPU on a Snapdragon
+host), or with ``target = "android"`` on a phone through the SDK's ``qnn-net-run`` over adb (:mod:`.netrun`).
+Decode: a host-driven fixed-KV loop over an AR-N prefill graph and an AR-1 graph (:mod:`.decoder`).
+
+Per-stage options (layout TOML or ``vlmrun compile`` flags):
+
+=================== ====================================================================================
+``precision``       ``fp16`` (default), ``int8`` (a8w8, 16-bit Softmax) or ``a16w8``: vision and projector
+``soc``             ``SM8750`` (default), ``SM8650``, ``SM8550``, ... (see :data:`.socs.SOCS`)
+``calibration_images`` folder of images for int8 (default: random data, labelled so in the manifest)
+``context_length``  decoder context the graphs are compiled for (default 512)
+``prefill_ar``      decoder prefill chunk (AR-N) (default 64)
+``engine``          decoder engine: ``host`` (this loop; Genie lives in its own plugin)
+``embed_seq``       static sequence length of the embed graph; longer inputs run in chunks (default 32)
+``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
+                    ``native_outputs``, ``timeout``
+=================== ====================================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from vlmrun import hookimpl
+from vlmrun.errors import UsageError
+from vlmrun.plugins import BackendInfo, Check, mine
+from vlmrun.stages import STAGES, ExportForm
+
+from . import ep, quant, socs
+
+NAME = "qnn_htp"
+__version__ = "0.1.0"
+
+PRECISIONS = ("fp16", "int8", "a16w8")
+ENGINES = ("host",)
+DEFAULT_CONTEXT = 512
+DEFAULT_PREFILL_AR = 64
+DEFAULT_EMBED_SEQ = 32
+
+
+# -- options -----------------------------------------------------------------------------------------------
+def stage_options(stage: str, options) -> dict:
+    """Normalise a stage's layout options (UsageError for bad values)."""
+    o = dict(options or {})
+    precision = str(o.get("precision") or "fp16").lower()
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    if precision != "fp16" and stage not in ("vision", "projector"):
+        raise UsageError(f"precision {precision} is not available for stage '{stage}' on qnn_htp yet"
+                         " (vision and projector only); use fp16")
+    out = {"precision": precision, "soc": socs.soc(o.get("soc")).name}
+    if precision != "fp16":
+        cal = o.get("calibration_images")
+        out["calibration_images"] = str(Path(cal).expanduser().resolve()) if cal else None
+        out["calibration"] = quant.calibration_digest(cal) or "random"
+    if stage == "decoder":
+        ctx = int(o.get("context_length") or DEFAULT_CONTEXT)
+        ar = int(o.get("prefill_ar") or DEFAULT_PREFILL_AR)
+        if ctx < 8:
+            raise UsageError(f"context_length {ctx} is too small")
+        out["context_length"] = ctx
+        out["prefill_ar"] = max(1, min(ar, ctx // 2))
+        engine = str(o.get("engine") or "host")
+        if engine not in ENGINES:
+            raise UsageError(f"decoder engine '{engine}' is not provided by qnn_htp (engines: {', '.join(ENGINES)});"
+                             " a Genie engine comes with its own plugin")
+        out["engine"] = engine
+    if stage == "embed":
+        out["embed_seq"] = int(o.get("embed_seq") or DEFAULT_EMBED_SEQ)
+    target = str(o.get("target") or "local").lower()
+    if target not in ("local", "android"):
+        raise UsageError(f"target '{target}' is not one of local, android")
+    if target == "android" and stage == "decoder":
+        raise UsageError("the decoder cannot run through qnn-net-run (--target android); run it locally"
+                         " or on another backend")
+    out["target"] = target
+    return out
+
+
+def compile_key(opts: dict) -> dict:
+    """The options that determine the binary's bytes (they key the artifact store)."""
+    keep = ("precision", "soc", "calibration")
+    return {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
+
+
+def forms(stage: str, opts: dict) -> list[ExportForm]:
+    if stage == "decoder":
+        ctx = opts["context_length"]
+        ars = sorted({opts["prefill_ar"], 1}, reverse=True)
+        return [ExportForm.of("decoder", "decoder/fixed", ar=ar, ctx=ctx) for ar in ars]
+    if stage == "embed":
+        return [ExportForm.of("embed", seq=opts["embed_seq"])]
+    return [ExportForm.of(stage)]
+
+
+# -- hooks -------------------------------------------------------------------------------------------------
+@hookimpl
+def describe():
+    return BackendInfo(NAME, STAGES, "Qualcomm QNN HTP (v79 emulator via onnxruntime-qnn, the NPU, or a phone over adb)")
+
+
+@hookimpl
+def doctor():
+    checks = []
+    try:
+        v = ep.versions()
+        checks.append(Check("onnxruntime-qnn", True, f"{v['onnxruntime_qnn']} (QNN {v['qnn']}, onnxruntime {v['onnxruntime']})"))
+    except Exception as exc:
+        checks.append(Check("onnxruntime-qnn", False, f"not usable: {exc}"))
+        return checks
+    ok, detail = ep.htp_backend_loads()
+    checks.append(Check("HTP backend (libQnnHtp.so)", ok, detail))
+    root = next((os.environ[e] for e in ("QAIRT_SDK_ROOT", "QNN_SDK_ROOT") if os.environ.get(e)), None)
+    if root:
+        tools = ["bin/x86_64-linux-clang/qnn-net-run", "bin/x86_64-linux-clang/qnn-context-binary-generator",
+                 "bin/aarch64-android/qnn-net-run", "lib/aarch64-android/libQnnHtp.so"]
+        found = [t for t in tools if (Path(root) / t).is_file()]
+        missing = [t for t in tools if t not in found]
+        checks.append(Check("QNN SDK tools", not missing,
+                            f"{root}: found {len(found)}/{len(tools)}" + (f", missing {', '.join(missing)}" if missing else "")))
+    else:
+        checks.append(Check("QNN SDK tools", False, "QAIRT_SDK_ROOT / QNN_SDK_ROOT not set (needed for --target android)"))
+    try:
+        from vlmrun.adb import list_devices
+
+        devs = list_devices(timeout=5)
+        checks.append(Check("adb devices", bool(devs), ", ".join(f"{s} ({st})" for s, st in devs) or "none connected"))
+    except Exception as exc:
+        checks.append(Check("adb devices", False, str(exc)))
+    checks.append(Check("SoCs", True, ", ".join(f"{s.name}/{s.arch}" for s in socs.SOCS.values())
+                        + f" (default {socs.DEFAULT_SOC})"))
+    return checks
+
+
+@hookimpl
+def compile(backend, stage, model, source, options, out_dir):
+    if not mine(backend, NAME):
+        return None
+    return compile_stage(stage, model, source, options, Path(out_dir))
+
+
+def compile_stage(stage, model, source, options, out_dir: Path) -> dict:
+    soc = socs.soc(options.get("soc"))
+    precision = options.get("precision", "fp16")
+    form = source.manifest.get("form", stage)
+    name = "".join(c if c.isalnum() else "_" for c in form).strip("_")
+    what = f"stage '{stage}' ({form}, {precision})"
+    src = source.file()
+    extra: dict = {}
+    work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-quant-"))
+    try:
+        if precision != "fp16":
+            t0 = time.perf_counter()
+            feeds, label = quant.calibration_samples(stage, model, options.get("calibration_images"))
+            qdq = work / f"{name}.qdq.onnx"
+            facts = quant.quantize_qdq(src, qdq, feeds, precision, work)
+            extra = {"quantization": {**facts, "calibration": label,
+                                      "quantize_s": round(time.perf_counter() - t0, 3)}}
+            src = qdq
+        info = ep.compile_onnx(src, out_dir, name, soc, what)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    io_q = extra.get("quantization", {}).get("io_quant", {})
+    for t in (*info["inputs"], *info["outputs"]):
+        if t["name"] in io_q:
+            t["quant"] = io_q[t["name"]]
+    return {**info, "stage": stage, "precision": precision, "source_form": form,
+            "io_quant": io_q, "fallback": "disabled", **extra}
+
+
+class LocalStage:
+    """A compiled non-decoder stage on the local HTP backend."""
+
+    def __init__(self, session: ep.HtpSession, artifact):
+        self.session = session
+        self.artifact = artifact
+        self.load_s = session.load_s
+
+    def run(self, inputs: dict) -> dict:
+        feeds = {}
+        for name, (shape, dtype) in self.session.inputs.items():
+            feeds[name] = np.ascontiguousarray(inputs[name], dtype=dtype)
+        return self.session.run(feeds)
+
+
+class ChunkedEmbed:
+    """The static-shape embed graph (seq E) over any length: pad with token 0, run in chunks, slice."""
+
+    def __init__(self, runner, seq: int):
+        self.runner = runner
+        self.seq = seq
+        self.artifact = getattr(runner, "artifact", None)
+        self.load_s = getattr(runner, "load_s", 0.0)
+
+    def run(self, inputs: dict) -> dict:
+        ids = np.asarray(inputs["input_ids"], dtype=np.int64)
+        T, E = ids.shape[1], self.seq
+        parts = []
+        for i in range(0, T, E):
+            chunk = np.zeros((1, E), np.int64)
+            n = min(E, T - i)
+            chunk[0, :n] = ids[0, i : i + n]
+            out = self.runner.run({"input_ids": chunk})["inputs_embeds"]
+            if not isinstance(out, np.ndarray):  # QuantizedTensor from a phone
+                out = out.dequantize()
+            parts.append(out[:, :n])
+        return {"inputs_embeds": np.concatenate(parts, axis=1).astype(np.float32)}
+
+
+class DecoderHandle:
+    def __init__(self, decoder, artifacts, load_s):
+        self.decoder = decoder
+        self.artifacts = artifacts
+        self.load_s = load_s
+
+    @property
+    def context_length(self) -> int:
+        """The context the graphs were compiled for (the core checks prompt lengths against it)."""
+        return self.decoder.ctx
+
+
+def _compiled(ctx, stage: str, opts: dict, form: ExportForm):
+    src = ctx.exported(form)
+    kind = f"{form.label()}-{opts['precision']}-{opts['soc']}"
+    key_opts = compile_key(opts)
+    if opts.get("calibration_images"):
+        key_opts["calibration_images"] = opts["calibration_images"]
+    return ctx.compiled(src, key_opts, kind)
+
+
+@hookimpl
+def load_stage(backend, stage, ctx):
+    if not mine(backend, NAME):
+        return None
+    opts = stage_options(stage, ctx.options)
+    soc = socs.soc(opts["soc"])
+    arts = [_compiled(ctx, stage, opts, f) for f in forms(stage, opts)]
+    for art in arts:
+        ep.check_binary(art.manifest, art.file(), soc, f"{stage} ({art.path.name})")
+    if stage == "decoder":
+        from .decoder import FixedKVDecoder
+
+        sessions, load_s = {}, 0.0
+        for f, art in zip(forms(stage, opts), arts):
+            s = ep.HtpSession(art.file(), soc, f"decoder ({f.label()})")
+            sessions[int(f.get("ar"))] = s
+            load_s += s.load_s
+        return DecoderHandle(FixedKVDecoder(sessions, opts["context_length"], ctx.model), arts, load_s)
+    art = arts[0]
+    if opts["target"] == "android":
+        from vlmrun.adb import Adb
+
+        from .netrun import NetRunStage, sdk_root
+
+        o = dict(ctx.options)
+        sdk = sdk_root(o.get("sdk_root"))
+        adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
+        runner = NetRunStage(art, stage, sdk=sdk, adb=adb, native_outputs=bool(o.get("native_outputs")),
+                             timeout=float(o.get("timeout") or 300))
+        runner.artifact = art
+        runner.load_s = 0.0
+    else:
+        runner = LocalStage(ep.HtpSession(art.file(), soc, f"{stage} ({art.path.name})"), art)
+    if stage == "embed":
+        return ChunkedEmbed(runner, opts["embed_seq"])
+    return runner
+
+
+@hookimpl
+def run_stage(backend, stage, handle, inputs):
+    if not mine(backend, NAME):
+        return None
+    if stage == "decoder":
+        return {"logits": handle.decoder.forward_all(np.asarray(inputs["inputs_embeds"], np.float32))}
+    return handle.run(dict(inputs))
+
+
+@hookimpl
+def decode(backend, handle, request):
+    if not mine(backend, NAME):
+        return None
+    return handle.decoder.generate(request)

@@ -1,0 +1,361 @@
+"""qnn_htp plugin on the tiny model (256x256, 16 image tokens): compile for SM8750/v79 once per session, run on
+the onnxruntime-qnn HTP emulator, the adb + qnn-net-run path through stand-ins, and the faults of issue 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import cosine
+
+pytest.importorskip("onnxruntime_qnn")
+
+from vlmrun import GenerationSettings, Pipeline  # noqa: E402
+from vlmrun.errors import BackendError, UsageError  # noqa: E402
+from vlmrun.layouts import Layout, StageAssignment  # noqa: E402
+from vlmrun.stages import STAGES, QuantizedTensor  # noqa: E402
+from vlmrun.store import ArtifactStore, sha256_file  # noqa: E402
+
+STANDINS = Path(__file__).parent / "standins"
+PROMPT = "What is in the picture?"
+N_STEPS = 10
+DECODER = {"context_length": 256, "prefill_ar": 32}
+
+
+def layout(**per_stage) -> Layout:
+    """qnn_htp on every stage (decoder: ctx 256, AR-32 + AR-1) with per-stage option overrides."""
+    stages = {}
+    for s in STAGES:
+        opts = dict(DECODER) if s == "decoder" else {}
+        opts.update(per_stage.get(s, {}))
+        stages[s] = StageAssignment(opts.pop("backend", "qnn_htp"), opts)
+    return Layout("test-qnn", stages)
+
+
+@pytest.fixture(scope="session")
+def registry():
+    from vlmrun import plugins
+
+    return plugins.load()
+
+
+def build(model, lay, store, registry, **kw):
+    return Pipeline.build(model, lay, store=store, registry=registry, **kw)
+
+
+@pytest.fixture(scope="session")
+def htp_pipe(tiny_model, store, registry):
+    t0 = time.perf_counter()
+    pipe = build(tiny_model, layout(), store, registry)
+    print(f"\n[qnn_htp] all-npu build (export + compile) {time.perf_counter() - t0:.1f} s")
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def prepared(ref_pipe, image_path):
+    return ref_pipe.prepare(image_path, PROMPT)
+
+
+@pytest.fixture(scope="session")
+def ref_tokens(ref_pipe, image_path):
+    return ref_pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=N_STEPS, ignore_eos=True)).run().token_ids
+
+
+@pytest.fixture(scope="session")
+def calib_dir(tmp_path_factory, image_path):
+    from PIL import Image, ImageOps
+
+    d = tmp_path_factory.mktemp("calib")
+    img = Image.open(image_path).convert("RGB")
+    img.save(d / "a.jpg")
+    ImageOps.mirror(img).save(d / "b.png")
+    img.rotate(90).save(d / "c.png")
+    return d
+
+
+@pytest.fixture(scope="session")
+def int8_pipe(tiny_model, store, calib_dir, registry):
+    return build(tiny_model, layout(vision={"precision": "int8", "calibration_images": str(calib_dir)}),
+                 store, registry, stages=("vision",))
+
+
+# -- compile, manifest, store ------------------------------------------------------------------------------
+def test_every_stage_compiles_for_sm8750_with_manifest(htp_pipe):
+    arts = [htp_pipe.handles[s].artifact for s in ("vision", "projector", "embed")] + htp_pipe.handles["decoder"].artifacts
+    assert len(arts) == 5  # decoder: AR-32 and AR-1
+    for art in arts:
+        m = art.manifest
+        assert m["qnn_version"] == "2.51.0" and m["ep_sdk_version"].startswith("v2.51")
+        assert (m["soc"], m["soc_model"], m["arch"], m["precision"], m["fallback"]) == ("SM8750", 69, "v79", "fp16", "disabled")
+        assert m["graphs"] and all(g for g in m["graphs"])
+        bins = [f for f in m["files"] if f.endswith(".bin")]
+        assert len(bins) == 1 and (art.path / bins[0]).stat().st_size > 1000
+        assert m["checksums"][bins[0]]["sha256"] == sha256_file(art.path / bins[0])
+        for t in (*m["inputs"], *m["outputs"]):
+            assert t["name"] and t["dtype"] and all(isinstance(d, int) and d > 0 for d in t["shape"]), t
+    dec = {tuple(a.manifest["inputs"][0]["shape"]) for a in htp_pipe.handles["decoder"].artifacts}
+    assert dec == {(1, 32, 64), (1, 1, 64)}
+
+
+def test_second_run_loads_from_store_without_compiling(htp_pipe, tiny_model, cache_dir, registry, monkeypatch):
+    import vlmrun_qnn_htp.ep as ep
+
+    def boom(*a, **k):
+        raise AssertionError("compile ran")
+
+    monkeypatch.setattr(ep, "compile_onnx", boom)
+    fresh = ArtifactStore(cache_dir)  # a new process's view: hashes are checked again
+    t0 = time.perf_counter()
+    build(tiny_model, layout(), fresh, registry)
+    warm = time.perf_counter() - t0
+    assert fresh.builds == []
+    print(f"\n[qnn_htp] warm all-npu load from the store {warm:.2f} s")
+
+
+def test_corrupted_bin_is_detected_and_rebuilt(htp_pipe, tiny_model, cache_dir, registry):
+    art = htp_pipe.handles["projector"].artifact
+    bin_path = next(art.path / f for f in art.manifest["files"] if f.endswith(".bin"))
+    data = bytearray(bin_path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bin_path.write_bytes(bytes(data))
+    fresh = ArtifactStore(cache_dir)
+    pipe = build(tiny_model, layout(), fresh, registry, stages=("projector",))
+    assert fresh.builds == [art.path.name]
+    assert sha256_file(bin_path) == pipe.handles["projector"].artifact.manifest["checksums"][bin_path.name]["sha256"]
+    assert not list((cache_dir / "artifacts").glob(".tmp-*"))
+
+
+# -- accuracy vs the reference -----------------------------------------------------------------------------
+def test_fp16_vision_and_projector_match_reference(htp_pipe, ref_pipe, prepared):
+    pv = {"pixel_values": prepared.pixel_values}
+    t0 = time.perf_counter()
+    f_htp = htp_pipe.run_stage("vision", pv)["image_features"]
+    t_vis = time.perf_counter() - t0
+    f_ref = ref_pipe.run_stage("vision", pv)["image_features"]
+    p_htp = htp_pipe.run_stage("projector", {"image_features": f_ref})["image_embeds"]
+    p_ref = ref_pipe.run_stage("projector", {"image_features": f_ref})["image_embeds"]
+    e_htp = htp_pipe.run_stage("embed", {"input_ids": prepared.input_ids})["inputs_embeds"]
+    e_ref = ref_pipe.run_stage("embed", {"input_ids": prepared.input_ids})["inputs_embeds"]
+    cv, cp, ce = cosine(f_htp, f_ref), cosine(p_htp, p_ref), cosine(e_htp, e_ref)
+    print(f"\n[qnn_htp] fp16 cosine vision {cv:.6f} projector {cp:.6f} embed {ce:.6f}; vision on emulator {t_vis:.2f} s")
+    assert cv >= 0.999 and cp >= 0.999 and ce >= 0.999
+    assert 0.05 < float(f_ref.std()) < 10  # the comparison carries signal
+
+
+def test_fp16_decoder_teacher_forced_and_free_running(htp_pipe, ref_pipe, prepared, ref_tokens, image_path):
+    embeds = ref_pipe.embed_prompt(prepared)
+    full = np.concatenate([embeds, ref_pipe.embed_tokens(np.asarray(ref_tokens))], axis=1)
+    T = embeds.shape[1]
+    t0 = time.perf_counter()
+    l_htp = htp_pipe.run_stage("decoder", {"inputs_embeds": full})["logits"][0, T - 1 : T - 1 + N_STEPS]
+    t_tf = time.perf_counter() - t0
+    l_ref = ref_pipe.run_stage("decoder", {"inputs_embeds": full})["logits"][0, T - 1 : T - 1 + N_STEPS]
+    agree = float((l_htp.argmax(-1) == np.asarray(ref_tokens)).mean())
+    cos = cosine(l_htp, l_ref)
+    steps = dict(htp_pipe.handles["decoder"].decoder.steps)
+    gen = htp_pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=N_STEPS, ignore_eos=True)).run()
+    free = float(np.mean([a == b for a, b in zip(gen.token_ids, ref_tokens)]))
+    print(f"\n[qnn_htp] decoder teacher-forced top-1 agreement {agree:.2f}, logits cosine {cos:.6f}"
+          f" ({T + N_STEPS} tokens in {t_tf:.2f} s, graph calls {steps}); free-running agreement {free:.2f};"
+          f" timings {json.dumps({k: round(v, 1) for k, v in gen.timings.items()})}")
+    assert agree >= 0.8 and cos >= 0.99
+    assert len(gen.token_ids) == N_STEPS
+
+
+def test_int8_vision_a8w8_16bit_softmax(int8_pipe, ref_pipe, prepared):
+    pv = {"pixel_values": prepared.pixel_values}
+    f8 = int8_pipe.run_stage("vision", pv)["image_features"]
+    c = cosine(f8, ref_pipe.run_stage("vision", pv)["image_features"])
+    m = int8_pipe.handles["vision"].artifact.manifest
+    print(f"\n[qnn_htp] int8 vision cosine {c:.5f} (calibration {m['quantization']['calibration']})")
+    assert c >= 0.99
+    assert m["precision"] == "int8" and m["quantization"]["softmax"] == "QUInt16"
+    assert m["quantization"]["calibration"] == "images:3"
+    q = m["io_quant"]["image_features"]
+    assert q["dtype"] == "uint8" and q["scale"] > 0
+
+
+# -- CLI ----------------------------------------------------------------------------------------------------
+def test_cli_compile_reuses_and_records_random_calibration(htp_pipe, cache_dir):
+    """`vlmrun compile` in a fresh process."""
+    from conftest import run_cli
+
+    def run(*args):
+        return run_cli(["compile", "--backend", "qnn_htp", "--image-size", "256", *args], cache_dir, timeout=300)
+
+    res = run("--stage", "vision")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "reused vision" in res.stdout and "SM8750" in res.stdout
+    res = run("--stage", "projector", "--precision", "int8", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    art = json.loads(res.stdout)["artifacts"][0]  # stdout is pure JSON: the QNN banner goes to stderr
+    m = json.loads((Path(art["path"]) / "manifest.json").read_text())
+    assert art["built"] and m["quantization"]["calibration"] == "random" and m["precision"] == "int8"
+    res = run("--stage", "vision", "--soc", "sm9999")
+    assert res.returncode != 0 and "unknown SoC 'sm9999'" in res.stderr
+
+
+def test_all_npu_layout_from_the_cli(htp_pipe, cache_dir, image_path, tmp_path):
+    from conftest import run_cli
+
+    lay = tmp_path / "npu.toml"
+    lay.write_text('base = "all-npu"\n[decoder]\ncontext_length = 256\nprefill_ar = 32\n')
+    res = run_cli(["--layout-file", str(lay), "--image-size", "256", "--image", str(image_path), "--prompt", "Hi",
+                   "--max-new-tokens", "4", "--ignore-eos", "--json"], cache_dir)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert set(out["layout"].values()) == {"qnn_htp"} and len(out["token_ids"]) == 4
+    assert {"vision_ms", "projector_ms", "embed_ms", "ttft_ms", "tokens_per_s"} <= set(out["timings"])
+    assert "compiling" not in res.stderr  # compiled once per test session, by the fixture
+
+
+# -- adb + qnn-net-run (stand-ins) --------------------------------------------------------------------------
+@pytest.fixture
+def device(tmp_path, monkeypatch):
+    """A fake SDK (qnn-net-run = the stand-in) and a fake phone behind the adb stand-in."""
+    sdk = tmp_path / "qairt"
+    exe = sdk / "bin" / "aarch64-android" / "qnn-net-run"
+    exe.parent.mkdir(parents=True)
+    # the "device" libs are dummies: keep the host's loader away from them (the real libs come with onnxruntime-qnn)
+    exe.write_text(f"#!/bin/sh\nexec env -u LD_LIBRARY_PATH -u ADSP_LIBRARY_PATH {sys.executable}"
+                   f" {STANDINS / 'qnn-net-run'} \"$@\"\n")
+    exe.chmod(0o755)
+    for lib in ("lib/aarch64-android/libQnnHtp.so", "lib/aarch64-android/libQnnHtpV79Stub.so",
+                "lib/aarch64-android/libQnnSystem.so", "lib/hexagon-v79/unsigned/libQnnHtpV79Skel.so"):
+        (sdk / lib).parent.mkdir(parents=True, exist_ok=True)
+        (sdk / lib).write_bytes(b"\x7fELF stand-in " + lib.encode())
+    monkeypatch.setenv("STANDIN_ADB_ROOT", str(tmp_path / "phone"))
+    monkeypatch.setenv("STANDIN_ADB_LOG", str(tmp_path / "adb.log"))
+    monkeypatch.delenv("STANDIN_QNN_NET_RUN_MODE", raising=False)
+    monkeypatch.delenv("QAIRT_SDK_ROOT", raising=False)
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    return {"target": "android", "sdk_root": str(sdk), "adb": str(STANDINS / "adb"), "log": tmp_path / "adb.log"}
+
+
+def android_pipe(tiny_model, store, device, registry, **extra):
+    opts = {k: v for k, v in device.items() if k != "log"}
+    opts.update(extra)
+    return build(tiny_model, layout(vision=opts), store, registry, stages=("vision",))
+
+
+def test_android_path_matches_local_and_skips_same_push(htp_pipe, tiny_model, store, device, prepared, registry):
+    pipe = android_pipe(tiny_model, store, device, registry)
+    pv = {"pixel_values": prepared.pixel_values}
+    remote = pipe.run_stage("vision", pv)["image_features"]
+    local = htp_pipe.run_stage("vision", pv)["image_features"]
+    np.testing.assert_allclose(remote, local, rtol=0, atol=1e-5)
+    log = device["log"].read_text()
+    assert "push" in log and "qnn-net-run --retrieve_context" in log and ":=" not in log  # list is a file
+    first = pipe.handles["vision"].adb
+    assert any(p.endswith(".bin") for p in first.pushed)
+    again = android_pipe(tiny_model, store, device, registry).handles["vision"].adb
+    assert not any(p.endswith(".bin") for p in again.pushed) and any(p.endswith(".bin") for p in again.skipped)
+
+
+def test_native_uint8_output_is_dequantized(int8_pipe, tiny_model, store, device, prepared, calib_dir, registry,
+                                           monkeypatch):
+    art = int8_pipe.handles["vision"].artifact
+    q = art.manifest["io_quant"]["image_features"]
+    monkeypatch.setenv("STANDIN_NATIVE_QUANT", json.dumps({"image_features": q}))
+    pipe = android_pipe(tiny_model, store, device, registry, precision="int8", calibration_images=str(calib_dir),
+                        native_outputs=True)
+    pv = {"pixel_values": prepared.pixel_values}
+    raw = pipe.handles["vision"].run(pv)["image_features"]
+    assert isinstance(raw, QuantizedTensor) and raw.data.dtype == np.uint8
+    assert (raw.scale, raw.offset) == (q["scale"], q["offset"])
+    local = int8_pipe.run_stage("vision", pv)["image_features"]
+    expect = (raw.data.astype(np.float32) + q["offset"]) * q["scale"]
+    deq = pipe.run_stage("vision", pv)["image_features"]  # the core dequantizes at the boundary
+    assert deq.dtype == np.float32
+    np.testing.assert_allclose(deq, expect, atol=1e-6)
+    assert np.abs(deq - local).max() <= q["scale"] * 0.51 + 1e-6
+
+
+# -- faults ---------------------------------------------------------------------------------------------
+def test_binary_for_another_soc_or_newer_qnn_is_refused(htp_pipe, tiny_model, store, registry, tmp_path):
+    import onnx
+
+    from vlmrun_qnn_htp import ep, socs
+
+    other = build(tiny_model, layout(projector={"soc": "sm8650"}), store, registry, stages=("projector",))
+    art = other.handles["projector"].artifact
+    assert (art.manifest["soc"], art.manifest["arch"], art.manifest["soc_model"]) == ("SM8650", "v75", 57)
+    with pytest.raises(BackendError, match="built for SM8650/v75 but the target is SM8750/v79"):
+        ep.check_binary(art.manifest, art.file(), socs.soc("SM8750"), "projector")
+    mine = htp_pipe.handles["projector"].artifact
+    copy = tmp_path / "newer"
+    shutil.copytree(mine.path, copy)
+    m = onnx.load(str(copy / mine.manifest["files"][0]))
+    for n in m.graph.node:
+        for a in n.attribute:
+            if a.name == "ep_sdk_version":
+                a.s = b"v2.60.0.999"
+    onnx.save(m, str(copy / mine.manifest["files"][0]))
+    with pytest.raises(BackendError, match=r"built with QNN 2\.60\.0\.999 but this runtime is QNN 2\.51"):
+        ep.check_binary(mine.manifest, copy / mine.manifest["files"][0], socs.soc("SM8750"), "projector")
+
+
+def test_op_rejected_by_htp_is_named_and_nothing_half_written(store, tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from vlmrun_qnn_htp import ep, socs
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Det", ["r"], ["y"], name="the_det")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    src = tmp_path / "det.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(src))
+    key = {"stage": "faulty", "backend": "qnn_htp", "kind": "det"}
+    with pytest.raises(BackendError, match=r"unsupported op\(s\) Det \(node the_det\)"):
+        store.get_or_build(key, lambda tmp: ep.compile_onnx(src, tmp, "det", socs.soc(None), "test graph"))
+    assert not store.path_for(key).exists()
+    assert not list((store.root / "artifacts").glob(".tmp-*"))
+
+
+def test_qnn_net_run_failure_hang_and_short_output(htp_pipe, tiny_model, store, device, prepared, registry,
+                                                   monkeypatch):
+    pipe = android_pipe(tiny_model, store, device, registry)
+    handle = pipe.handles["vision"]
+    pv = {"pixel_values": prepared.pixel_values}
+    monkeypatch.setenv("STANDIN_QNN_NET_RUN_MODE", "fail")
+    with pytest.raises(BackendError, match=r"qnn-net-run \(vision\) exited with code 1 .*err 5005"):
+        handle.run(pv)
+    monkeypatch.setenv("STANDIN_QNN_NET_RUN_MODE", "short")
+    with pytest.raises(BackendError, match=r"output 'image_features' is 8192 bytes, expected 16384"):
+        handle.run(pv)
+    monkeypatch.setenv("STANDIN_QNN_NET_RUN_MODE", "hang")
+    handle.timeout = 2.0
+    t0 = time.perf_counter()
+    with pytest.raises(BackendError, match=r"qnn-net-run \(vision\) timed out after 2 s"):
+        handle.run(pv)
+    assert time.perf_counter() - t0 < 15
+
+
+def test_adb_device_selection_and_sdk_errors(device, monkeypatch):
+    from vlmrun.adb import Adb
+    from vlmrun_qnn_htp.netrun import sdk_root
+
+    adb = device["adb"]
+    monkeypatch.setenv("STANDIN_ADB_DEVICES", "")
+    with pytest.raises(BackendError, match="no Android device connected"):
+        Adb.connect(None, adb)
+    monkeypatch.setenv("STANDIN_ADB_DEVICES", "A1:device,B2:device")
+    with pytest.raises(BackendError, match=r"several Android devices connected \(A1 \(device\), B2 \(device\)\)"):
+        Adb.connect(None, adb)
+    assert Adb.connect("B2", adb).serial == "B2"
+    monkeypatch.setenv("STANDIN_ADB_DEVICES", "C3:unauthorized")
+    with pytest.raises(BackendError, match="device C3 is unauthorized"):
+        Adb.connect(None, adb)
+    with pytest.raises(BackendError, match="set QAIRT_SDK_ROOT"):
+        sdk_root(None)
+    line = Adb.command_line(["ls", "/data/local/tmp/my dir"], cwd="/data/x y", env={"A": "b c"})
+    assert line == "cd '/data/x y' && env A='b c' ls '/data/local/tmp/my dir'"
