@@ -694,7 +694,7 @@ def run(
     ``image`` defaults to the built-in demo image, ``prompt`` to "Describe the image." (or what a loaded
     reference capture used). Thresholds: defaults of ``precision`` < ``thresholds_file`` < ``thresholds``.
     """
-    from .model import FastVLMModel, default_model
+    from .model import open_model
     from .pipeline import GenerationSettings, no_progress
     from .store import ArtifactStore
 
@@ -731,12 +731,7 @@ def run(
                 raise UsageError(f"image {image} does not exist")
         if not isinstance(store, ArtifactStore):
             store = ArtifactStore(store)
-        if isinstance(model, FastVLMModel):
-            fvlm = model
-        elif model is None:
-            fvlm = default_model(store, image_size, progress)
-        else:
-            fvlm = FastVLMModel.open(model, store)
+        fvlm = open_model(model, store, image_size, progress)
         if registry is None:
             from . import plugins as plugins_mod
 

@@ -258,3 +258,13 @@ def default_model(store: ArtifactStore, image_size: int = 1024, progress=None) -
 
     art = store.get_or_build({"stage": "model", "kind": TINY_VERSION, "image_size": image_size}, build)
     return FastVLMModel(art.path, art.path, "fast_vlm")
+
+
+def open_model(model, store: ArtifactStore, image_size: int = 1024, progress=None) -> FastVLMModel:
+    """A FastVLMModel from an instance, a checkpoint directory, or ``None`` (the tiny default model)."""
+    if isinstance(model, FastVLMModel):
+        return model
+    if model is None:
+        return default_model(store, image_size, progress)
+    return FastVLMModel.open(model, store)
+

@@ -23,7 +23,7 @@ import numpy as np
 from . import layouts as layouts_mod
 from . import plugins as plugins_mod
 from .errors import BackendError, InputError
-from .model import FastVLMModel, default_model
+from .model import FastVLMModel, open_model
 from .preprocess import load_image, preprocess_image, render_prompt, splice, tokenize_prompt
 from .sampling import Sampler, SamplingSettings
 from .stages import CONTRACTS, STAGES, DecodeRequest, ExportForm, check_tensor
@@ -248,12 +248,7 @@ class Pipeline:
         if not isinstance(store, ArtifactStore):
             store = ArtifactStore(store)
         store.clean_stale()
-        if isinstance(model, FastVLMModel):
-            fvlm = model
-        elif model is None:
-            fvlm = default_model(store, image_size, progress)
-        else:
-            fvlm = FastVLMModel.open(model, store)
+        fvlm = open_model(model, store, image_size, progress)
         pipe = cls(fvlm, layout, registry, store, {}, progress)
         for stage in stages:
             pipe.handles[stage] = pipe._load(stage, rebuild)
