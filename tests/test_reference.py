@@ -117,3 +117,23 @@ def test_apple_llava_qwen2_layout_gives_the_same_tokens(ref_pipe, tiny_model, st
     ours = pipe.generate(image_path, "What is in the picture?", settings).run().token_ids
     ref = ref_pipe.generate(image_path, "What is in the picture?", settings).run().token_ids
     assert ours == ref and len(ours) == N_TOKENS
+
+
+def test_embedding_luts(ref_pipe, tiny_model, store):
+    from safetensors.numpy import load_file
+
+    from vlmrun.pipeline import export_artifact
+    from vlmrun.stages import ExportForm
+
+    art = export_artifact(ref_pipe.registry, store, tiny_model, ExportForm.of("embed", "embed/lut"))
+    weights = load_file(str(tiny_model.path / "model.safetensors"))
+    table = next(v for k, v in weights.items() if k.endswith("language_model.embed_tokens.weight"))
+    f32 = np.load(art.file("embed_lut_f32.npy"))
+    q = np.load(art.file("embed_lut_int8.npy"))
+    scale = art.manifest["int8_scale"]
+    assert f32.shape == table.shape == (tiny_model.vocab_size, tiny_model.hidden_size)
+    assert np.array_equal(f32, table)  # row t is token t's embedding
+    assert q.dtype == np.int8 and np.abs(q).max() == 127
+    assert np.isclose(scale, np.abs(table).max() / 127)
+    assert np.abs(q.astype(np.float32) * scale - table).max() <= scale / 2 + 1e-7
+    assert np.count_nonzero(q) > 0.9 * np.count_nonzero(table)  # not rounded to zero (the seed notes' bug)

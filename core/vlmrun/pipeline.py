@@ -291,8 +291,12 @@ class Pipeline:
         for spec in contract.outputs:
             if spec.name not in out:
                 raise BackendError(f"backend '{backend}' returned no '{spec.name}' from stage '{stage}'")
-            result[spec.name] = check_tensor(out[spec.name], spec, dims, f"{backend} ({stage})", "the next stage")
+            result[spec.name] = check_tensor(out[spec.name], spec, dims, f"{backend} ({stage})", self._consumer(stage))
         return result
+
+    def _consumer(self, stage: str) -> str:
+        nxt = {"vision": "projector", "projector": "decoder", "embed": "decoder"}.get(stage)
+        return f"{self.layout.backend(nxt)} ({nxt})" if nxt else "the sampler"
 
     def prepare(self, image, prompt: str, system: str | None = None) -> Prepared:
         """Image path or PIL image + question -> pixel_values and token ids (placeholder expanded)."""
