@@ -45,6 +45,9 @@ def _pipeline_options(f):
                           " adb (needs the QNN SDK: QAIRT_SDK_ROOT). [default: local]")(f)
     f = click.option("--device", "device_serial", metavar="SERIAL", default=None,
                      help="adb serial of the phone, when more than one is connected.")(f)
+    f = click.option("--decoder-engine", type=click.Choice(["host", "genie"]), default=None,
+                     help="How qnn_htp drives its compiled decoder graphs: vlmrun's host loop, or Qualcomm's Genie"
+                          " runtime (libGenie). [default: host]")(f)
     f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
     return _stage_options(f)
 
@@ -85,6 +88,7 @@ def _stage_option_overrides(opts: dict) -> dict:
     out = {s: {"compiler": opts.get("compiler"), "target": opts.get("target"), "device": opts.get("device_serial")}
            for s in STAGES}
     out["decoder"]["context_length"] = opts.get("context_length")
+    out["decoder"]["engine"] = opts.get("decoder_engine")
     return out
 
 

@@ -30,6 +30,8 @@ def _artifacts_of(handle) -> list:
 @click.option("--layout", default=None, help="Layout preset whose stage backends and options to use (e.g. all-npu).")
 @click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")
 @click.option("--precision", type=click.Choice(["fp16", "int8", "a16w8"]), help="Numeric precision. [default: fp16]")
+@click.option("--quantize", type=click.Choice(["none", "z8", "q4"]),
+              help="genie_cpu model-bin quantization (the SDK composer's Z8 / Q4). [default: none]")
 @click.option("--calibration-images", type=click.Path(path_type=Path),
               help="Folder of images to calibrate int8 (default: random data, labelled so in the manifest).")
 @click.option("--soc", help="Target SoC, e.g. sm8750 (default), sm8650, sm8550.")
@@ -43,7 +45,7 @@ def _artifacts_of(handle) -> list:
 @click.option("--rebuild", is_flag=True, help="Compile again even if the store has the artifacts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object describing the artifacts.")
 @click.option("--debug", is_flag=True, hidden=True)
-def compile_command(backend, stages, layout, layout_file, precision, calibration_images, soc, context_length,
+def compile_command(backend, stages, layout, layout_file, precision, quantize, calibration_images, soc, context_length,
                     model_dir, image_size, cache_dir, rebuild, as_json, debug):
     """Compile stages into a backend's own format (e.g. QNN context binaries) and store them with a manifest."""
     from . import layouts as layouts_mod
@@ -59,7 +61,7 @@ def compile_command(backend, stages, layout, layout_file, precision, calibration
         raise UsageError("--calibration-images is for int8 precisions; add --precision int8")
     overrides = {s: backend for s in chosen} if backend else None
     base = layouts_mod.resolve(layout, layout_file, overrides)
-    extra = {"precision": precision, "soc": soc,
+    extra = {"precision": precision, "soc": soc, "quantize": quantize,
              "calibration_images": str(calibration_images) if calibration_images else None}
     staged = {}
     for s in STAGES:
@@ -79,7 +81,7 @@ def compile_command(backend, stages, layout, layout_file, precision, calibration
             report.append({
                 "stage": s, "backend": lay.backend(s), "path": str(art.path),
                 "built": art.path.name in pipe.store.builds,
-                **{k: m[k] for k in ("precision", "soc", "arch", "qnn_version", "graphs", "files", "binary_bytes",
+                **{k: m[k] for k in ("precision", "quantize", "soc", "arch", "qnn_version", "graphs", "files", "binary_bytes",
                                      "compile_s") if k in m},
             })
     if as_json:
@@ -87,7 +89,7 @@ def compile_command(backend, stages, layout, layout_file, precision, calibration
         return
     for r in report:
         what = "built " if r["built"] else "reused"
-        detail = " ".join(f"{k}={r[k]}" for k in ("precision", "soc", "arch", "qnn_version") if k in r)
+        detail = " ".join(f"{k}={r[k]}" for k in ("precision", "quantize", "soc", "arch", "qnn_version") if k in r)
         click.echo(f"{what} {r['stage']:<9} {r['backend']:<14} {detail} -> {r['path']}")
     if not report:
         click.echo(f"nothing to compile: {', '.join(chosen)} on {lay.describe()} keep no compiled artifacts")

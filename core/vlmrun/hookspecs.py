@@ -129,5 +129,7 @@ def decode(backend, handle, request):
                     ``embed_tokens(ids) -> [1, n, hidden]`` to embed generated tokens, and
                     ``context_length``.
     :return: an iterator of generated token ids (ints), yielded as soon as each is known so the core can
-             stream text and time the first token.
+             stream text and time the first token. A handle whose runtime measures itself may set
+             ``handle.last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the iteration; those
+             figures replace the host-clock ones.
     """

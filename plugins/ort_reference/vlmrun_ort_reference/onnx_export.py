@@ -12,6 +12,10 @@ Graph forms (``ExportForm.kind``):
 ``decoder/fixed`` fixed KV for NPUs, params ``ar`` (N) and ``ctx`` (C): inputs_embeds [1,N,H], attention_mask
                   float32 additive [1,1,N,C] (0 or -65504), position_ids int32 [1,N], past_key_i/past_value_i
                   [1,KV,C-N,D] -> logits [1,N,V], new_key_i/new_value_i [1,KV,N,D]
+``decoder/genie`` Genie's I/O layout (QnnHtp engine), params ``ar`` (N), ``ctx`` (C), ``input`` ("embeds" or
+                  "ids"): inputs_embeds [1,N,H] (or input_ids int32 [1,N]), attention_mask f32 additive [1,N,C],
+                  position_ids_cos/position_ids_sin [1,1,N,D/2], past_key_i_in [KV,1,D,C-N], past_value_i_in
+                  [KV,1,C-N,D] -> logits [1,N,V], past_key_i_out [KV,1,D,N], past_value_i_out [KV,1,N,D]
 
 The decoder is written out explicitly over the checkpoint's own Qwen2 modules (same weights, same math as
 transformers' eager attention) with a precomputed rotary cos/sin table looked up by position, which keeps the
@@ -93,6 +97,9 @@ def build_wrapper(model, form):
 
     if form.kind in ("decoder/kv", "decoder/fixed"):
         return _decoder_wrapper(model, fvlm, form)
+
+    if form.kind == "decoder/genie":
+        return _genie_decoder_wrapper(model, fvlm, form)
 
     return None
 
@@ -189,6 +196,69 @@ def _decoder_wrapper(model, fvlm, form):
         axes.update({n: {2: "total"} for n in kv_out})
     names_in = ["inputs_embeds", "attention_mask", "position_ids", *kv_in]
     return Decoder(), ex, names_in, ["logits", *kv_out], axes
+
+
+def _genie_decoder_wrapper(model, fvlm, form):
+    """The decoder in Genie's QnnHtp I/O layout (see the module docstring): the host (Genie) owns the KV cache,
+    the additive mask and the rotary cos/sin (half head_dim, HF's rotate_half convention)."""
+    torch, F = _torch()
+    nn = torch.nn
+    lm = fvlm.model.language_model
+    L, KV, D, H = model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size
+    nh = model.num_heads
+    rep = nh // KV
+    ctx = int(form.get("ctx"))
+    ar = int(form.get("ar") or 1)
+    by_ids = str(form.get("input") or "embeds") == "ids"
+    half = D // 2
+
+    class GenieDecoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+            self.lm_head = fvlm.lm_head
+
+        def forward(self, x, attention_mask, cos, sin, *past):
+            h = F.embedding(x.long(), self.lm.embed_tokens.weight) if by_ids else x
+            T = h.shape[1]
+            mask = attention_mask[:, None]  # [1,1,T,C] broadcast over [KV,rep,T,C]
+
+            def rope(t):  # t [.., T, D]; cos/sin [1,1,T,D/2]
+                a, b = t[..., :half], t[..., half:]
+                return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+            outs = []
+            for i, layer in enumerate(self.lm.layers):
+                attn = layer.self_attn
+                xn = layer.input_layernorm(h)
+                q = rope(attn.q_proj(xn).view(1, T, nh, D).transpose(1, 2))  # [1,nh,T,D]
+                k = rope(attn.k_proj(xn).view(1, T, KV, D).transpose(1, 2))  # [1,KV,T,D]
+                v = attn.v_proj(xn).view(1, T, KV, D).transpose(1, 2)  # [1,KV,T,D]
+                k_out = k.permute(1, 0, 3, 2)  # [KV,1,D,T]
+                v_out = v.permute(1, 0, 2, 3)  # [KV,1,T,D]
+                k_all = torch.cat([past[2 * i], k_out], dim=3)  # [KV,1,D,C]
+                v_all = torch.cat([past[2 * i + 1], v_out], dim=2)  # [KV,1,C,D]
+                qg = q.view(KV, rep, T, D)
+                scores = torch.matmul(qg, k_all) * attn.scaling + mask  # [KV,rep,T,C]
+                probs = torch.softmax(scores.float(), dim=-1)
+                o = torch.matmul(probs, v_all).reshape(1, nh, T, D).transpose(1, 2).reshape(1, T, nh * D)
+                h = h + attn.o_proj(o)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                outs += [k_out, v_out]
+            logits = self.lm_head(self.lm.norm(h))
+            return (logits, *outs)
+
+    past_len = ctx - ar
+    kv_in, ex_kv = [], []
+    for i in range(L):
+        kv_in += [f"past_key_{i}_in", f"past_value_{i}_in"]
+        ex_kv += [torch.zeros(KV, 1, D, past_len), torch.zeros(KV, 1, past_len, D)]
+    kv_out = [n for i in range(L) for n in (f"past_key_{i}_out", f"past_value_{i}_out")]
+    first = torch.zeros(1, ar, dtype=torch.int32) if by_ids else torch.zeros(1, ar, H)
+    ex = (first, torch.zeros(1, ar, ctx), torch.ones(1, 1, ar, half), torch.zeros(1, 1, ar, half), *ex_kv)
+    names_in = ["input_ids" if by_ids else "inputs_embeds", "attention_mask", "position_ids_cos",
+                "position_ids_sin", *kv_in]
+    return GenieDecoder(), ex, names_in, ["logits", *kv_out], None
 
 
 def export_stage(model, form, out_dir: Path) -> dict | None:

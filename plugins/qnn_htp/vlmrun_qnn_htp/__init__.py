@@ -14,7 +14,8 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 ``calibration_images`` folder of images for int8 (default: random data, labelled so in the manifest)
 ``context_length``  decoder context the graphs are compiled for (default 512)
 ``prefill_ar``      decoder prefill chunk (AR-N) (default 64)
-``engine``          decoder engine: ``host`` (this loop; Genie lives in its own plugin)
+``engine``          decoder engine: ``host`` (this loop) or ``genie`` (Genie on QnnHtp via libGenie from
+                    onnxruntime-qnn, graphs in Genie's I/O layout, see :mod:`.genie_engine`)
 ``embed_seq``       static sequence length of the embed graph; longer inputs run in chunks (default 32)
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
                     ``native_outputs``, ``timeout``
@@ -42,7 +43,7 @@ NAME = "qnn_htp"
 __version__ = "0.1.0"
 
 PRECISIONS = ("fp16", "int8", "a16w8")
-ENGINES = ("host",)
+ENGINES = ("host", "genie")
 DEFAULT_CONTEXT = 512
 DEFAULT_PREFILL_AR = 64
 DEFAULT_EMBED_SEQ = 32
@@ -97,6 +98,8 @@ def forms(stage: str, opts: dict) -> list[ExportForm]:
     if stage == "decoder":
         ctx = opts["context_length"]
         ars = sorted({opts["prefill_ar"], 1}, reverse=True)
+        if opts.get("engine") == "genie":
+            return [ExportForm.of("decoder", "decoder/genie", ar=ar, ctx=ctx, input="embeds") for ar in ars]
         return [ExportForm.of("decoder", "decoder/fixed", ar=ar, ctx=ctx) for ar in ars]
     if stage == "embed":
         return [ExportForm.of("embed", seq=opts["embed_seq"])]
@@ -247,6 +250,12 @@ def load_stage(backend, stage, ctx):
     arts = [_compiled(ctx, stage, opts, f) for f in forms(stage, opts)]
     for art in arts:
         ep.check_binary(art.manifest, art.file(), soc, f"{stage} ({art.path.name})")
+    if stage == "decoder" and opts["engine"] == "genie":
+        from .genie_engine import GenieHtpHandle
+
+        lut = ctx.exported(ExportForm.of("embed", "embed/lut")).file("embed_lut_f32.npy")
+        return GenieHtpHandle(ctx.model, [(int(f.get("ar")), a) for f, a in zip(forms(stage, opts), arts)],
+                              opts["context_length"], soc, lut, float(ctx.options.get("timeout") or 600))
     if stage == "decoder":
         from .decoder import FixedKVDecoder
 
@@ -282,11 +291,13 @@ def run_stage(backend, stage, handle, inputs):
         return None
     if stage == "decoder":
         return {"logits": handle.decoder.forward_all(np.asarray(inputs["inputs_embeds"], np.float32))}
-    return handle.run(dict(inputs))
+    return handle.run(dict(inputs))  # GenieHtpHandle.decoder is the host loop over the same Genie-layout graphs
 
 
 @hookimpl
 def decode(backend, handle, request):
     if not mine(backend, NAME):
         return None
+    if hasattr(handle, "genie_generate"):
+        return handle.genie_generate(request)
     return handle.decoder.generate(request)

@@ -1,0 +1,864 @@
+"""Genie (Qualcomm's LLM runtime), shared by the plugins that decode through it (``qnn_htp`` engine ``genie`` and
+``genie_cpu``): dialog configs generated from the model's own config, the sampler from vlmrun's settings, a
+ctypes binding of ``libGenie.so``, and a runner for the SDK's ``genie-t2t-run``.
+
+No runtime is imported here: the caller names the ``libGenie.so`` to load (``onnxruntime-qnn`` ships one; the
+QAIRT SDK has one per target) and the ``genie-t2t-run`` executable (or an adb transport) to run.
+
+Dialog config (root ``"dialog"``, as ``genie-t2t-run`` and ``GenieDialogConfig_createFromJson`` read it)::
+
+    {"dialog": {"version": 1, "type": "basic", "max-num-tokens": N,
+                "context": {"version": 1, "size", "n-vocab", "bos-token", "eos-token", "pad-token", "n-embd"},
+                "sampler": {"version": 1, "seed", "temp", "top-k", "top-p", "greedy"},
+                "tokenizer": {"version": 1, "path": "tokenizer.json"},
+                "embedding": {"version": 1, "size": H, "datatype": "float32"},          (embedding input)
+                "engine": {"version": 1, "n-threads", "backend": {...}, "model": {...}}}}
+
+``genie-t2t-run`` contract (QAIRT ``genie-t2t-run``): ``-c CFG (-p P | --prompt_file F | -e EMB[,T,S,O] [-t LUT]
+| -tok F) [--embedding_query_output_type text|token] [--profile FILE] [--log LEVEL]``; ``-t`` needs ``-e``,
+``-e`` excludes ``-p``/``--prompt_file``/``-tok``, the ``--profile`` file must not exist. It prints
+``[BEGIN]: <text>...[END]`` on stdout, errors on stderr and exits non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from .errors import BackendError, UsageError
+from .sampling import SamplingSettings
+
+BACKENDS = ("QnnHtp", "QnnGenAiTransformer")
+
+# Genie status codes (GenieCommon.h)
+STATUS = {
+    0: "SUCCESS",
+    1: "WARNING_ABORTED",
+    2: "WARNING_BOUND_HANDLE",
+    3: "WARNING_CONTEXT_EXCEEDED",
+    -1: "ERROR_GENERAL",
+    -2: "ERROR_INVALID_ARGUMENT",
+    -3: "ERROR_MEM_ALLOC",
+    -4: "ERROR_INVALID_CONFIG",
+    -5: "ERROR_INVALID_HANDLE",
+    -6: "ERROR_QUERY_FAILED",
+    -7: "ERROR_JSON_FORMAT",
+    -8: "ERROR_JSON_SCHEMA",
+    -9: "ERROR_JSON_VALUE",
+    -10: "ERROR_GENERATE_FAILED",
+    -11: "ERROR_GET_HANDLE_FAILED",
+    -12: "ERROR_APPLY_CONFIG_FAILED",
+    -13: "ERROR_SET_PARAMS_FAILED",
+    -14: "ERROR_BOUND_HANDLE",
+}
+HINTS = {
+    -4: "a key or value of the dialog config is invalid",
+    -7: "the dialog config is not valid JSON",
+    -8: "the dialog config does not follow Genie's schema (a missing or unknown key)",
+    -9: "a value in the dialog config is out of range or of the wrong type",
+}
+SENTENCE_COMPLETE, SENTENCE_BEGIN, SENTENCE_CONTINUE, SENTENCE_END, SENTENCE_ABORT = 0, 1, 2, 3, 4
+
+
+def status_name(code: int) -> str:
+    return f"GENIE_STATUS_{STATUS.get(int(code), 'UNKNOWN')} ({int(code)})"
+
+
+# -- model facts and configs ----------------------------------------------------------------------------------
+@attrs.frozen
+class GenieModel:
+    """What a Genie config needs to know about the LLM, read from the model's own config."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    bos: int
+    eos: tuple[int, ...]
+    pad: int
+    max_context: int
+
+    @classmethod
+    def from_config(cls, config: Mapping, extra_eos: Sequence[int] = ()) -> "GenieModel":
+        """From a checkpoint's ``config.json`` dict (native ``fast_vlm`` with ``text_config``, or a bare LLM)."""
+        text = dict(config.get("text_config") or config)
+
+        def pick(key, default=None):
+            for src in (text, config):
+                if src.get(key) is not None:
+                    return src[key]
+            return default
+
+        try:
+            hidden = int(text["hidden_size"])
+            heads = int(text["num_attention_heads"])
+            vocab = int(text["vocab_size"])
+            layers = int(text["num_hidden_layers"])
+        except KeyError as exc:
+            raise UsageError(f"the model config has no {exc.args[0]}: cannot generate a Genie config") from None
+        eos_raw = pick("eos_token_id")
+        eos = [eos_raw] if isinstance(eos_raw, int) else list(eos_raw or [])
+        eos += [int(e) for e in extra_eos if int(e) not in eos]
+        if not eos:
+            raise UsageError("the model config has no eos_token_id: cannot generate a Genie config")
+        bos = pick("bos_token_id", eos[0])
+        pad = pick("pad_token_id", bos)
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        theta = float(rope.get("rope_theta") or text.get("rope_theta") or 10000.0)
+        return cls(
+            vocab=vocab, hidden=hidden, layers=layers, heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            rope_theta=theta, bos=int(bos), eos=tuple(int(e) for e in eos), pad=int(pad),
+            max_context=int(text.get("max_position_embeddings") or 32768),
+        )
+
+    @classmethod
+    def from_model(cls, model) -> "GenieModel":
+        """From a :class:`vlmrun.model.FastVLMModel` (its config plus the stop ids of its generation config)."""
+        facts = cls.from_config(model.config)
+        extra = sorted(set(model.stop_ids) - set(facts.eos))
+        return attrs.evolve(facts, eos=facts.eos + tuple(extra)) if extra else facts
+
+
+def sampler_config(settings: SamplingSettings, vocab: int) -> dict:
+    """Genie's sampler section from vlmrun's sampling settings (top-k 0 = off = the whole vocabulary).
+
+    Greedy is written as ``greedy: true`` AND ``top-k: 1``: Genie's ``greedy`` flag alone did not give the
+    argmax on the HTP emulator (it picked a token whose logit was not the largest)."""
+    s = settings or SamplingSettings()
+    return {
+        "version": 1,
+        "seed": int(s.seed),
+        "temp": float(s.temperature) if not s.greedy else 1.0,
+        "top-k": 1 if s.greedy else (int(s.top_k) if s.top_k > 0 else int(vocab)),
+        "top-p": float(s.top_p),
+        "greedy": bool(s.greedy),
+    }
+
+
+def dialog_config(
+    facts: GenieModel,
+    backend: str,
+    *,
+    tokenizer: str | os.PathLike,
+    context_size: int,
+    sampling: SamplingSettings = SamplingSettings(),
+    max_new_tokens: int = 64,
+    ctx_bins: Sequence[str | os.PathLike] = (),
+    model_bin: str | os.PathLike | None = None,
+    embeddings: bool = True,
+    eos: Sequence[int] | None = None,
+    n_threads: int | None = None,
+    kv_quantization: bool = False,
+) -> dict:
+    """A Genie dialog config for ``backend`` ("QnnHtp": ``ctx_bins``; "QnnGenAiTransformer": ``model_bin``).
+
+    Every model number comes from ``facts`` (the model's own config), never a constant. ``eos`` overrides the
+    stop tokens (e.g. the request's). ``embeddings`` declares float32 embedding input of width n-embd.
+    """
+    if backend not in BACKENDS:
+        raise UsageError(f"Genie backend '{backend}' is not one of {', '.join(BACKENDS)}")
+    ctx = int(context_size)
+    if ctx < 2 or ctx > facts.max_context:
+        raise UsageError(f"Genie context size {ctx} is outside 2..{facts.max_context} (the model's maximum)")
+    stops = [int(e) for e in (facts.eos if eos is None else eos)]
+    context = {
+        "version": 1,
+        "size": ctx,
+        "n-vocab": facts.vocab,
+        "bos-token": facts.bos,
+        "eos-token": stops[0] if len(stops) == 1 else stops,
+        "pad-token": facts.pad,
+    }
+    if embeddings:
+        context["n-embd"] = facts.hidden
+    threads = int(n_threads or min(6, os.cpu_count() or 1))
+    if backend == "QnnHtp":
+        if not ctx_bins:
+            raise UsageError("a QnnHtp Genie config needs the context binaries (ctx-bins)")
+        be = {
+            "version": 1,
+            "type": "QnnHtp",
+            "QnnHtp": {
+                "version": 1,
+                "spill-fill-bufsize": 0,
+                "use-mmap": False,
+                "mmap-budget": 0,
+                "poll": False,
+                "cpu-mask": "0xe0",
+                "kv-dim": facts.head_dim,
+                "allow-async-init": False,
+            },
+        }
+        model = {
+            "version": 1,
+            "type": "binary",
+            "binary": {"version": 1, "ctx-bins": [str(b) for b in ctx_bins]},
+            "positional-encoding": {"type": "rope", "rope-dim": facts.head_dim // 2, "rope-theta": facts.rope_theta},
+        }
+    else:
+        if not model_bin:
+            raise UsageError("a QnnGenAiTransformer Genie config needs the composer's model bin")
+        be = {
+            "version": 1,
+            "type": "QnnGenAiTransformer",
+            "QnnGenAiTransformer": {
+                "version": 1,
+                "use-mmap": False,
+                "kv-quantization": bool(kv_quantization),
+                "n-logits": 1,
+                "n-layer": facts.layers,
+                "n-embd": facts.hidden,
+                "n-heads": facts.heads,
+                "n-kv-heads": facts.kv_heads,
+                "model-input": "embeddings" if embeddings else "tokens",
+            },
+        }
+        model = {"version": 1, "type": "library", "library": {"version": 1, "model-bin": str(model_bin)}}
+    dialog = {
+        "version": 1,
+        "type": "basic",
+        "max-num-tokens": int(max_new_tokens),
+        "context": context,
+        "sampler": sampler_config(sampling, facts.vocab),
+        "tokenizer": {"version": 1, "path": str(tokenizer)},
+        "engine": {"version": 1, "n-threads": threads, "backend": be, "model": model},
+    }
+    if embeddings:
+        dialog["embedding"] = {"version": 1, "size": facts.hidden, "datatype": "float32"}
+    return {"dialog": dialog}
+
+
+# -- files --------------------------------------------------------------------------------------------------
+def write_embeddings(path: str | os.PathLike, inputs_embeds: np.ndarray) -> Path:
+    """The ``-e`` file: raw float32 [N, hidden] in the spliced order (``inputs_embeds`` [1,N,H] or [N,H])."""
+    arr = np.asarray(inputs_embeds, dtype=np.float32)
+    if arr.ndim == 3:
+        if arr.shape[0] != 1:
+            raise UsageError(f"embeddings for Genie must be one sequence, got batch {arr.shape[0]}")
+        arr = arr[0]
+    if arr.ndim != 2:
+        raise UsageError(f"embeddings for Genie must be [N, hidden], got {list(arr.shape)}")
+    path = Path(path)
+    np.ascontiguousarray(arr).tofile(path)
+    return path
+
+
+def write_lut(path: str | os.PathLike, table: np.ndarray) -> Path:
+    """The ``-t`` file: raw float32 [vocab, hidden], row = token id."""
+    path = Path(path)
+    np.ascontiguousarray(np.asarray(table, dtype=np.float32)).tofile(path)
+    return path
+
+
+# -- profile ------------------------------------------------------------------------------------------------
+def _us(entry) -> float | None:
+    if isinstance(entry, Mapping):
+        value, unit = entry.get("value"), str(entry.get("unit", "us")).lower()
+        if value is None:
+            return None
+        scale = {"us": 1e-3, "ms": 1.0, "s": 1e3, "ns": 1e-6}.get(unit)
+        return float(value) * scale if scale is not None else float(value)
+    return float(entry) * 1e-3 if isinstance(entry, (int, float)) else None
+
+
+def _val(entry) -> float | None:
+    if isinstance(entry, Mapping):
+        v = entry.get("value")
+        return float(v) if v is not None else None
+    return float(entry) if isinstance(entry, (int, float)) else None
+
+
+def parse_profile(data: str | bytes | Mapping) -> dict[str, float]:
+    """Genie's profile JSON (``--profile`` file or ``GenieProfile_getJsonData``) -> vlmrun timings.
+
+    Keys: ``genie_init_ms`` (dialog create), ``ttft_ms``, ``prompt_tokens``, ``prompt_tokens_per_s``,
+    ``new_tokens``, ``tokens_per_s``, ``genie_query_ms`` (the last query).
+    """
+    if not isinstance(data, Mapping):
+        try:
+            data = json.loads(data)
+        except ValueError as exc:
+            raise BackendError(f"Genie's profile is not JSON: {exc}") from None
+    out: dict[str, float] = {}
+    events = []
+    for comp in data.get("components") or []:
+        events += list(comp.get("events") or [])
+    for ev in events:
+        kind = str(ev.get("type") or ev.get("name") or "")
+        if kind.endswith("_create"):
+            init = _us(ev.get("init-time")) or _us(ev.get("duration"))
+            if init is not None:
+                out["genie_init_ms"] = init
+        elif "query" in kind.lower():
+            pairs = {
+                "ttft_ms": _us(ev.get("time-to-first-token")),
+                "genie_query_ms": _us(ev.get("duration")),
+                "prompt_tokens": _val(ev.get("num-prompt-tokens")),
+                "prompt_tokens_per_s": _val(ev.get("prompt-processing-rate")),
+                "new_tokens": _val(ev.get("num-generated-tokens")),
+                "tokens_per_s": _val(ev.get("token-generation-rate")),
+            }
+            out.update({k: v for k, v in pairs.items() if v is not None})
+    if not out:
+        raise BackendError("Genie's profile has no dialog create/query events")
+    return out
+
+
+# -- libGenie via ctypes ------------------------------------------------------------------------------------
+QueryCB = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p)
+T2ECB = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p)
+TokenCB = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p)
+AllocCB = ctypes.CFUNCTYPE(None, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p))
+
+
+@contextlib.contextmanager
+def capture_fd(fd: int, into: list, echo_to: int | None = None):
+    """Capture what native code writes to ``fd`` (e.g. Genie's errors on stderr, QNN's banner on stdout)."""
+    import tempfile
+
+    if fd == 1:
+        sys.stdout.flush()
+    else:
+        sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode("utf-8", "replace")
+            into.append(text)
+            if echo_to is not None and text and os.environ.get("VLMRUN_GENIE_LOG"):
+                os.write(echo_to, text.encode())
+
+
+def _last_error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "LIBNATIVE" not in ln]
+    for ln in reversed(lines):
+        if re.search(r"error|fail|exception|invalid|cannot|unable", ln, re.I):
+            return ln[:300]
+    return lines[-1][:300] if lines else ""
+
+
+class GenieLibrary:
+    """``libGenie.so`` loaded with ctypes (the API of GenieDialog.h / GenieProfile.h)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        if not Path(self.path).is_file():
+            raise BackendError(f"libGenie.so not found at {self.path}")
+        try:
+            self.lib = lib = ctypes.CDLL(self.path)
+        except OSError as exc:
+            raise BackendError(f"cannot load {self.path}: {exc}") from None
+        vp, u32, i32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int32
+        sig = {
+            "Genie_getApiMajorVersion": ([], u32),
+            "Genie_getApiMinorVersion": ([], u32),
+            "Genie_getApiPatchVersion": ([], u32),
+            "GenieDialogConfig_createFromJson": ([ctypes.c_char_p, ctypes.POINTER(vp)], i32),
+            "GenieDialogConfig_free": ([vp], i32),
+            "GenieDialogConfig_bindProfiler": ([vp, vp], i32),
+            "GenieDialog_create": ([vp, ctypes.POINTER(vp)], i32),
+            "GenieDialog_free": ([vp], i32),
+            "GenieDialog_embeddingQuery": ([vp, vp, u32, ctypes.c_int, T2ECB, QueryCB, vp], i32),
+            "GenieDialog_embeddingTokenQuery": ([vp, vp, u32, ctypes.c_int, T2ECB, TokenCB, vp], i32),
+            "GenieDialog_tokenQuery": ([vp, ctypes.POINTER(u32), u32, ctypes.c_int, TokenCB, vp], i32),
+            "GenieDialog_query": ([vp, ctypes.c_char_p, ctypes.c_int, QueryCB, vp], i32),
+            "GenieDialog_reset": ([vp], i32),
+            "GenieProfile_create": ([vp, ctypes.POINTER(vp)], i32),
+            "GenieProfile_free": ([vp], i32),
+            "GenieProfile_getJsonData": ([vp, AllocCB, ctypes.POINTER(vp)], i32),
+        }
+        for name, (args, res) in sig.items():
+            fn = getattr(lib, name, None)
+            if fn is None:
+                continue
+            fn.argtypes, fn.restype = args, res
+        self.has = {name for name in sig if getattr(lib, name, None) is not None}
+
+    @property
+    def api_version(self) -> str:
+        lib = self.lib
+        return f"{lib.Genie_getApiMajorVersion()}.{lib.Genie_getApiMinorVersion()}.{lib.Genie_getApiPatchVersion()}"
+
+    def check(self, status: int, what: str, detail: str = "") -> None:
+        if int(status) in (0, 1, 3):  # success, aborted, context exceeded (a stop, not a fault)
+            return
+        hint = HINTS.get(int(status), "")
+        extra = "; ".join(x for x in (hint, detail) if x)
+        raise BackendError(f"Genie {what} failed: {status_name(status)}" + (f": {extra}" if extra else ""))
+
+    def validate_config(self, config: Mapping | str) -> None:
+        """Parse a dialog config with the real ``GenieDialogConfig_createFromJson`` (BackendError if rejected)."""
+        text = config if isinstance(config, str) else json.dumps(config)
+        handle = ctypes.c_void_p()
+        err: list[str] = []
+        with capture_fd(2, err, 2):
+            status = self.lib.GenieDialogConfig_createFromJson(text.encode(), ctypes.byref(handle))
+        self.check(status, "GenieDialogConfig_createFromJson", _last_error_line("".join(err)))
+        self.lib.GenieDialogConfig_free(handle)
+
+    def dialog(self, config: Mapping | str, profile: bool = True) -> "GenieDialog":
+        return GenieDialog(self, config, profile)
+
+
+class GenieDialog:
+    """One Genie dialog (config + dialog + optional profile handle). Close it (or use ``with``)."""
+
+    def __init__(self, genie: GenieLibrary, config: Mapping | str, profile: bool = True):
+        self.genie, lib = genie, genie.lib
+        text = config if isinstance(config, str) else json.dumps(config)
+        self.config = json.loads(text)
+        self._cfg, self._dlg, self._prof = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._keep: list = []
+        self._t2e_errors: list[int] = []
+        err: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            with capture_fd(2, err, 2), capture_fd(1, [], None):  # QNN prints a banner on stdout
+                st = lib.GenieDialogConfig_createFromJson(text.encode(), ctypes.byref(self._cfg))
+                genie.check(st, "GenieDialogConfig_createFromJson", "")
+                if profile and "GenieProfile_create" in genie.has:
+                    genie.check(lib.GenieProfile_create(None, ctypes.byref(self._prof)), "GenieProfile_create")
+                    genie.check(lib.GenieDialogConfig_bindProfiler(self._cfg, self._prof), "bindProfiler")
+                st = lib.GenieDialog_create(self._cfg, ctypes.byref(self._dlg))
+                if st != 0:
+                    self._dlg = ctypes.c_void_p()
+        except BackendError as exc:
+            self.close()
+            detail = _last_error_line("".join(err))
+            raise BackendError(f"{exc}" + (f": {detail}" if detail and detail not in str(exc) else "")) from None
+        if st != 0:
+            self.close()
+            genie.check(st, "GenieDialog_create", _last_error_line("".join(err)))
+        self.create_s = time.perf_counter() - t0
+
+    def close(self):
+        lib = self.genie.lib
+        if self._dlg:
+            lib.GenieDialog_free(self._dlg)
+            self._dlg = ctypes.c_void_p()
+        if self._cfg:
+            lib.GenieDialogConfig_free(self._cfg)
+            self._cfg = ctypes.c_void_p()
+        if self._prof:
+            lib.GenieProfile_free(self._prof)
+            self._prof = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def reset(self):
+        if self._dlg and "GenieDialog_reset" in self.genie.has:
+            self.genie.check(self.genie.lib.GenieDialog_reset(self._dlg), "GenieDialog_reset")
+
+    def profile(self) -> dict:
+        """The profile JSON Genie collected so far ({} without a profile handle)."""
+        if not self._prof:
+            return {}
+        buffers = []
+
+        def alloc(size, out):
+            buf = ctypes.create_string_buffer(int(size))
+            buffers.append(buf)
+            out[0] = ctypes.cast(buf, ctypes.c_void_p).value
+
+        cb = AllocCB(alloc)
+        data = ctypes.c_void_p()
+        self.genie.check(self.genie.lib.GenieProfile_getJsonData(self._prof, cb, ctypes.byref(data)), "profile")
+        return json.loads(ctypes.string_at(data.value).decode("utf-8", "replace")) if data.value else {}
+
+    # -- queries -----------------------------------------------------------------------------------------
+    def _t2e(self, lut, seen: list):
+        """The token-to-embedding callback over ``lut``: a [V,H] float32 array, or a function ids -> [1,n,H]."""
+
+        def row(token):
+            if callable(lut):
+                return np.ascontiguousarray(np.asarray(lut(np.array([token], np.int64)), np.float32).reshape(-1))
+            return lut[token] if 0 <= token < lut.shape[0] else None
+
+        def t2e(token, dst, size, _user):
+            seen.append(int(token))
+            try:
+                r = row(int(token))
+            except Exception:  # never raise through C
+                r = None
+            if r is None or r.nbytes != size:
+                ctypes.memset(dst, 0, size)
+                self._t2e_errors.append(int(token))
+                return
+            ctypes.memmove(dst, r.ctypes.data, size)
+
+        return T2ECB(t2e)
+
+    def _prep(self, embeds, lut, hidden: int | None):
+        hidden = int(hidden or (lut.shape[1] if not callable(lut) else np.asarray(embeds).shape[-1]))
+        emb = np.ascontiguousarray(np.asarray(embeds, np.float32).reshape(-1, hidden))
+        if not callable(lut):
+            lut = np.ascontiguousarray(lut, dtype=np.float32)
+        self._t2e_errors = []
+        return emb, lut
+
+    def stream_tokens(self, embeds: np.ndarray, lut, hidden: int | None = None) -> Iterator[int]:
+        """``GenieDialog_embeddingTokenQuery``: prompt embeddings [N,H] (spliced), the LUT [V,H] (or a function
+        ids -> [1,n,H]) for the token-to-embedding callback; yields generated token ids as Genie produces them."""
+        emb, lut = self._prep(embeds, lut, hidden)
+        q: queue.Queue = queue.Queue()
+        done = object()
+        seen: list[int] = []
+
+        def on_tokens(ptr, n, code, _user):
+            for i in range(int(n)):
+                q.put(int(ptr[i]))
+
+        cbs = (self._t2e(lut, seen), TokenCB(on_tokens))
+        err: list[str] = []
+
+        def run():
+            try:
+                st = self.genie.lib.GenieDialog_embeddingTokenQuery(
+                    self._dlg, emb.ctypes.data, emb.nbytes, SENTENCE_COMPLETE, cbs[0], cbs[1], None)
+                q.put(("status", st))
+            except BaseException as exc:  # pragma: no cover - ctypes errors
+                q.put(("exc", exc))
+            q.put(done)
+
+        return self._drain(run, q, done, "GenieDialog_embeddingTokenQuery", cbs, emb)
+
+    def stream_text(self, embeds: np.ndarray, lut, hidden: int | None = None) -> Iterator[str]:
+        """``GenieDialog_embeddingQuery`` (text output, what genie-t2t-run's default mode uses)."""
+        emb, lut = self._prep(embeds, lut, hidden)
+        q: queue.Queue = queue.Queue()
+        done = object()
+        seen: list[int] = []
+
+        def on_text(text, code, _user):
+            if text:
+                q.put(text.decode("utf-8", "replace"))
+
+        cbs = (self._t2e(lut, seen), QueryCB(on_text))
+
+        def run():
+            st = self.genie.lib.GenieDialog_embeddingQuery(
+                self._dlg, emb.ctypes.data, emb.nbytes, SENTENCE_COMPLETE, cbs[0], cbs[1], None)
+            q.put(("status", st))
+            q.put(done)
+
+        return self._drain(run, q, done, "GenieDialog_embeddingQuery", cbs, emb)
+
+    def token_query(self, tokens: Sequence[int]) -> list[int]:
+        """``GenieDialog_tokenQuery``: prompt token ids in, generated token ids out (blocking)."""
+        arr = (ctypes.c_uint32 * len(tokens))(*[int(t) for t in tokens])
+        out: list[int] = []
+
+        def on_tokens(ptr, n, code, _user):
+            out.extend(int(ptr[i]) for i in range(int(n)))
+
+        cb = TokenCB(on_tokens)
+        st = self.genie.lib.GenieDialog_tokenQuery(self._dlg, arr, len(tokens), SENTENCE_COMPLETE, cb, None)
+        self.genie.check(st, "GenieDialog_tokenQuery")
+        return out
+
+    def _drain(self, run, q, done, what, keep, emb):
+        if not self._dlg:
+            raise BackendError("the Genie dialog is closed")
+        worker = threading.Thread(target=run, name="genie-query", daemon=True)
+        worker.start()
+        status = 0
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    break
+                if isinstance(item, tuple):
+                    if item[0] == "exc":
+                        raise BackendError(f"Genie {what} raised {item[1]}")
+                    status = int(item[1])
+                    continue
+                yield item
+        finally:
+            worker.join()
+            del keep, emb
+        self.genie.check(status, what)
+        if self._t2e_errors:
+            raise BackendError(f"Genie asked for the embedding of token {self._t2e_errors[0]}, which the LUT"
+                               " does not have (or of the wrong width)")
+
+
+# -- genie-t2t-run ------------------------------------------------------------------------------------------
+@attrs.define
+class T2TResult:
+    text: str
+    stdout: str
+    stderr: str
+    returncode: int
+    profile: dict | None = None
+    timings: dict = attrs.field(factory=dict)
+    seconds: float = 0.0
+
+
+def t2t_argv(
+    exe: str,
+    config: str,
+    *,
+    prompt: str | None = None,
+    prompt_file: str | None = None,
+    embedding_file: str | None = None,
+    lut: str | None = None,
+    tokens_file: str | None = None,
+    output_type: str | None = None,
+    profile: str | None = None,
+    log: str | None = None,
+    check_profile_path: bool = True,
+) -> list[str]:
+    """The ``genie-t2t-run`` command line, checked against the tool's own flag rules (UsageError if broken)."""
+    if lut and not embedding_file:
+        raise UsageError("genie-t2t-run: -t (embedding table) needs -e (embedding file)")
+    if embedding_file and (prompt is not None or prompt_file or tokens_file):
+        raise UsageError("genie-t2t-run: -e (embedding file) excludes -p/--prompt_file/-tok")
+    if not embedding_file and not tokens_file and (prompt is None) == (not prompt_file):
+        raise UsageError("genie-t2t-run: give exactly one of -p, --prompt_file, -e or -tok")
+    if output_type and output_type not in ("text", "token"):
+        raise UsageError(f"genie-t2t-run: --embedding_query_output_type {output_type} is not text or token")
+    if log and log not in ("error", "warn", "info", "verbose"):
+        raise UsageError(f"genie-t2t-run: --log {log} is not one of error, warn, info, verbose")
+    if profile and check_profile_path and Path(profile).exists():
+        raise UsageError(f"genie-t2t-run: the --profile file {profile} already exists (the tool refuses it)")
+    argv = [str(exe), "-c", str(config)]
+    if prompt is not None:
+        argv += ["-p", prompt]
+    if prompt_file:
+        argv += ["--prompt_file", str(prompt_file)]
+    if embedding_file:
+        argv += ["-e", str(embedding_file)]
+    if lut:
+        argv += ["-t", str(lut)]
+    if tokens_file:
+        argv += ["-tok", str(tokens_file)]
+    if output_type:
+        argv += ["--embedding_query_output_type", output_type]
+    if profile:
+        argv += ["--profile", str(profile)]
+    if log:
+        argv += ["--log", log]
+    return argv
+
+
+ERROR_LINE = re.compile(r"^\s*(ERROR\b|Error\b|error:|Failed to|Unknown option|.*doesn't exists|.*Exception)", re.M)
+
+
+def parse_t2t_output(stdout: str, stderr: str, returncode: int, what: str = "genie-t2t-run") -> str:
+    """The generated text between ``[BEGIN]:`` and ``[END]``; BackendError for a non-zero exit, an error line,
+    an ``[ABORT]`` or a missing ``[END]``."""
+    err_line = None
+    for stream in (stderr, stdout):
+        m = ERROR_LINE.search(stream or "")
+        if m:
+            err_line = (stream[m.start():].splitlines() or [""])[0].strip()
+            break
+    if returncode != 0:
+        detail = err_line or _last_error_line((stderr or "") + "\n" + (stdout or "")) or "no message"
+        raise BackendError(f"{what} exited with status {returncode}: {detail}")
+    if err_line:
+        raise BackendError(f"{what} reported an error: {err_line}")
+    if "[ABORT]" in (stdout or ""):
+        raise BackendError(f"{what} aborted the query")
+    start = stdout.find("[BEGIN]:")
+    if start < 0:
+        raise BackendError(f"{what} printed no [BEGIN]: (no generation in its output)")
+    body = stdout[start + len("[BEGIN]:"):]
+    end = body.find("[END]")
+    if end < 0:
+        raise BackendError(f"{what} output ended without [END] (the generation was cut off)")
+    text = body[:end]
+    return text[1:] if text.startswith(" ") else text
+
+
+def run_t2t(argv: Sequence[str], *, timeout: float = 600.0, cwd: str | os.PathLike | None = None,
+            env: Mapping[str, str] | None = None, profile: str | os.PathLike | None = None,
+            on_output: Callable[[str], None] | None = None) -> T2TResult:
+    """Run ``genie-t2t-run`` on this host with a timeout (the process group is killed on a hang)."""
+    t0 = time.perf_counter()
+    full_env = dict(os.environ, **(env or {}))
+    try:
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=full_env,
+                                start_new_session=True)
+    except OSError as exc:
+        raise BackendError(f"genie-t2t-run could not start ({argv[0]}): {exc.strerror or exc}") from None
+    out_chunks: list[bytes] = []
+
+    def pump():
+        for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+            out_chunks.append(chunk)
+            if on_output:
+                on_output(chunk.decode("utf-8", "replace"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    err_box: list[bytes] = []
+    err_reader = threading.Thread(target=lambda: err_box.append(proc.stderr.read()), daemon=True)
+    err_reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise BackendError(f"genie-t2t-run timed out after {timeout:g} s (killed); raise the decoder's timeout"
+                           " option if the model is large") from None
+    finally:
+        reader.join(5)
+        err_reader.join(5)
+    stdout = b"".join(out_chunks).decode("utf-8", "replace")
+    stderr = b"".join(err_box).decode("utf-8", "replace")
+    return finish_t2t(stdout, stderr, proc.returncode, profile, time.perf_counter() - t0)
+
+
+def finish_t2t(stdout: str, stderr: str, returncode: int, profile: str | os.PathLike | None,
+               seconds: float, what: str = "genie-t2t-run") -> T2TResult:
+    text = parse_t2t_output(stdout, stderr, returncode, what)
+    result = T2TResult(text, stdout, stderr, returncode, seconds=seconds)
+    if profile:
+        p = Path(profile)
+        if not p.is_file():
+            raise BackendError(f"{what} wrote no profile file {p}")
+        result.profile = json.loads(p.read_text() or "{}")
+        result.timings = parse_profile(result.profile)
+    return result
+
+
+# -- libGenie in a worker process ----------------------------------------------------------------------------
+# libGenie's QnnHtp backend shares libQnnHtp.so with onnxruntime-qnn's execution provider; in one process the two
+# were seen to corrupt each other (wrong, run-to-run different tokens after the EP compiled or ran graphs).
+# So vlmrun runs Genie in a small worker process (``python -m vlmrun.genie``) that never loads onnxruntime:
+# tokens stream back one per line on a pipe, errors come back as one line, a hang is killed by a timeout.
+
+def _worker(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m vlmrun.genie")
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--embeddings", required=True)
+    ap.add_argument("--lut", required=True, help=".npy float32 [V,H]")
+    ap.add_argument("--profile")
+    a = ap.parse_args(argv)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything native code prints on stdout goes to stderr; the protocol has its own fd
+    try:
+        lut = np.load(a.lut, mmap_mode="r")
+        emb = np.fromfile(a.embeddings, dtype=np.float32).reshape(-1, lut.shape[1])
+        cfg = Path(a.config).read_text()
+        lib = GenieLibrary(a.lib)
+        with lib.dialog(cfg, profile=bool(a.profile)) as dialog:
+            for tok in dialog.stream_tokens(emb, lut):
+                out.write(f"TOKEN {tok}\n")
+            if a.profile:
+                Path(a.profile).write_text(json.dumps(dialog.profile()))
+        out.write("DONE\n")
+        return 0
+    except BackendError as exc:
+        out.write(f"ERROR {exc}\n")
+        return 3
+
+
+def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: np.ndarray,
+                         lut_npy: str | os.PathLike, *, timeout: float = 600.0,
+                         profile_out: dict | None = None, env: Mapping[str, str] | None = None) -> Iterator[int]:
+    """Genie's ``embeddingTokenQuery`` in a worker process: yields token ids as they arrive.
+
+    ``profile_out`` (a dict) receives the parsed profile timings when the query finishes.
+    """
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-"))
+    cfg_path, emb_path, prof = tmp / "genie_config.json", tmp / "embeddings.raw", tmp / "profile.json"
+    cfg_path.write_text(json.dumps(config, indent=1))
+    write_embeddings(emb_path, embeds)
+    argv = [sys.executable, "-m", "vlmrun.genie", "--lib", str(lib_path), "--config", str(cfg_path),
+            "--embeddings", str(emb_path), "--lut", str(lut_npy), "--profile", str(prof)]
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}, **(env or {})}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    err_box: list[str] = []
+    err_reader = threading.Thread(target=lambda: err_box.append(proc.stderr.read()), daemon=True)
+    err_reader.start()
+    timed_out: list[bool] = []
+    timer = threading.Timer(timeout, lambda: (timed_out.append(True), _killpg(proc)))
+    timer.start()
+    done, error = False, None
+    try:
+        for line in proc.stdout:
+            word, _, rest = line.strip().partition(" ")
+            if word == "TOKEN":
+                yield int(rest)
+            elif word == "DONE":
+                done = True
+            elif word == "ERROR":
+                error = rest
+        proc.wait()
+    finally:
+        if proc.poll() is None:  # the consumer stopped early: let Genie finish (it writes the profile), briefly
+            try:
+                for _ in proc.stdout:
+                    pass
+                proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                _killpg(proc)
+                proc.wait()
+        timer.cancel()
+        err_reader.join(5)
+        import shutil
+
+        prof_text = prof.read_text() if prof.is_file() else ""
+        shutil.rmtree(tmp, ignore_errors=True)
+        if profile_out is not None and prof_text:
+            profile_out.clear()
+            with contextlib.suppress(BackendError, ValueError):
+                profile_out.update(parse_profile(prof_text))
+    if timed_out and not done:
+        raise BackendError(f"Genie timed out after {timeout:g} s (worker killed)")
+    if error:
+        raise BackendError(error)
+    if not done or proc.returncode != 0:
+        detail = _last_error_line("".join(err_box)) or "no message"
+        raise BackendError(f"the Genie worker exited with status {proc.returncode}: {detail}")
+
+
+def _killpg(proc) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker())

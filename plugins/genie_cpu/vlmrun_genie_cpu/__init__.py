@@ -1,0 +1,79 @@
+"""vlmrun plugin ``genie_cpu``: the decoder on Genie's QnnGenAiTransformer (CPU) backend from the QAIRT SDK.
+
+Compile: the SDK's genai-transformer composer turns the model's Qwen2 weights (extracted from the FastVLM
+checkpoint into a plain Qwen2 directory) into a model bin (``--quantize none|z8|q4``); the artifact also holds
+the float32 LUT [V,H] (``-t``) and tokenizer.json. Decode: libGenie in a worker process when
+libQnnGenAiTransformer.so and libGenie.so are found on the host, else ``genie-t2t-run`` on the host SDK, or on a
+phone over adb with ``target = "android"``. Genie's profile becomes ``handle.last_timings``.
+
+Per-stage options: ``quantize`` (none, z8, q4), ``context_length`` (default 1024), ``sdk_root`` (else
+``$QAIRT_SDK_ROOT`` / ``$QNN_SDK_ROOT``), ``runner`` (auto, libgenie, t2t), ``target`` (local, android) with
+``device``, ``adb``, ``remote_dir``; ``timeout`` (s, default 600).
+"""
+
+from __future__ import annotations
+
+from vlmrun import hookimpl
+from vlmrun.plugins import BackendInfo, Check, mine
+
+from . import sdk
+
+NAME = "genie_cpu"
+__version__ = "0.1.0"
+
+
+@hookimpl
+def describe():
+    return BackendInfo(NAME, ("decoder",), "Genie on the QnnGenAiTransformer CPU backend (QAIRT SDK; host or adb)")
+
+
+@hookimpl
+def doctor():
+    try:
+        found = sdk.Sdk.find(None)
+    except Exception as exc:  # never raise from doctor
+        return [Check("QAIRT SDK", False, str(exc))]
+    if found.root is None:
+        return [Check("QAIRT SDK", False, "QAIRT_SDK_ROOT / QNN_SDK_ROOT not set: genie_cpu needs the SDK")]
+    checks = [Check("QAIRT SDK", True, str(found.root))]
+    for label, path in found.tools("local").items():
+        checks.append(Check(label, path is not None, str(path) if path else f"not found under {found.root}"))
+    for label, path in found.tools("android").items():
+        if label not in ("composer",):
+            checks.append(Check(f"{label} (android)", path is not None, str(path) if path else "not found"))
+    return checks
+
+
+@hookimpl
+def compile(backend, stage, model, source, options, out_dir):
+    if not mine(backend, NAME):
+        return None
+    from .compose import compile_decoder
+
+    return compile_decoder(model, source, options, out_dir)
+
+
+@hookimpl
+def load_stage(backend, stage, ctx):
+    if not mine(backend, NAME):
+        return None
+    from .runner import load_decoder
+
+    return load_decoder(ctx)
+
+
+@hookimpl
+def run_stage(backend, stage, handle, inputs):
+    if not mine(backend, NAME):
+        return None
+    from vlmrun.errors import BackendError
+
+    raise BackendError("genie_cpu cannot return logits (Genie only generates): teacher forcing and `vlmrun diff`"
+                       " need another decoder backend")
+
+
+@hookimpl
+def decode(backend, handle, request):
+    if not mine(backend, NAME):
+        return None
+    return handle.generate(request)

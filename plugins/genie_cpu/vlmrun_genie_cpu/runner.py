@@ -1,0 +1,153 @@
+"""The genie_cpu decoder handle: Genie on QnnGenAiTransformer through libGenie (worker process), the host SDK's
+``genie-t2t-run``, or ``genie-t2t-run`` on a phone over adb."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from vlmrun import genie
+from vlmrun.errors import BackendError, InputError, UsageError
+from vlmrun.stages import ExportForm
+
+from .compose import quantize_option
+from .sdk import Sdk
+
+RUNNERS = ("auto", "libgenie", "t2t")
+DEFAULT_CONTEXT = 1024
+REMOTE_DIR = "/data/local/tmp/vlmrun/genie"
+
+
+def decoder_options(options, model) -> dict:
+    o = dict(options or {})
+    runner = str(o.get("runner") or "auto").lower()
+    if runner not in RUNNERS:
+        raise UsageError(f"genie_cpu runner '{runner}' is not one of {', '.join(RUNNERS)}")
+    target = str(o.get("target") or "local").lower()
+    if target not in ("local", "android"):
+        raise UsageError(f"target '{target}' is not one of local, android")
+    ctx = int(o.get("context_length") or min(DEFAULT_CONTEXT, model.max_context))
+    return {"quantize": quantize_option(o.get("quantize")), "context_length": ctx, "runner": runner,
+            "target": target, "timeout": float(o.get("timeout") or 600), "sdk_root": o.get("sdk_root"),
+            "device": o.get("device"), "adb": o.get("adb"), "remote_dir": o.get("remote_dir") or REMOTE_DIR}
+
+
+def load_decoder(ctx):
+    opts = decoder_options(ctx.options, ctx.model)
+    sdk = Sdk.find(opts["sdk_root"])
+    tools = sdk.require(opts["target"], opts["runner"])  # before any work: one line naming what is missing
+    src = ctx.exported(ExportForm.of("embed", "embed/lut"))
+    key = {"quantize": opts["quantize"], "composer": str(tools["composer"].name)}
+    art = ctx.compiled(src, {**key, "sdk_root": str(sdk.root) if opts["sdk_root"] else None},
+                       f"genai-transformer-{opts['quantize']}")
+    adb = None
+    if opts["target"] == "android":
+        from vlmrun.adb import Adb
+
+        adb = Adb.connect(opts["device"], opts["adb"])
+    return GenieCpuDecoder(ctx.model, art, opts, tools, adb)
+
+
+class GenieCpuDecoder:
+    def __init__(self, model, artifact, opts: dict, tools: dict, adb=None):
+        self.model, self.artifact, self.opts, self.tools, self.adb = model, artifact, opts, tools, adb
+        self.facts = genie.GenieModel.from_model(model)
+        self.ctx = int(opts["context_length"])
+        self.load_s = 0.0
+        self.last_timings: dict = {}
+        self.last_text = ""
+        in_proc = "libQnnGenAiTransformer.so" in tools and "libGenie.so" in tools
+        if opts["target"] == "android":
+            self.mode = "adb"
+        elif opts["runner"] == "t2t" or (opts["runner"] == "auto" and not in_proc):
+            self.mode = "t2t"
+        else:
+            self.mode = "libgenie"
+
+    @property
+    def context_length(self) -> int:
+        return self.ctx
+
+    def config(self, request, model_bin: str, tokenizer: str) -> dict:
+        stops = sorted(request.stop_ids) or list(self.facts.eos)
+        return genie.dialog_config(
+            self.facts, "QnnGenAiTransformer", tokenizer=tokenizer, model_bin=model_bin, context_size=self.ctx,
+            sampling=getattr(request.sampler, "settings", None), max_new_tokens=request.max_new_tokens, eos=stops,
+        )
+
+    def generate(self, request) -> Iterator[int]:
+        if request.inputs_embeds.shape[1] >= self.ctx:
+            raise InputError(f"the prompt is {request.inputs_embeds.shape[1]} tokens but the Genie context holds"
+                             f" {self.ctx}; raise the decoder's context_length")
+        self.last_timings = {}
+        if self.mode == "libgenie":
+            lib_dir = str(self.tools["libQnnGenAiTransformer.so"].parent)
+            env = {"LD_LIBRARY_PATH": lib_dir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
+            cfg = self.config(request, str(self.artifact.file("model.bin")), str(self.artifact.file("tokenizer.json")))
+            yield from genie.stream_tokens_worker(self.tools["libGenie.so"], cfg, request.inputs_embeds,
+                                                  self.artifact.file("embed_lut_f32.npy"),
+                                                  timeout=self.opts["timeout"], profile_out=self.last_timings,
+                                                  env=env)
+            return
+        result = self._run_adb(request) if self.mode == "adb" else self._run_local(request)
+        self.last_text, self.last_timings = result.text, result.timings
+        # genie-t2t-run's safe output mode is text (token mode crashed in the seed notes): ids by re-tokenizing
+        for tid in self.model.tokenizer.encode(result.text, add_special_tokens=False).ids:
+            yield int(tid)
+
+    def _run_local(self, request) -> genie.T2TResult:
+        exe = self.tools["genie-t2t-run"]
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-t2t-"))
+        try:
+            cfg = self.config(request, str(self.artifact.file("model.bin")), str(self.artifact.file("tokenizer.json")))
+            (tmp / "genie_config.json").write_text(json.dumps(cfg, indent=1))
+            genie.write_embeddings(tmp / "embeddings.raw", request.inputs_embeds)
+            profile = tmp / "profile.json"
+            argv = genie.t2t_argv(str(exe), str(tmp / "genie_config.json"), embedding_file=str(tmp / "embeddings.raw"),
+                                  lut=str(self.artifact.file("embed_lut_f32.raw")), output_type="text",
+                                  profile=str(profile))
+            lib_dir = exe.parent.parent.parent / "lib" / exe.parent.name
+            env = {"LD_LIBRARY_PATH": f"{lib_dir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+            return genie.run_t2t(argv, timeout=self.opts["timeout"], cwd=tmp, env=env, profile=profile)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _run_adb(self, request) -> genie.T2TResult:
+        adb, rd, t = self.adb, self.opts["remote_dir"], self.opts["timeout"]
+        adb.mkdir(rd)
+        for name in ("genie-t2t-run", "libGenie.so", "libQnnGenAiTransformer.so"):
+            if name in self.tools:
+                adb.push(self.tools[name], f"{rd}/{name}", timeout=t)
+        for name in ("model.bin", "embed_lut_f32.raw", "tokenizer.json"):
+            adb.push(self.artifact.file(name), f"{rd}/{name}", timeout=t)
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-adb-"))
+        try:
+            cfg = self.config(request, "model.bin", "tokenizer.json")  # relative to the remote working directory
+            (tmp / "genie_config.json").write_text(json.dumps(cfg, indent=1))
+            genie.write_embeddings(tmp / "embeddings.raw", request.inputs_embeds)
+            adb.push(tmp / "genie_config.json", f"{rd}/genie_config.json", timeout=t, skip_same=False)
+            adb.push(tmp / "embeddings.raw", f"{rd}/embeddings.raw", timeout=t, skip_same=False)
+            adb.shell(["rm", "-f", f"{rd}/profile.json"], what="adb shell rm")
+            argv = genie.t2t_argv("./genie-t2t-run", "genie_config.json", embedding_file="embeddings.raw",
+                                  lut="embed_lut_f32.raw", output_type="text", profile="profile.json",
+                                  check_profile_path=False)
+            adb.shell(["chmod", "755", f"{rd}/genie-t2t-run"], what="adb shell chmod")
+            t0 = time.perf_counter()
+            res = adb.shell(argv, cwd=rd, env={"LD_LIBRARY_PATH": rd, "ADSP_LIBRARY_PATH": rd}, timeout=t,
+                            what="genie-t2t-run (adb)", check=False)
+            seconds = time.perf_counter() - t0
+            local_prof = tmp / "profile.json"
+            if res.returncode == 0:
+                try:
+                    adb.pull(f"{rd}/profile.json", local_prof, timeout=t)
+                except BackendError:
+                    pass
+            return genie.finish_t2t(res.stdout, res.stderr, res.returncode,
+                                    local_prof if res.returncode == 0 else None, seconds, "genie-t2t-run (adb)")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
