@@ -35,6 +35,10 @@ def _artifacts_of(handle) -> list:
 @click.option("--calibration-images", type=click.Path(path_type=Path),
               help="Folder of images to calibrate int8 (default: random data, labelled so in the manifest).")
 @click.option("--soc", help="Target SoC, e.g. sm8750 (default), sm8650, sm8550.")
+@click.option("--compiler", metavar="PLUGIN",
+              help="Plugin that compiles for --backend, e.g. qaihub (Qualcomm AI Hub). [default: the backend itself]")
+@click.option("--device", "hub_device", metavar="NAME",
+              help='Remote compiler\'s device, e.g. "Snapdragon 8 Elite QRD" for qaihub. [default: from --soc]')
 @click.option("--context-length", type=click.IntRange(8), help="Decoder context length to compile for.")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path),
               help="FastVLM checkpoint directory. Default: the tiny model vlmrun builds itself.")
@@ -45,8 +49,8 @@ def _artifacts_of(handle) -> list:
 @click.option("--rebuild", is_flag=True, help="Compile again even if the store has the artifacts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object describing the artifacts.")
 @click.option("--debug", is_flag=True, hidden=True)
-def compile_command(backend, stages, layout, layout_file, precision, quantize, calibration_images, soc, context_length,
-                    model_dir, image_size, cache_dir, rebuild, as_json, debug):
+def compile_command(backend, stages, layout, layout_file, precision, quantize, calibration_images, soc, compiler,
+                    hub_device, context_length, model_dir, image_size, cache_dir, rebuild, as_json, debug):
     """Compile stages into a backend's own format (e.g. QNN context binaries) and store them with a manifest."""
     from . import layouts as layouts_mod
     from .pipeline import Pipeline
@@ -61,7 +65,7 @@ def compile_command(backend, stages, layout, layout_file, precision, quantize, c
         raise UsageError("--calibration-images is for int8 precisions; add --precision int8")
     overrides = {s: backend for s in chosen} if backend else None
     base = layouts_mod.resolve(layout, layout_file, overrides)
-    extra = {"precision": precision, "soc": soc, "quantize": quantize,
+    extra = {"precision": precision, "soc": soc, "quantize": quantize, "compiler": compiler, "hub_device": hub_device,
              "calibration_images": str(calibration_images) if calibration_images else None}
     staged = {}
     for s in STAGES:

@@ -69,7 +69,7 @@ def export(model, stage, form, out_dir):
 
 
 @hookspec(firstresult=True)
-def compile(backend, stage, model, source, options, out_dir, target):
+def compile(backend, stage, model, source, options, out_dir, target, stage_options, artifact, rebuild):
     """Compile an exported stage into a backend's own format (e.g. a QNN context binary).
 
     Called by the core when ``ctx.compiled(...)`` has no valid copy in the store.
@@ -83,6 +83,11 @@ def compile(backend, stage, model, source, options, out_dir, target):
     :param source: the :class:`vlmrun.store.Artifact` of the exported ONNX stage.
     :param options: a dict of per-stage options from the layout (precision, soc, context_length, ...).
     :param out_dir: an empty temporary directory to write into (renamed into the store on success).
+    :param stage_options: all of the stage's layout options (``options`` is the subset that keys the binary),
+                          e.g. a remote compiler's device name or timeout.
+    :param artifact: the name the result will have in the store (stable across runs: a remote compiler can
+                     use it to find a job an interrupted run submitted).
+    :param rebuild: ``True`` when the user asked to rebuild (``--rebuild``), so cached remote results are stale.
     :return: a manifest dict (like ``export``), or ``None`` if this plugin does not compile for ``backend``.
     """
 

@@ -74,7 +74,8 @@ class StageContext:
             with self.progress(f"compiling {self.stage} for {self.backend}{via} ({kind})"):
                 result = self.registry.hook.compile(
                     backend=compiler, stage=self.stage, model=self.model, source=source,
-                    options=dict(options), out_dir=tmp, target=self.backend,
+                    options=dict(options), out_dir=tmp, target=self.backend, stage_options=dict(self.options),
+                    artifact=self.store.path_for(key).name, rebuild=self.rebuild,
                 )
             if result is None:
                 raise BackendError(f"'{compiler}' cannot compile stage '{self.stage}' for backend '{self.backend}'")

@@ -1,0 +1,418 @@
+"""A local stand-in for Qualcomm AI Hub: the protobuf REST subset the real ``qai_hub`` client speaks.
+
+Runs on 127.0.0.1 (random port) in a thread. Models (create, multipart upload with ETags, get, download),
+devices, compile jobs (the uploaded ONNX compiled to a QNN context binary by onnxruntime-qnn on the HTP
+emulator), datasets (h5 upload by multipart POST, download), inference jobs (the context binary run on the
+emulator, outputs as an h5 dataset, a profile). Faults are switched on through attributes of the server:
+
+* ``fail_compile = "reason"``: the next compile job ends FAILED with that reason
+* ``never_finish = True``: compile jobs stay in OPTIMIZING_MODEL forever
+* ``errors = {"GET jobs": n}``: the next n matching requests answer HTTP 500
+* ``drops = {"GET jobs": n}``: the next n matching requests get their connection closed with no answer
+* ``download_name = "../../x"``: the file name the server gives a target model download
+
+``seen_tokens`` records the Authorization tokens received; ``log`` the requests (method, path).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import re
+import shutil
+import tempfile
+import threading
+import time
+import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import numpy as np
+from qai_hub import public_api_pb2 as pb
+
+DEVICES = [
+    ("Snapdragon 8 Elite QRD", "15", ["chipset:qualcomm-snapdragon-8-elite", "framework:qnn", "framework:onnx",
+                                      "hexagon:v79", "os:android"], 69),
+    ("Snapdragon 8 Gen 3 QRD", "14", ["chipset:qualcomm-snapdragon-8gen3", "framework:qnn", "framework:onnx",
+                                      "hexagon:v75", "os:android"], 57),
+]
+DTYPES = {"float32": pb.TENSOR_DTYPE_FLOAT32, "float16": pb.TENSOR_DTYPE_FLOAT16, "int32": pb.TENSOR_DTYPE_INT32,
+          "int64": pb.TENSOR_DTYPE_INT64, "uint8": pb.TENSOR_DTYPE_UINT8, "int8": pb.TENSOR_DTYPE_INT8,
+          "uint16": pb.TENSOR_DTYPE_UINT16, "int16": pb.TENSOR_DTYPE_INT16, "bool": pb.TENSOR_DTYPE_BOOL}
+
+
+def _ts(pbts, t=None):
+    t = time.time() if t is None else t
+    pbts.seconds = int(t)
+
+
+class FakeHub:
+    def __init__(self, token: str):
+        self.token = token
+        self.root = Path(tempfile.mkdtemp(prefix="fake-hub-"))
+        self.ids = itertools.count(1)
+        self.lock = threading.RLock()
+        self.models: dict[str, dict] = {}
+        self.datasets: dict[str, dict] = {}
+        self.jobs: dict[str, dict] = {}
+        self.files: dict[str, tuple[Path, str]] = {}
+        self.fail_compile: str | None = None
+        self.never_finish = False
+        self.errors: dict[str, int] = {}
+        self.drops: dict[str, int] = {}
+        self.download_name: str | None = None
+        self.seen_tokens: set[str] = set()
+        self.log: list[tuple[str, str]] = []
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> "FakeHub":
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def count(self, method: str, path: str) -> int:
+        """How many requests ``method path`` (exact, slashes ignored) the server received."""
+        return sum(1 for m, p in self.log if m == method and p.strip("/") == path.strip("/"))
+
+    def new_id(self, kind: str) -> str:
+        return f"{kind}{next(self.ids):05d}"
+
+    # -- compile / inference workers ------------------------------------------------------------------------
+    def _compile(self, job_id: str):
+        from vlmrun_qnn_htp import ep, socs
+
+        job = self.jobs[job_id]
+        src_model = self.models[job["model_id"]]
+        work = self.root / job_id
+        work.mkdir()
+        try:
+            src = work / "src"
+            src.mkdir()
+            data = src_model["data"]
+            if src_model["is_directory"] or data[:2] == b"PK":
+                with zipfile.ZipFile(io.BytesIO(data)) as z:
+                    z.extractall(src)
+                onnx_path = next(src.rglob("*.onnx"))
+            else:
+                onnx_path = src / "model.onnx"
+                onnx_path.write_bytes(data)
+            dev = next(d for d in DEVICES if d[0] == job["device"])
+            soc = next(s for s in socs.SOCS.values() if s.soc_model == dev[3])
+            out = work / "out"
+            out.mkdir()
+            info = ep.compile_onnx(onnx_path, out, "hub", soc)
+            binary = out / info["files"][1]
+            tid = job["target"]
+            self.models[tid] = {"name": f"{job['name']}.bin", "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY,
+                                "data": binary.read_bytes(), "is_directory": False, "ctx": out / "hub_ctx.onnx",
+                                "inputs": info["inputs"], "outputs": info["outputs"], "producer": job_id,
+                                "meta": {pb.MODEL_METADATA_KEY_QNN_SDK_VERSION: info["ep_sdk_version"].lstrip("v"),
+                                         pb.MODEL_METADATA_KEY_QNN_MODEL_GRAPH_NAMES: ",".join(info["graphs"]),
+                                         pb.MODEL_METADATA_KEY_QNN_CONTEXT_BIN_SOC_MODEL: str(dev[3]),
+                                         pb.MODEL_METADATA_KEY_QNN_CONTEXT_BIN_HEXAGON_VERSION: soc.arch.lstrip("v")}}
+            job["result_state"] = pb.JOB_STATE_DONE
+        except Exception as exc:  # a compile error is the job's failure reason, as on the hub
+            job["result_state"] = pb.JOB_STATE_FAILED
+            job["reason"] = " ".join(str(exc).split())[:300]
+
+    def _infer(self, job_id: str):
+        import h5py
+        from qai_hub.util.dataset_entries_converters import dataset_entries_to_h5, h5_to_dataset_entries
+        from vlmrun_qnn_htp import ep, socs
+
+        job = self.jobs[job_id]
+        try:
+            model = self.models[job["model_id"]]
+            ctx = model.get("ctx")
+            if ctx is None:
+                raise RuntimeError("this fake hub only runs context binaries it compiled")
+            dev = next(d for d in DEVICES if d[0] == job["device"])
+            soc = next(s for s in socs.SOCS.values() if s.soc_model == dev[3])
+            with h5py.File(io.BytesIO(self.datasets[job["dataset_id"]]["data"]), "r") as h5f:
+                entries = h5_to_dataset_entries(h5f)
+            sess = ep.HtpSession(ctx, soc, "fake hub")
+            n = len(next(iter(entries.values())))
+            outs: dict[str, list] = {name: [] for name in sess.outputs}
+            t0 = time.perf_counter()
+            for i in range(n):
+                r = sess.run({k: np.asarray(v[i], dtype=sess.inputs[k][1]) for k, v in entries.items()})
+                for k in sess.outputs:
+                    outs[k].append(r[k])
+            us = int((time.perf_counter() - t0) * 1e6 / max(n, 1))
+            buf = io.BytesIO()
+            with h5py.File(buf, "w") as h5f:
+                dataset_entries_to_h5(outs, h5f)
+            did = self.new_id("d")
+            self.datasets[did] = {"name": "outputs.h5", "data": buf.getvalue()}
+            job["output_dataset"] = did
+            job["profile"] = {"execution_time": us, "load_time": int(sess.load_s * 1e6)}
+            job["result_state"] = pb.JOB_STATE_DONE
+        except Exception as exc:
+            job["result_state"] = pb.JOB_STATE_FAILED
+            job["reason"] = " ".join(str(exc).split())[:300]
+
+    # -- protobuf views --------------------------------------------------------------------------------------
+    def model_pb(self, mid: str) -> pb.Model:
+        m = self.models[mid]
+        out = pb.Model(model_id=mid, name=m["name"], model_type=m["model_type"], file_upload_complete=True,
+                       is_directory=m["is_directory"], producer_id=m.get("producer", ""))
+        _ts(out.creation_time)
+        for key, val in m.get("meta", {}).items():
+            out.metadata.entries[key] = val
+        for spec, lst in ((out.input_spec, m.get("inputs", [])), (out.output_spec, m.get("outputs", []))):
+            for t in lst:
+                nt = spec.types.add(name=t["name"])
+                nt.tensor_type.shape.extend(int(d) for d in t["shape"])
+                nt.tensor_type.dtype = DTYPES[t["dtype"]]
+        return out
+
+    def state_of(self, job: dict) -> int:
+        job["polls"] += 1
+        if self.never_finish or job.get("hold"):
+            return pb.JOB_STATE_OPTIMIZING_MODEL if job["kind"] == "compile" else pb.JOB_STATE_PROVISIONING_DEVICE
+        if job["polls"] == 1:
+            return pb.JOB_STATE_OPTIMIZING_MODEL if job["kind"] == "compile" else pb.JOB_STATE_RUNNING_INFERENCE
+        if "result_state" not in job:
+            (self._compile if job["kind"] == "compile" else self._infer)(job["id"])
+        return job["result_state"]
+
+    def job_pb(self, jid: str, poll: bool = True) -> pb.Job:
+        job = self.jobs[jid]
+        state = self.state_of(job) if poll else pb.JOB_STATE_CREATED
+        dev = next(d for d in DEVICES if d[0] == job["device"])
+        dev_pb = pb.Device(name=dev[0], os=dev[1], attributes=dev[2])
+        if job["kind"] == "compile":
+            cj = pb.CompileJob(compile_job_id=jid, job_state=state, name=job["name"], options=job["options"],
+                               model=self.model_pb(job["model_id"]), device=dev_pb,
+                               failure_reason=job.get("reason", "") if state == pb.JOB_STATE_FAILED else "")
+            _ts(cj.creation_time)
+            cj.target_model.CopyFrom(self.model_pb(job["target"]))  # seeded at creation, as the hub does
+            return pb.Job(compile_job=cj, hub_version="fake")
+        ij = pb.InferenceJob(inference_job_id=jid, job_state=state, name=job["name"], device=dev_pb,
+                             model=self.model_pb(job["model_id"]), is_profiling_on=job["profiling"],
+                             failure_reason=job.get("reason", "") if state == pb.JOB_STATE_FAILED else "")
+        ij.dataset.dataset_id = job["dataset_id"]
+        _ts(ij.creation_time)
+        return pb.Job(inference_job=ij, hub_version="fake")
+
+    # -- HTTP -------------------------------------------------------------------------------------------------
+    def _handler(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code=200, body=b"", ctype="application/x-protobuf", headers=None):
+                if not isinstance(body, (bytes, bytearray)):
+                    body = body.SerializeToString()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().strip() or b"0", 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            break
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    return b"".join(chunks)
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _fault(self, method: str, path: str) -> bool:
+                label = f"{method} {path}"
+                with hub.lock:
+                    for table, kind in ((hub.drops, "drop"), (hub.errors, "error")):
+                        for prefix, n in list(table.items()):
+                            if n > 0 and label.startswith(prefix):
+                                table[prefix] = n - 1
+                                if kind == "drop":
+                                    self.close_connection = True
+                                    try:
+                                        self.connection.shutdown(2)
+                                    except OSError:
+                                        pass
+                                    return True
+                                self._send(500, b"Internal Server Error", "text/plain")
+                                return True
+                return False
+
+            def handle_one(self, method: str):
+                u = urlparse(self.path)
+                q = parse_qs(u.query)
+                body = self._body()
+                auth = self.headers.get("Authorization", "")
+                if auth.startswith("token "):
+                    hub.seen_tokens.add(auth[6:])
+                path = u.path
+                api = path.startswith("/api/v1/")
+                rel = path[len("/api/v1/"):] if api else path
+                hub.log.append((method, rel))
+                if self._fault(method, rel):
+                    return
+                if api and auth != f"token {hub.token}":
+                    return self._send(401, b'{"detail": "bad token"}', "application/json")
+                try:
+                    self.route(method, rel, q, body)
+                except KeyError as exc:
+                    self._send(404, f"not found: {exc}".encode(), "text/plain")
+                except Exception as exc:  # a bug here must not look like a network fault
+                    self._send(500, f"fake hub error: {type(exc).__name__}: {exc}".encode(), "text/plain")
+                    raise
+
+            def route(self, method, rel, q, body):
+                parts = [p for p in rel.split("/") if p]
+                with hub.lock:
+                    # -- uploads and downloads (plain URLs handed out by the API) --
+                    if parts[:2] == ["upload", "models"] and method == "PUT":
+                        hub.models[parts[2]]["data"] = body
+                        return self._send(200, b"", "text/plain", {"ETag": '"etag-0"'})
+                    if parts[:2] == ["upload", "datasets"] and method == "POST":
+                        from requests_toolbelt.multipart.decoder import MultipartDecoder
+
+                        dec = MultipartDecoder(body, self.headers["Content-Type"])
+                        for part in dec.parts:
+                            if b'name="file"' in part.headers.get(b"Content-Disposition", b""):
+                                hub.datasets[parts[2]]["data"] = part.content
+                        return self._send(204, b"", "text/plain")
+                    if parts[:1] == ["files"] and method == "GET":
+                        fpath = hub.files[parts[1]]
+                        return self._send(200, fpath, "application/octet-stream")
+                    # -- API --
+                    if parts == ["models"] and method == "POST":
+                        m = pb.Model()
+                        m.ParseFromString(body)
+                        mid = hub.new_id("m")
+                        hub.models[mid] = {"name": m.name, "model_type": m.model_type, "data": b"",
+                                           "is_directory": m.is_directory}
+                        return self._send(200, pb.CreateUpdateResponse(id=mid))
+                    if parts[0] == "models" and len(parts) == 3 and parts[2] == "multipart_upload":
+                        mid = parts[1]
+                        if method == "GET":
+                            hub.models[mid]
+                            r = pb.FileUploadResponse()
+                            r.multipart_url.urls.append(f"{hub.url}/upload/models/{mid}/0")
+                            r.multipart_url.upload_id = "up-" + mid
+                            r.multipart_url.max_part_size = 1 << 34
+                            return self._send(200, r)
+                        c = pb.FileMultipartUploadComplete()
+                        c.ParseFromString(body)
+                        return self._send(200, pb.CreateUpdateResponse(id=mid))
+                    if parts[0] == "models" and len(parts) == 2 and method == "GET":
+                        return self._send(200, hub.model_pb(parts[1]))
+                    if parts[0] == "models" and len(parts) == 3 and parts[2] == "download":
+                        m = hub.models[parts[1]]
+                        fid = hub.new_id("f")
+                        hub.files[fid] = m["data"]
+                        name = hub.download_name or m["name"]
+                        r = pb.FileDownloadResponse()
+                        r.url.url, r.url.filename = f"{hub.url}/files/{fid}", name
+                        return self._send(200, r)
+                    if parts == ["devices"]:
+                        name = (q.get("name") or [""])[0]
+                        attrs = q.get("attributes") or []
+                        found = [d for d in DEVICES if (not name or d[0] == name) and all(a in d[2] for a in attrs)]
+                        if (q.get("select") or ["False"])[0] == "True":
+                            found = found[:1]
+                        dl = pb.DeviceList(devices=[pb.Device(name=d[0], os=d[1], attributes=d[2]) for d in found])
+                        return self._send(200, dl)
+                    if parts == ["jobs"] and method == "POST":
+                        j = pb.Job()
+                        j.ParseFromString(body)
+                        jid = hub.new_id("j")
+                        if j.HasField("compile_job"):
+                            cj = j.compile_job
+                            dev = cj.devices.devices[0].name if cj.devices.devices else cj.device.name
+                            hub.jobs[jid] = {"id": jid, "kind": "compile", "model_id": cj.model.model_id,
+                                             "device": dev, "options": cj.options, "name": cj.name, "polls": 0}
+                            tid = hub.new_id("m")
+                            hub.models[tid] = {"name": f"{cj.name}.bin", "data": b"", "is_directory": False,
+                                               "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY, "producer": jid}
+                            hub.jobs[jid]["target"] = tid
+                            if hub.fail_compile:
+                                hub.jobs[jid].update(result_state=pb.JOB_STATE_FAILED, reason=hub.fail_compile)
+                                hub.fail_compile = None
+                        else:
+                            ij = j.inference_job
+                            hub.jobs[jid] = {"id": jid, "kind": "inference", "model_id": ij.model.model_id,
+                                             "device": ij.device.name, "dataset_id": ij.dataset.dataset_id,
+                                             "profiling": ij.is_profiling_on, "name": ij.name, "polls": 0}
+                        r = pb.CreateUpdateResponse(id=jid)
+                        _ts(r.creation_time)
+                        return self._send(200, r)
+                    if parts[0] == "jobs" and len(parts) == 2 and method == "GET":
+                        return self._send(200, hub.job_pb(parts[1]))
+                    if parts[0] == "jobs" and len(parts) == 3 and parts[2] == "result":
+                        job = hub.jobs[parts[1]]
+                        r = pb.JobResult()
+                        r.inference_job_result.inference_job_id = parts[1]
+                        r.inference_job_result.output_dataset_id = job.get("output_dataset", "")
+                        p = job.get("profile")
+                        if p:
+                            d = r.inference_job_result.detail
+                            d.major_version, d.minor_version = 1, 0
+                            d.execution_time, d.cold_load_time = p["execution_time"], p["load_time"]
+                            d.warm_load_time = p["load_time"]
+                        return self._send(200, r)
+                    if parts == ["datasets"] and method == "POST":
+                        d = pb.Dataset()
+                        d.ParseFromString(body)
+                        did = hub.new_id("d")
+                        hub.datasets[did] = {"name": d.name, "data": b""}
+                        r = pb.CreateUpdateResponse(id=did)
+                        _ts(r.creation_time)
+                        _ts(r.expiration_time, time.time() + 86400)
+                        return self._send(200, r)
+                    if parts[0] == "datasets" and len(parts) == 3 and parts[2] == "upload_url":
+                        r = pb.FileUploadResponse()
+                        r.url.url, r.url.file_field_name = f"{hub.url}/upload/datasets/{parts[1]}", "file"
+                        return self._send(200, r)
+                    if parts[0] == "datasets" and len(parts) == 2:
+                        ds = hub.datasets[parts[1]]
+                        if method == "PATCH":
+                            return self._send(200, pb.CreateUpdateResponse(id=parts[1]))
+                        d = pb.Dataset(dataset_id=parts[1], name=ds["name"], file_upload_complete=True)
+                        _ts(d.creation_time)
+                        _ts(d.expiration_time, time.time() + 86400)
+                        return self._send(200, d)
+                    if parts[0] == "datasets" and len(parts) == 3 and parts[2] == "download_data":
+                        fid = hub.new_id("f")
+                        hub.files[fid] = hub.datasets[parts[1]]["data"]
+                        r = pb.FileDownloadResponse()
+                        r.url.url, r.url.filename = f"{hub.url}/files/{fid}", "outputs.h5"
+                        return self._send(200, r)
+                raise KeyError(f"{method} {rel}")
+
+            def do_GET(self):
+                self.handle_one("GET")
+
+            def do_POST(self):
+                self.handle_one("POST")
+
+            def do_PUT(self):
+                self.handle_one("PUT")
+
+            def do_PATCH(self):
+                self.handle_one("PATCH")
+
+        return Handler
