@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/reference.py [--full-size] [--tokens 32] [--image-size 1024]
 
 Each engine runs in its own subprocess (so peak RSS is its own) on the same model, image, prompt and ONNX
-files, greedy, EOS ignored. Prints one JSON object: per-engine time to first token, tokens/s, per-stage
+files, greedy, EOS ignored, after ``--warmup`` untimed runs (the first run pages in weights and grows arenas). Prints one JSON object: per-engine time to first token, tokens/s, per-stage
 latency (median of --repeats runs) and peak RSS, plus the ratios the README reports.
 """
 
@@ -44,9 +44,10 @@ def run_vlmrun(args) -> dict:
     pipe = _pipe(args)
     image = _image(args)
     runs = []
-    for _ in range(args.repeats):
+    for i in range(args.warmup + args.repeats):
         gen = pipe.generate(image, PROMPT, GenerationSettings(max_new_tokens=args.tokens, ignore_eos=True)).run()
-        runs.append(gen.timings)
+        if i >= args.warmup:
+            runs.append(gen.timings)
     return _summarise(runs, gen.token_ids)
 
 
@@ -67,7 +68,7 @@ def run_bare(args) -> dict:
     kv = dec.get_inputs()[3].shape[1]
     hd = dec.get_inputs()[3].shape[3]
     runs = []
-    for _ in range(args.repeats):
+    for rep in range(args.warmup + args.repeats):
         t = {}
         t0 = time.perf_counter()
         (feats,) = sess["vision"].run(None, {"pixel_values": prepared.pixel_values})
@@ -98,7 +99,8 @@ def run_bare(args) -> dict:
         last = now
         t.update(ttft_ms=(first - start) * 1e3, tokens_per_s=(len(tokens) - 1) / (last - first),
                  prompt_tokens=emb.shape[1], new_tokens=len(tokens))
-        runs.append(t)
+        if rep >= args.warmup:
+            runs.append(t)
     return _summarise(runs, tokens)
 
 
@@ -135,7 +137,7 @@ def run_torch(args) -> dict:
     pv = torch.from_numpy(prepared.pixel_values)
     runs = []
     inner = model.model
-    for _ in range(args.repeats):
+    for rep in range(args.warmup + args.repeats):
         with torch.no_grad():
             t0 = time.perf_counter()
             feats = inner.vision_tower(pv).last_hidden_state.flatten(2).permute(0, 2, 1)
@@ -148,6 +150,8 @@ def run_torch(args) -> dict:
                                  max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, streamer=clock)
         ts = clock.times[1:]  # the first put() is the prompt
+        if rep < args.warmup:
+            continue
         runs.append({"vision_ms": (t1 - t0) * 1e3, "projector_ms": (t2 - t1) * 1e3,
                      "ttft_ms": (ts[0] - start) * 1e3, "tokens_per_s": (len(ts) - 1) / (ts[-1] - ts[0]),
                      "prompt_tokens": ids.shape[1], "new_tokens": len(ts)})
@@ -171,6 +175,7 @@ def main():
     ap.add_argument("--model", help="a FastVLM checkpoint directory instead of the generated one")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (page-in, arena growth)")
     ap.add_argument("--image-size", type=int, default=1024)
     ap.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "vlmrun-bench"))
     ap.add_argument("--engine", choices=sorted(ENGINES), help=argparse.SUPPRESS)
@@ -186,6 +191,7 @@ def main():
             print("building the full-size random FastVLM (once) ...", file=sys.stderr)
             make_tiny(args.model, image_size=args.image_size, full_size=True)
     base = [sys.executable, __file__, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+            "--warmup", str(args.warmup),
             "--image-size", str(args.image_size), "--cache-dir", args.cache_dir]
     if args.model:
         base += ["--model", args.model]

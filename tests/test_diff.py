@@ -316,3 +316,47 @@ def test_compare_edge_cases():
     assert not result.entry("projector").passed and "shape" in result.entry("projector").note
     json.loads(json.dumps(result.to_json(), allow_nan=False))
     assert "FAIL" in diff.format_table(result)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_qnn_htp_vs_reference_figures_are_what_we_measure(precision, ref_pipe, tiny_model, store, image_path,
+                                                          tmp_path):
+    """The diff of the HTP emulator against the reference reports what the test measures on its own."""
+    from vlmrun import Pipeline
+    from vlmrun.layouts import Layout, StageAssignment
+    from vlmrun.stages import STAGES
+
+    opts = {"decoder": {"context_length": 256, "prefill_ar": 32}}  # the graphs test_qnn_htp compiles too
+    if precision == "int8":
+        opts["vision"] = {"precision": "int8"}  # random calibration, labelled so in the manifest
+    lay = Layout(f"npu-{precision}", {s: StageAssignment("qnn_htp", opts.get(s, {})) for s in STAGES})
+    htp = Pipeline.build(tiny_model, lay, store=store, registry=ref_pipe.registry)
+    run = diff.run(ref_pipe, htp, image=image_path, prompt=PROMPT, model=tiny_model, store=store,
+                   max_new_tokens=N, ignore_eos=True, precision=precision)
+    result = run.result
+    assert result.precision == precision
+
+    # vision, measured independently on the same pixels
+    p = ref_pipe.prepare(image_path, PROMPT)
+    ref_f = ref_pipe.run_stage("vision", {"pixel_values": p.pixel_values})["image_features"]
+    dev_f = htp.run_stage("vision", {"pixel_values": p.pixel_values})["image_features"]
+    m = result.entry("vision", "image_features").metrics
+    assert m["cosine"] == pytest.approx(cosine(ref_f, dev_f), abs=1e-9)
+    assert m["max_abs"] == pytest.approx(float(np.abs(dev_f.astype(np.float64) - ref_f).max()), rel=1e-6)
+    assert m["cosine"] >= (0.999 if precision == "fp16" else 0.99)
+
+    # decoder under teacher forcing: both decoders fed the reference tokens, top-1 per step
+    forced = np.asarray(run.reference.tokens[:N], dtype=np.int64)
+
+    def step_logits(pipe):
+        q = pipe.prepare(image_path, PROMPT)
+        emb = pipe.embed_prompt(q)
+        full = np.concatenate([emb, pipe.embed_tokens(forced)], axis=1)
+        return pipe.run_stage("decoder", {"inputs_embeds": full})["logits"][0, emb.shape[1] - 1:][:N]
+
+    agree = float((step_logits(ref_pipe).argmax(-1) == step_logits(htp).argmax(-1)).mean())
+    assert result.entry("decoder").metrics["top1_agreement"] == pytest.approx(agree)
+    assert agree >= 0.8
+
+    page = diff.write_report(run, tmp_path / "report").read_text()
+    assert f"{m['cosine']:.6f}"[:6] in page and page.count("data:image/png;base64,") >= 3

@@ -26,10 +26,10 @@ class Sampler:
         self._rng = np.random.default_rng(settings.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         s = self.settings
         if s.greedy:
             return int(np.argmax(logits))
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         scaled = logits / s.temperature
         order = np.argsort(-scaled, kind="stable")
         if s.top_k > 0:
