@@ -427,7 +427,6 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     from tokenizers import AddedToken
     from transformers import (
         CLIPImageProcessor,
-        FastVlmConfig,
         FastVlmForConditionalGeneration,
         GenerationConfig,
         LlavaProcessor,
@@ -435,7 +434,7 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
         TimmWrapperConfig,
     )
 
-    from .tiny import CHAT_TEMPLATE
+    from .tiny import CHAT_TEMPLATE, fastvlm_config
 
     tensors = _load_tensors(src)
     tensors.pop(_APPLE_HEAD_PROJ, None)  # the script deletes MCi's CLIP head projection
@@ -523,17 +522,7 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     image_size = _image_size_from_tower(cfg.get("mm_vision_tower")) or _image_size_from_processor(src) or 1024
     if image_size % PATCH_SIZE:
         raise InputError(f"{src}: image size {image_size} is not a multiple of {PATCH_SIZE}; expected e.g. 1024")
-    config = FastVlmConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        image_token_id=image_token_id,
-        image_seq_length=(image_size // PATCH_SIZE) ** 2,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="full",
-        vision_feature_layer=-1,
-        multimodal_projector_bias=True,
-        tie_word_embeddings=tie,
-    )
+    config = fastvlm_config(vision_config, text_config, image_token_id, image_size, tie)
     config.architectures = [_NATIVE_ARCH]
     config.dtype = embed.dtype
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from .cli_options import model_options
 from .errors import VlmrunError
 from .stages import STAGES
 
@@ -26,16 +27,10 @@ def _stage_options(f):
 
 
 def _pipeline_options(f):
-    f = click.option("--model", "model_dir", type=click.Path(path_type=Path),
-                     help="FastVLM checkpoint directory (transformers-native or Apple llava_qwen2 layout)."
-                          " Default: the tiny model vlmrun builds itself.")(f)
+    f = model_options(f)
     f = click.option("--layout", default=None, help="Layout preset: reference, hybrid, all-npu. [default: reference]")(f)
     f = click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")(f)
-    f = click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
-                     help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")(f)
     f = click.option("--rebuild", is_flag=True, help="Export/compile again even if the store has the artifacts.")(f)
-    f = click.option("--image-size", type=int, default=1024, show_default=True,
-                     help="Image size of the tiny default model (ignored with --model).")(f)
     f = click.option("--context-length", type=click.IntRange(2), default=None,
                      help="Decoder context length (prompt + generated tokens). [default: the model's]")(f)
     f = click.option("--compiler", metavar="PLUGIN", default=None,

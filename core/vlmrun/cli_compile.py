@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from .cli_options import model_options
 from .errors import UsageError
 from .stages import STAGES
 
@@ -40,12 +41,7 @@ def _artifacts_of(handle) -> list:
 @click.option("--device", "hub_device", metavar="NAME",
               help='Remote compiler\'s device, e.g. "Snapdragon 8 Elite QRD" for qaihub. [default: from --soc]')
 @click.option("--context-length", type=click.IntRange(8), help="Decoder context length to compile for.")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path),
-              help="FastVLM checkpoint directory. Default: the tiny model vlmrun builds itself.")
-@click.option("--image-size", type=int, default=1024, show_default=True,
-              help="Image size of the tiny default model (ignored with --model).")
-@click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
-              help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")
+@model_options
 @click.option("--rebuild", is_flag=True, help="Compile again even if the store has the artifacts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object describing the artifacts.")
 @click.option("--debug", is_flag=True, hidden=True)

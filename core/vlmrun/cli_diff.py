@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from .cli_options import model_options
 from .errors import VlmrunError
 from .stages import STAGES
 
@@ -26,12 +27,7 @@ def _device_options(f):
 @_device_options
 @click.option("--image", type=click.Path(path_type=Path), help="Image file. [default: the built-in demo image]")
 @click.option("--prompt", help='The question. [default: "Describe the image."]')
-@click.option("--model", "model_dir", type=click.Path(path_type=Path),
-              help="FastVLM checkpoint directory. Default: the tiny model vlmrun builds itself.")
-@click.option("--image-size", type=int, default=1024, show_default=True,
-              help="Image size of the tiny default model (ignored with --model).")
-@click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
-              help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")
+@model_options
 @click.option("--max-new-tokens", type=click.IntRange(1), default=None,
               help="Tokens to generate on each side. [default: 32, or what a --from reference used]")
 @click.option("--ignore-eos", is_flag=True, help="Generate all --max-new-tokens even past end-of-sequence.")

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .cli_options import model_options
 from .errors import UsageError
 
 PROFILE_STAGES = ("vision", "projector", "embed")
@@ -42,12 +43,7 @@ def _inputs(pipe, stage: str) -> dict:
 @click.option("--device", help="Device to run on (qaihub: an AI Hub device name, e.g. 'Snapdragon 8 Elite QRD').")
 @click.option("--precision", type=click.Choice(["fp16", "int8", "a16w8"]), help="Numeric precision. [default: fp16]")
 @click.option("--timeout", type=float, help="Seconds to wait for each hosted job.")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path),
-              help="FastVLM checkpoint directory. Default: the tiny model vlmrun builds itself.")
-@click.option("--image-size", type=int, default=1024, show_default=True,
-              help="Image size of the tiny default model (ignored with --model).")
-@click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
-              help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")
+@model_options
 @click.option("--rebuild", is_flag=True, help="Compile again even if the store has the artifact.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--debug", is_flag=True, hidden=True)

@@ -433,7 +433,6 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
     import torch
     from transformers import (
         CLIPImageProcessor,
-        FastVlmConfig,
         FastVlmForConditionalGeneration,
         GenerationConfig,
         LlavaProcessor,
@@ -459,17 +458,7 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
         pad_token_id=endoftext_id,
         **_text_kwargs(full_size, vocab_rows),
     )
-    config = FastVlmConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        image_token_id=image_id,
-        image_seq_length=(image_size // PATCH_SIZE) ** 2,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="full",
-        vision_feature_layer=-1,
-        multimodal_projector_bias=True,
-        tie_word_embeddings=True,
-    )
+    config = fastvlm_config(vision_config, text_config, image_id, image_size, tie=True)
 
     try:  # skip transformers' own init (20 s at full size): every weight is written below from `gen`
         from transformers.initialization import no_init_weights
@@ -535,3 +524,21 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
     )
     processor.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+
+
+def fastvlm_config(vision_config, text_config, image_token_id: int, image_size: int, tie: bool):
+    """The native ``FastVlmConfig`` as the real FastVLM sets it (GELU projector with bias, full features,
+    last layer), shared by the tiny builder and the Apple-layout conversion."""
+    from transformers import FastVlmConfig
+
+    return FastVlmConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_id=image_token_id,
+        image_seq_length=(image_size // PATCH_SIZE) ** 2,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        multimodal_projector_bias=True,
+        tie_word_embeddings=tie,
+    )

@@ -24,8 +24,7 @@ from vlmrun import genie
 from vlmrun.errors import BackendError, InputError
 
 from . import ep
-
-MASK_MIN = np.float32(-65504.0)
+from .decoder import MASK_MIN, FixedKVDecoder
 
 
 def libgenie_path() -> Path:
@@ -47,10 +46,11 @@ def rope_tables(facts: genie.GenieModel, ctx: int) -> tuple[np.ndarray, np.ndarr
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-class GenieLayoutDecoder:
-    """A host-driven loop over the Genie-layout graphs, feeding them exactly what Genie feeds: an additive mask
-    whose first C-AR columns are the past slots and last AR columns this call's rows, cos/sin rows of the
-    positions, keys [KV,1,D,C-AR] and values [KV,1,C-AR,D]."""
+class GenieLayoutDecoder(FixedKVDecoder):
+    """The host loop of :class:`FixedKVDecoder` over the Genie-layout graphs, feeding them exactly what Genie
+    feeds: an additive mask whose first C-AR columns are the past slots and last AR columns this call's rows,
+    cos/sin rows of the positions, keys [KV,1,D,C-AR] and values [KV,1,C-AR,D]. Only the state layout and the
+    graph I/O (``reset``, ``_step``) differ."""
 
     def __init__(self, graphs: dict[int, object], ctx: int, facts: genie.GenieModel, min_chunk: int = 2):
         self.graphs = dict(sorted(graphs.items()))
@@ -65,12 +65,6 @@ class GenieLayoutDecoder:
         self.k = [np.zeros((f.kv_heads, 1, f.head_dim, c), np.float32) for _ in range(f.layers)]
         self.v = [np.zeros((f.kv_heads, 1, c, f.head_dim), np.float32) for _ in range(f.layers)]
         self.n_past = 0
-
-    def _pick(self, left: int) -> int:
-        for ar in sorted(self.graphs, reverse=True):
-            if ar == 1 or (left >= min(ar, self.min_chunk) and self.n_past + ar <= self.ctx):
-                return ar
-        return 1
 
     def _step(self, embeds: np.ndarray, ar: int) -> np.ndarray:
         n, C, P, f = embeds.shape[1], self.ctx, self.n_past, self.facts
@@ -96,38 +90,6 @@ class GenieLayoutDecoder:
         self.n_past = P + n
         self.steps[ar] += 1
         return out["logits"].reshape(1, ar, -1)[:, :n]
-
-    def prefill(self, embeds: np.ndarray, all_logits: bool = False) -> np.ndarray:
-        T = embeds.shape[1]
-        if self.n_past + T > self.ctx:
-            raise InputError(f"{self.n_past + T} tokens do not fit the compiled decoder context of {self.ctx};"
-                             " shorten the prompt or compile with a larger context_length")
-        outs, i = [], 0
-        while i < T:
-            ar = self._pick(T - i)
-            n = min(ar, T - i)
-            logits = self._step(embeds[:, i : i + n], ar)
-            outs.append(logits if all_logits else logits[:, -1:])
-            i += n
-        return np.concatenate(outs, axis=1) if all_logits else outs[-1]
-
-    def forward_all(self, embeds: np.ndarray) -> np.ndarray:
-        self.reset()
-        return self.prefill(embeds.astype(np.float32), all_logits=True)
-
-    def generate(self, request) -> Iterator[int]:
-        self.reset()
-        limit = min(int(request.context_length or self.ctx), self.ctx)
-        if request.inputs_embeds.shape[1] >= limit:
-            raise InputError(f"the prompt is {request.inputs_embeds.shape[1]} tokens but the compiled decoder"
-                             f" context holds {limit}; compile the decoder with a larger context_length")
-        logits = self.prefill(request.inputs_embeds.astype(np.float32))
-        for i in range(request.max_new_tokens):
-            tok = int(request.sampler(logits[0, -1]))
-            yield tok
-            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.n_past >= limit:
-                return
-            logits = self._step(request.embed_tokens(np.array([tok])), 1)
 
 
 class GenieHtpHandle:
