@@ -143,3 +143,22 @@ def test_corrupted_artifact_is_rebuilt(tmp_path):
     build = writer("a.bin", b"1234")
     fresh.get_or_build(key, lambda d: calls.append(1) or build(d))
     assert calls == [1] and fresh.lookup(key).file().read_bytes() == b"1234"
+
+
+def test_large_files_are_rehashed_only_when_touched(tmp_path, monkeypatch):
+    import os
+
+    from vlmrun import store as store_mod
+
+    monkeypatch.setattr(store_mod, "FULL_HASH_LIMIT", 3)  # "large" = more than 3 bytes
+    store = store_mod.ArtifactStore(tmp_path)
+    key = {"stage": "decoder", "kind": "big"}
+    art = store.get_or_build(key, writer("w.data", b"123456"))
+    hashed = []
+    real = store_mod.sha256_file
+    monkeypatch.setattr(store_mod, "sha256_file", lambda f: hashed.append(f.name) or real(f))
+    assert store_mod.ArtifactStore(tmp_path).lookup(key) is not None and hashed == []
+    st = art.file().stat()
+    art.file().write_bytes(b"654321")  # same size, new mtime: hashed again, and caught
+    os.utime(art.file(), ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert store_mod.ArtifactStore(tmp_path).lookup(key) is None and hashed == ["w.data"]

@@ -46,6 +46,24 @@ def key_digest(key: Mapping[str, object]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+FULL_HASH_LIMIT = 256 * 1024 * 1024  # bytes; larger files are re-hashed only when size or mtime changed
+
+
+def _intact(f: Path, meta: Mapping[str, object]) -> bool:
+    """Does ``f`` still match its manifest entry? Files up to FULL_HASH_LIMIT are always re-hashed (compiled
+    binaries, small graphs); a multi-GB weight file is re-hashed when its size or mtime differ from the
+    manifest's, which keeps a warm start of a full-size model from reading gigabytes."""
+    try:
+        st = f.stat()
+    except OSError:
+        return False
+    if st.st_size != meta["size"]:
+        return False
+    if st.st_size > FULL_HASH_LIMIT and meta.get("mtime_ns") == st.st_mtime_ns:
+        return True
+    return sha256_file(f) == meta["sha256"]
+
+
 @attrs.frozen
 class Artifact:
     """A complete, verified directory in the store."""
@@ -80,8 +98,7 @@ class ArtifactStore:
             return None
         if path not in self._verified:
             for name, meta in manifest.get("checksums", {}).items():
-                f = path / name
-                if not f.is_file() or f.stat().st_size != meta["size"] or sha256_file(f) != meta["sha256"]:
+                if not _intact(path / name, meta):
                     return None
             self._verified.add(path)
         return Artifact(path, manifest)
@@ -109,7 +126,8 @@ class ArtifactStore:
             manifest["key"] = dict(key)
             manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             manifest["checksums"] = {
-                str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256_file(f)}
+                str(f.relative_to(tmp)): {"size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns,
+                                          "sha256": sha256_file(f)}
                 for f in sorted(tmp.rglob("*"))
                 if f.is_file()
             }
