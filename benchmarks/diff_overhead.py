@@ -21,15 +21,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--model", default=None, help="a FastVLM checkpoint directory (default: the tiny model)")
     args = ap.parse_args()
 
     from vlmrun import GenerationSettings, Pipeline, diff, plugins
     from vlmrun.demo_image import demo_image
-    from vlmrun.model import default_model
+    from vlmrun.model import FastVLMModel, default_model
     from vlmrun.store import ArtifactStore
 
     store = ArtifactStore(args.cache_dir)
-    model = default_model(store, args.image_size)
+    model = FastVLMModel.open(args.model, store) if args.model else default_model(store, args.image_size)
     registry = plugins.load()
     pipe = Pipeline.build(model, "reference", store=store, registry=registry)
     image, prompt = demo_image(), diff.DEFAULT_PROMPT

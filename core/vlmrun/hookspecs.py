@@ -131,8 +131,10 @@ def decode(backend, handle, request):
     :param request: a :class:`vlmrun.stages.DecodeRequest`: ``inputs_embeds`` [1, T, hidden] float32 (image
                     embeddings already spliced in), ``max_new_tokens``, ``sampler`` (a
                     :class:`vlmrun.sampling.Sampler` to pick a token from logits), ``stop_ids``,
-                    ``embed_tokens(ids) -> [1, n, hidden]`` to embed generated tokens, and
-                    ``context_length``.
+                    ``embed_tokens(ids) -> [1, n, hidden]`` to embed generated tokens,
+                    ``context_length``, and ``on_logits``: when not ``None``, call it with each step's logits
+                    row [vocab] before sampling from it (diffs use these instead of a second forward; a runtime
+                    that never sees logits, like Genie, leaves it uncalled).
     :return: an iterator of generated token ids (ints), yielded as soon as each is known so the core can
              stream text and time the first token. A handle whose runtime measures itself may set
              ``handle.last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the iteration; those

@@ -128,8 +128,10 @@ class Prepared:
 class Generation:
     """An iterator of text pieces; after it is exhausted, ``token_ids``, ``text`` and ``timings`` are final."""
 
-    def __init__(self, pipeline: "Pipeline", prepared: Prepared, settings: GenerationSettings):
+    def __init__(self, pipeline: "Pipeline", prepared: Prepared, settings: GenerationSettings,
+                 keep_logits: bool = False):
         self.pipeline = pipeline
+        self.step_logits: list[np.ndarray] | None = [] if keep_logits else None  # rows the decoder reported
         self.prepared = prepared
         self.settings = settings
         self.token_ids: list[int] = []
@@ -165,6 +167,7 @@ class Generation:
             stop_ids=stops,
             embed_tokens=pipe.embed_tokens,
             context_length=ctx_len,
+            on_logits=None if self.step_logits is None else (lambda row: self.step_logits.append(np.array(row))),
         )
         self.timings["prompt_tokens"] = prompt_len
         backend = pipe.layout.backend("decoder")
@@ -359,18 +362,28 @@ class Pipeline:
                 teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
         """Every stage-boundary tensor of one request, for diffs.
 
-        Generates with ``settings``, then runs the decoder once under teacher forcing over the prompt plus
-        ``teacher_tokens`` (default: its own tokens) to capture per-step ``logits``.
+        Generates with ``settings`` and captures per-step ``logits`` under teacher forcing on
+        ``teacher_tokens`` (default: its own tokens): row k predicts token k. When the decoder reported its
+        logits while generating and it generated exactly the forced tokens, those rows are the teacher-forced
+        ones already; otherwise the decoder runs once more over the prompt plus the forced tokens.
         """
-        gen = self.generate(image, prompt, settings).run()
+        if settings.max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        gen = Generation(self, self.prepare(image, prompt, settings.system), settings, keep_logits=True).run()
         p, embeds = gen.prepared, gen.tensors["inputs_embeds"]
         forced = list(teacher_tokens if teacher_tokens is not None else gen.token_ids)
-        full = np.concatenate([embeds, self.embed_tokens(np.asarray(forced, dtype=np.int64))], axis=1) if forced else embeds
-        logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"]
+        n = max(len(forced), 1)
+        rows = gen.step_logits or []
+        if forced == gen.token_ids[: len(forced)] and len(rows) >= n:
+            logits = np.stack(rows[:n])[None].astype(np.float32)
+        else:
+            tail = self.embed_tokens(np.asarray(forced, dtype=np.int64)) if forced else embeds[:, :0]
+            full = np.concatenate([embeds, tail], axis=1)
+            logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"][:, embeds.shape[1] - 1 :][:, :n]
         return {
             "pixel_values": p.pixel_values,
             "input_ids": p.input_ids,
             **gen.tensors,
-            "logits": logits[:, embeds.shape[1] - 1 :, :],
+            "logits": logits,
             "tokens": np.asarray(gen.token_ids, dtype=np.int64),
         }

@@ -136,3 +136,5 @@ class DecodeRequest:
     stop_ids: frozenset[int]
     embed_tokens: Callable[[np.ndarray], np.ndarray]  # int64 [n] -> float32 [1, n, H]
     context_length: int
+    # when set, a decoder that sees its logits calls it with each step's row [V] before sampling from it
+    on_logits: Callable[[np.ndarray], None] | None = None

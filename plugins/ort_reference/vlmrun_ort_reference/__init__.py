@@ -97,6 +97,8 @@ class KVDecoder:
         logits, past = self.forward(embeds, self.empty_past(), 0)
         n_past = embeds.shape[1]
         for i in range(request.max_new_tokens):
+            if request.on_logits is not None:
+                request.on_logits(logits[0, -1])
             tok = request.sampler(logits[0, -1])
             yield tok
             if tok in request.stop_ids or i + 1 >= request.max_new_tokens or n_past >= request.context_length:

@@ -105,6 +105,8 @@ class FixedKVDecoder:
             )
         logits = self.prefill(request.inputs_embeds.astype(np.float32))
         for i in range(request.max_new_tokens):
+            if request.on_logits is not None:
+                request.on_logits(logits[0, -1])
             tok = int(request.sampler(logits[0, -1]))
             yield tok
             if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.n_past >= limit:
