@@ -248,7 +248,7 @@ def test_genie_cpu_missing_sdk_fails_before_any_work(tiny_model, tmp_path, monke
     monkeypatch.setenv("QAIRT_SDK_ROOT", str(sdk))
     with pytest.raises(BackendError, match=rf"looked in {sdk} \(\$QAIRT_SDK_ROOT\)"):
         Pipeline.build(tiny_model, layout("genie_cpu"), store=store)
-    assert store.builds == [] or not any("decoder" in b for b in store.builds)
+    assert store.builds == []  # preflight stopped it before any export or compile
 
 
 @pytest.fixture()

@@ -12,6 +12,7 @@ Stages are ``vision``, ``projector``, ``embed`` and ``decoder`` (:mod:`vlmrun.st
 contracts). The order in which the core calls the hooks for one stage of one run::
 
     describe()                       once, when plugins are loaded (what backends exist, which stages)
+    preflight(backend, stage, ...)   before any work: can this backend run here at all (SDK, libraries)?
     load_stage(backend, stage, ctx)  once per pipeline; the plugin asks ``ctx`` for artifacts, which makes the
       -> export(...)                   core call ``export`` (torch -> ONNX, cached in the artifact store) and
       -> compile(...)                  ``compile`` (ONNX -> backend binary, cached) only when not cached yet
@@ -45,6 +46,22 @@ def doctor():
 
     :return: a list of :class:`vlmrun.plugins.Check` (name, ok, detail): runtime versions, libraries found,
              SDK tools, devices. Must not raise and must be quick (no compiling).
+    """
+
+
+@hookspec
+def preflight(backend, stage, model, options):
+    """Check, before any export or compile, that ``backend`` can run ``stage`` here.
+
+    Called by the core for every stage of a pipeline after the layout is validated and the model opened,
+    before any ``load_stage``, so a missing SDK tool or library stops the run before minutes of work.
+
+    :param backend: the backend name; do nothing if it is not yours.
+    :param stage: the stage name.
+    :param model: the :class:`vlmrun.model.FastVLMModel`.
+    :param options: the stage's layout options.
+    :return: nothing; raise a :class:`vlmrun.errors.VlmrunError` (one line: what is missing, where you looked,
+             what to do) when the stage cannot run.
     """
 
 

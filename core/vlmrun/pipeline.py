@@ -258,6 +258,10 @@ class Pipeline:
             store = ArtifactStore(store)
         store.clean_stale()
         fvlm = open_model(model, store, image_size, progress)
+        for stage in stages:
+            assignment = layout.stages[stage]
+            registry.hook.preflight(backend=assignment.backend, stage=stage, model=fvlm,
+                                    options=dict(assignment.options))
         pipe = cls(fvlm, layout, registry, store, {}, progress)
         for stage in stages:
             pipe.handles[stage] = pipe._load(stage, rebuild)

@@ -54,6 +54,15 @@ def compile(backend, stage, model, source, options, out_dir):
 
 
 @hookimpl
+def preflight(backend, stage, model, options):
+    if not mine(backend, NAME):
+        return
+    from .runner import require_tools
+
+    require_tools(options, model)
+
+
+@hookimpl
 def load_stage(backend, stage, ctx):
     if not mine(backend, NAME):
         return None

@@ -37,10 +37,15 @@ def decoder_options(options, model) -> dict:
             "device": o.get("device"), "adb": o.get("adb"), "remote_dir": o.get("remote_dir") or REMOTE_DIR}
 
 
-def load_decoder(ctx):
-    opts = decoder_options(ctx.options, ctx.model)
+def require_tools(options, model):
+    """The SDK and the tools this decoder needs, or one error line naming what is missing and where we looked."""
+    opts = decoder_options(options, model)
     sdk = Sdk.find(opts["sdk_root"])
-    tools = sdk.require(opts["target"], opts["runner"])  # before any work: one line naming what is missing
+    return opts, sdk, sdk.require(opts["target"], opts["runner"])
+
+
+def load_decoder(ctx):
+    opts, sdk, tools = require_tools(ctx.options, ctx.model)
     src = ctx.exported(ExportForm.of("embed", "embed/lut"))
     key = {"quantize": opts["quantize"], "composer": str(tools["composer"].name)}
     art = ctx.compiled(src, {**key, "sdk_root": str(sdk.root) if opts["sdk_root"] else None},
