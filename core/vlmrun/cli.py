@@ -108,6 +108,14 @@ def _format_timings(t: dict) -> str:
     return " | ".join(parts)
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F]}
+
+
+def _visible(text: str) -> str:
+    """Generated text for a terminal: control characters (a random model emits them) shown as escapes."""
+    return text.translate(_CONTROL)
+
+
 def _generate(pipe, image, prompt: str, opts: dict) -> None:
     gen = pipe.generate(image, prompt, _settings(opts))
     if opts["as_json"]:
@@ -119,8 +127,9 @@ def _generate(pipe, image, prompt: str, opts: dict) -> None:
         }))
         return
     click.echo(f"[{pipe.layout.describe()}]", err=True)
+    show = _visible if sys.stdout.isatty() else str
     for piece in gen:
-        click.echo(piece, nl=False)
+        click.echo(show(piece), nl=False)
         sys.stdout.flush()
     click.echo()
     click.echo(_format_timings(gen.timings), err=True)
