@@ -660,8 +660,11 @@ def _build_pipeline(side, model, store, registry, progress):
 
 
 def infer_precision(layout_options: Mapping[str, Mapping[str, object]] | None) -> str:
-    """The most lenient precision named in the device layout's stage options (``fp32`` when none)."""
-    found = {str(o.get("precision")) for o in (layout_options or {}).values() if o.get("precision")}
+    """The most lenient precision of the device layout's stages: their ``precision`` options, else each
+    backend's own (:attr:`vlmrun.plugins.BackendInfo.precision`); ``fp32`` when none is known."""
+    aliases = {"a16w8": "int8", "a8w8": "int8", "w8a16": "int8"}
+    found = {aliases.get(str(o["precision"]), str(o["precision"]))
+             for o in (layout_options or {}).values() if o.get("precision")}
     for p in reversed(PRECISIONS):
         if p in found:
             return p
@@ -758,7 +761,11 @@ def run(
         timings["device_s"] = time.perf_counter() - t
         dev_cap.meta["side"] = "device"
         if dev_pipe is not None:
-            dev_cap.meta["layout_options"] = {s: dict(dev_pipe.layout.stages[s].options) for s in STAGES}
+            dev_cap.meta["layout_options"] = {
+                s: {"precision": dev_pipe.registry.backend(dev_pipe.layout.backend(s)).precision,
+                    **dev_pipe.layout.stages[s].options}
+                for s in STAGES
+            }
 
     if precision is None:
         precision = file_precision or infer_precision(dev_cap.meta.get("layout_options"))

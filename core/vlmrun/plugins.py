@@ -27,6 +27,7 @@ class BackendInfo:
     name: str
     stages: tuple[str, ...]
     summary: str = ""
+    precision: str = "fp32"  # the numeric precision its stages run at unless a layout option says otherwise
 
 
 @attrs.frozen

@@ -107,7 +107,7 @@ def compile_options(precision: str, extra: str = "") -> str:
 def describe():
     return BackendInfo(NAME, HOSTED_STAGES,
                        "Qualcomm AI Hub: compiles QNN context binaries in the cloud (--compiler qaihub) and runs or"
-                       " profiles stages on hosted Snapdragon devices")
+                       " profiles stages on hosted Snapdragon devices", precision="fp16")
 
 
 @hookimpl

@@ -109,7 +109,8 @@ def forms(stage: str, opts: dict) -> list[ExportForm]:
 # -- hooks -------------------------------------------------------------------------------------------------
 @hookimpl
 def describe():
-    return BackendInfo(NAME, STAGES, "Qualcomm QNN HTP (v79 emulator via onnxruntime-qnn, the NPU, or a phone over adb)")
+    return BackendInfo(NAME, STAGES, "Qualcomm QNN HTP (v79 emulator via onnxruntime-qnn, the NPU, or a phone over adb)",
+                       precision="fp16")
 
 
 @hookimpl
