@@ -182,6 +182,47 @@ def test_int8_vision_a8w8_16bit_softmax(int8_pipe, ref_pipe, prepared):
     assert q["dtype"] == "uint8" and q["scale"] > 0
 
 
+@pytest.fixture(scope="session")
+def a16w8_decoder_pipe(tiny_model, store, registry):
+    """The decoder alone at a16w8 (ctx 128, AR-32 + AR-1), calibrated on the demo image's reference embeddings."""
+    t0 = time.perf_counter()
+    pipe = build(tiny_model, layout(decoder={"context_length": 128, "precision": "a16w8"}), store, registry,
+                 stages=("decoder",))
+    print(f"\n[qnn_htp] a16w8 decoder build (export + calibrate + quantize + compile) {time.perf_counter() - t0:.1f} s")
+    return pipe
+
+
+def test_a16w8_decoder_teacher_forced(a16w8_decoder_pipe, ref_pipe, prepared, ref_tokens):
+    embeds = ref_pipe.embed_prompt(prepared)
+    full = np.concatenate([embeds, ref_pipe.embed_tokens(np.asarray(ref_tokens))], axis=1)
+    T = embeds.shape[1]
+    l_q = a16w8_decoder_pipe.run_stage("decoder", {"inputs_embeds": full})["logits"][0, T - 1 : T - 1 + N_STEPS]
+    l_ref = ref_pipe.run_stage("decoder", {"inputs_embeds": full})["logits"][0, T - 1 : T - 1 + N_STEPS]
+    agree = float((l_q.argmax(-1) == np.asarray(ref_tokens)).mean())
+    cos = cosine(l_q, l_ref)
+    arts = a16w8_decoder_pipe.handles["decoder"].artifacts
+    print(f"\n[qnn_htp] a16w8 decoder teacher-forced top-1 agreement {agree:.2f}, logits cosine {cos:.5f}"
+          f" (calibration: {arts[-1].manifest['quantization']['calibration']})")
+    assert agree >= 0.8 and cos >= 0.98
+    for art in arts:
+        m = art.manifest
+        assert m["precision"] == "a16w8" and m["quantization"]["activation"] == "QUInt16"
+        assert "demo image" in m["quantization"]["calibration"]
+        assert "reference (ort_reference) prompt embeddings" in m["quantization"]["calibration"]
+        assert m["io_quant"]["logits"]["dtype"] == "uint16"
+
+
+def test_int8_embed(tiny_model, store, registry, ref_pipe, prepared):
+    pipe = build(tiny_model, layout(embed={"precision": "int8"}), store, registry, stages=("embed",))
+    ids = {"input_ids": prepared.input_ids}
+    c = cosine(pipe.run_stage("embed", ids)["inputs_embeds"], ref_pipe.run_stage("embed", ids)["inputs_embeds"])
+    m = pipe.handles["embed"].artifact.manifest
+    print(f"\n[qnn_htp] int8 embed cosine {c:.6f} (calibration {m['quantization']['calibration']})")
+    assert c >= 0.99
+    assert m["precision"] == "int8" and m["quantization"]["calibration"].startswith("token-ids:")
+    assert m["io_quant"]["inputs_embeds"]["dtype"] == "uint8"
+
+
 # -- CLI ----------------------------------------------------------------------------------------------------
 def test_cli_compile_reuses_and_records_random_calibration(htp_pipe, cache_dir):
     """`vlmrun compile` in a fresh process."""
@@ -214,6 +255,26 @@ def test_all_npu_layout_from_the_cli(htp_pipe, cache_dir, image_path, tmp_path):
     assert set(out["layout"].values()) == {"qnn_htp"} and len(out["token_ids"]) == 4
     assert {"vision_ms", "projector_ms", "embed_ms", "ttft_ms", "tokens_per_s"} <= set(out["timings"])
     assert "compiling" not in res.stderr  # compiled once per test session, by the fixture
+
+
+def test_cli_compile_all_npu_int8(htp_pipe, cache_dir):
+    """Every stage at int8 (decoder: a8w8 with 16-bit Softmax, fixed-KV AR-64 + AR-1 at ctx 128)."""
+    from conftest import run_cli
+
+    t0 = time.perf_counter()
+    res = run_cli(["compile", "--layout", "all-npu", "--precision", "int8", "--image-size", "256",
+                   "--context-length", "128", "--json"], cache_dir, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    arts = json.loads(res.stdout)["artifacts"]
+    print(f"\n[qnn_htp] vlmrun compile --layout all-npu --precision int8: {time.perf_counter() - t0:.1f} s")
+    assert [a["stage"] for a in arts] == ["vision", "projector", "embed", "decoder", "decoder"]
+    for a in arts:
+        m = json.loads((Path(a["path"]) / "manifest.json").read_text())
+        assert m["precision"] == "int8" and m["quantization"]["softmax"] == "QUInt16", a["stage"]
+        assert m["quantization"]["calibration"]
+    dec = [json.loads((Path(a["path"]) / "manifest.json").read_text()) for a in arts if a["stage"] == "decoder"]
+    assert {tuple(m["inputs"][0]["shape"]) for m in dec} == {(1, 64, 64), (1, 1, 64)}
+    assert all("demo image" in m["quantization"]["calibration"] for m in dec)
 
 
 # -- adb + qnn-net-run (stand-ins) --------------------------------------------------------------------------

@@ -86,7 +86,8 @@ def export(model, stage, form, out_dir):
 
 
 @hookspec(firstresult=True)
-def compile(backend, stage, model, source, options, out_dir, target, stage_options, artifact, rebuild):
+def compile(backend, stage, model, source, options, out_dir, target, stage_options, artifact, rebuild, store,
+            registry):
     """Compile an exported stage into a backend's own format (e.g. a QNN context binary).
 
     Called by the core when ``ctx.compiled(...)`` has no valid copy in the store.
@@ -105,6 +106,8 @@ def compile(backend, stage, model, source, options, out_dir, target, stage_optio
     :param artifact: the name the result will have in the store (stable across runs: a remote compiler can
                      use it to find a job an interrupted run submitted).
     :param rebuild: ``True`` when the user asked to rebuild (``--rebuild``), so cached remote results are stale.
+    :param store: the :class:`vlmrun.store.ArtifactStore` and ``registry`` the loaded plugins, for a compiler
+                  that needs other stages' results (e.g. int8 calibration on reference activations).
     :return: a manifest dict (like ``export``), or ``None`` if this plugin does not compile for ``backend``.
     """
 

@@ -75,7 +75,8 @@ class StageContext:
                 result = self.registry.hook.compile(
                     backend=compiler, stage=self.stage, model=self.model, source=source,
                     options=dict(options), out_dir=tmp, target=self.backend, stage_options=dict(self.options),
-                    artifact=self.store.path_for(key).name, rebuild=self.rebuild,
+                    artifact=self.store.path_for(key).name, rebuild=self.rebuild, store=self.store,
+                    registry=self.registry,
                 )
             if result is None:
                 raise BackendError(f"'{compiler}' cannot compile stage '{self.stage}' for backend '{self.backend}'")

@@ -9,9 +9,11 @@ Decode: a host-driven fixed-KV loop over an AR-N prefill graph and an AR-1 graph
 Per-stage options (layout TOML or ``vlmrun compile`` flags):
 
 =================== ====================================================================================
-``precision``       ``fp16`` (default), ``int8`` (a8w8, 16-bit Softmax) or ``a16w8``: vision and projector
+``precision``       ``fp16`` (default), ``int8`` (a8w8, 16-bit Softmax) or ``a16w8``: every stage (decoder:
+                    host engine only)
 ``soc``             ``SM8750`` (default), ``SM8650``, ``SM8550``, ... (see :data:`.socs.SOCS`)
-``calibration_images`` folder of images for int8 (default: random data, labelled so in the manifest)
+``calibration_images`` folder of images for int8 (default: random data for vision/projector, labelled so in
+                    the manifest; the demo image for the decoder; embed calibrates on token ids)
 ``context_length``  decoder context the graphs are compiled for (default 512)
 ``prefill_ar``      decoder prefill chunk (AR-N) (default 64)
 ``engine``          decoder engine: ``host`` (this loop) or ``genie`` (Genie on QnnHtp via libGenie from
@@ -56,14 +58,15 @@ def stage_options(stage: str, options) -> dict:
     precision = str(o.get("precision") or "fp16").lower()
     if precision not in PRECISIONS:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
-    if precision != "fp16" and stage not in ("vision", "projector"):
-        raise UsageError(f"precision {precision} is not available for stage '{stage}' on qnn_htp yet"
-                         " (vision and projector only); use fp16")
     out = {"precision": precision, "soc": socs.soc(o.get("soc")).name}
     if precision != "fp16":
-        cal = o.get("calibration_images")
+        cal = o.get("calibration_images") if stage != "embed" else None  # embed calibrates on token ids
         out["calibration_images"] = str(Path(cal).expanduser().resolve()) if cal else None
-        out["calibration"] = quant.calibration_digest(cal) or "random"
+        default = {"embed": quant.EMBED_CALIBRATION, "decoder": quant.DECODER_CALIBRATION}.get(stage, "random")
+        out["calibration"] = quant.calibration_digest(cal) or default
+        if stage == "decoder" and str(o.get("engine") or "host") == "genie":
+            raise UsageError(f"precision {precision} is not available for the genie decoder engine on qnn_htp;"
+                             " use fp16 or engine = host")
     if stage == "decoder":
         ctx = int(o.get("context_length") or DEFAULT_CONTEXT)
         ar = int(o.get("prefill_ar") or DEFAULT_PREFILL_AR)
@@ -147,13 +150,13 @@ def doctor():
 
 
 @hookimpl
-def compile(backend, stage, model, source, options, out_dir):
+def compile(backend, stage, model, source, options, out_dir, store, registry):
     if not mine(backend, NAME):
         return None
-    return compile_stage(stage, model, source, options, Path(out_dir))
+    return compile_stage(stage, model, source, options, Path(out_dir), store=store, registry=registry)
 
 
-def compile_stage(stage, model, source, options, out_dir: Path) -> dict:
+def compile_stage(stage, model, source, options, out_dir: Path, store=None, registry=None) -> dict:
     soc = socs.soc(options.get("soc"))
     precision = options.get("precision", "fp16")
     form = source.manifest.get("form", stage)
@@ -165,7 +168,8 @@ def compile_stage(stage, model, source, options, out_dir: Path) -> dict:
     try:
         if precision != "fp16":
             t0 = time.perf_counter()
-            feeds, label = quant.calibration_samples(stage, model, options.get("calibration_images"))
+            feeds, label = quant.calibration_samples(stage, model, options.get("calibration_images"), source=source,
+                                                      store=store, registry=registry)
             qdq = work / f"{name}.qdq.onnx"
             facts = quant.quantize_qdq(src, qdq, feeds, precision, work)
             extra = {"quantization": {**facts, "calibration": label,

@@ -7,7 +7,10 @@
 
 ``precision``: ``int8`` = a8w8 with 16-bit Softmax; ``a16w8`` = 16-bit activations, 8-bit weights.
 Calibration: images from a folder (preprocessed like real inputs) or, when none is given, random data that
-the manifest labels ``"calibration": "random"``.
+the manifest labels ``"calibration": "random"`` (vision, projector). ``embed`` calibrates on token ids
+(templated prompts, a vocabulary sweep and the table's extreme rows). ``decoder`` (fixed-KV AR-N / AR-1)
+calibrates on feeds recorded from the host loop driven by the float graph on the CPU over the reference
+pipeline's prompt embeddings of the calibration images (the demo image when none are given).
 """
 
 from __future__ import annotations
@@ -47,8 +50,19 @@ def calibration_digest(folder: str | Path | None) -> str | None:
     return h.hexdigest()[:16]
 
 
-def calibration_samples(stage: str, model, folder, seed: int = 0) -> tuple[list[dict], str]:
-    """Input feeds for calibrating ``stage`` and a label saying where they came from."""
+CALIBRATION_PROMPTS = ("Describe the image.", "What is in the picture?", "What colour is the sky? Answer briefly.")
+EMBED_CALIBRATION = "token-ids-v1"   # the calibration key of embed (no images)
+DECODER_CALIBRATION = "demo-image-v1"  # the decoder's calibration key when no images are given
+DECODER_GEN_STEPS = 8      # greedy tokens decoded (by the float graph) after each calibration prompt
+DECODER_MAX_SAMPLES = 64   # feeds kept per decoder graph (evenly spaced over the recorded calls)
+
+
+def calibration_samples(stage: str, model, folder, seed: int = 0, source=None, store=None,
+                        registry=None) -> tuple[list[dict], str]:
+    """Input feeds for calibrating ``stage`` and a label saying where they came from.
+
+    ``source`` (the exported ONNX artifact being quantized) is needed for ``embed`` and ``decoder``.
+    """
     files = calibration_files(folder)
     rng = np.random.default_rng(seed)
     if stage == "vision":
@@ -67,7 +81,119 @@ def calibration_samples(stage: str, model, folder, seed: int = 0) -> tuple[list[
         shape = (1, model.image_tokens, model.feature_dim)
         return [{"image_features": rng.standard_normal(shape).astype(np.float32)} for _ in range(RANDOM_SAMPLES)], \
             "random"
-    raise UsageError(f"int8 is not available for stage '{stage}' yet (vision and projector only); use --precision fp16")
+    if stage == "embed":
+        return _embed_samples(model, source.file())
+    if stage == "decoder":
+        return _decoder_samples(model, source, files, store, registry)
+    raise UsageError(f"int8 is not available for stage '{stage}' on qnn_htp; use --precision fp16")
+
+
+def _ort_cpu(path):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _embed_table(path) -> np.ndarray:
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(path))
+    big = max(proto.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    return numpy_helper.to_array(big)
+
+
+def _embed_samples(model, path) -> tuple[list[dict], str]:
+    """Token ids in chunks of the graph's static length: the chat-templated calibration prompts, an even
+    sweep over the vocabulary, and the rows holding the table's extremes (so MinMax covers every row)."""
+    from vlmrun.preprocess import render_prompt, tokenize_prompt
+
+    seq = int(_ort_cpu(path).get_inputs()[0].shape[1])
+    table = _embed_table(path)
+    V = table.shape[0]
+    ids: list[int] = []
+    for p in CALIBRATION_PROMPTS:
+        text = render_prompt(model.chat_template, p)
+        t, _ = tokenize_prompt(model.tokenizer, text, model.image_token_id, model.image_tokens)
+        ids += [int(i) for i in t[0]]
+    n_prompt = len(ids)
+    sweep = np.linspace(0, V - 1, num=min(V, 4 * seq), dtype=np.int64)
+    extremes = np.unique(np.concatenate([np.unravel_index([table.argmin(), table.argmax()], table.shape)[0],
+                                         np.abs(table).max(axis=1).argsort()[-seq // 2:]]))
+    ids += [int(i) for i in sweep] + [int(i) for i in extremes]
+    ids += [0] * (-len(ids) % seq)
+    arr = np.asarray(ids, np.int64).reshape(-1, seq)
+    feeds = [{"input_ids": row[None]} for row in arr]
+    return feeds, (f"token-ids:{len(ids)} ({n_prompt} from {len(CALIBRATION_PROMPTS)} templated prompts,"
+                   f" {len(sweep)} vocabulary sweep, {len(extremes)} extreme rows)")
+
+
+class _Recorder:
+    """Wraps a float ONNX session as a FixedKVDecoder graph and keeps a copy of every feed."""
+
+    def __init__(self, sess):
+        self.sess = sess
+        self.outputs = [o.name for o in sess.get_outputs()]
+        self.feeds: list[dict] = []
+
+    def run(self, feeds: dict) -> dict:
+        self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
+
+
+def _prompt_embeddings(model, source, files, store=None, registry=None):
+    """Prompt embeddings [1,T,H] from the reference pipeline (ort_reference) for the calibration images
+    (or the demo image), one prompt each; plus the token-embedding function."""
+    from vlmrun import plugins
+    from vlmrun.demo_image import demo_image
+    from vlmrun.pipeline import Pipeline
+    from vlmrun.preprocess import load_image
+    from vlmrun.store import ArtifactStore
+
+    if store is None:  # called outside a pipeline: the store the exported graph lives in
+        store = ArtifactStore(Path(source.path).parent.parent)
+    pipe = Pipeline.build(model, "reference", store=store, registry=registry or plugins.load(),
+                          stages=("vision", "projector", "embed"))
+    images = [load_image(f) for f in files] or [demo_image()]
+    pairs = [(img, CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]) for i, img in enumerate(images)]
+    if not files:  # one image: vary the prompt instead
+        pairs = [(images[0], p) for p in CALIBRATION_PROMPTS]
+    embeds = [pipe.embed_prompt(pipe.prepare(img, p)) for img, p in pairs]
+    what = f"images:{len(files)}" if files else "demo image"
+    return embeds, pipe.embed_tokens, what
+
+
+def _decoder_samples(model, source, files, store=None, registry=None) -> tuple[list[dict], str]:
+    """Realistic feeds for one fixed-KV graph: the host loop (:class:`.decoder.FixedKVDecoder`) driven over the
+    reference prompt embeddings with the float graph on the onnxruntime CPU, prefill then greedy decode;
+    every call's feeds (mask, positions, past KV from the real prefill) are recorded."""
+    from .decoder import FixedKVDecoder
+
+    sess = _ort_cpu(source.file())
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    ar, ctx = int(shapes["attention_mask"][2]), int(shapes["attention_mask"][3])
+    rec = _Recorder(sess)
+    dec = FixedKVDecoder({ar: rec, 1: rec}, ctx, model, min_chunk=1)  # min_chunk 1: only this AR is picked
+    embeds, embed_tokens, what = _prompt_embeddings(model, source, files, store, registry)
+    for e in embeds:
+        e = e[:, : max(1, ctx - ar - DECODER_GEN_STEPS)].astype(np.float32)
+        dec.reset()
+        logits = dec.prefill(e)
+        for _ in range(DECODER_GEN_STEPS):
+            if dec.n_past + ar > ctx:
+                break
+            tok = int(np.argmax(logits[0, -1]))
+            logits = dec._step(embed_tokens(np.array([tok])), ar)
+    feeds = rec.feeds
+    if len(feeds) > DECODER_MAX_SAMPLES:
+        keep = np.unique(np.linspace(0, len(feeds) - 1, DECODER_MAX_SAMPLES).round().astype(int))
+        feeds = [feeds[i] for i in keep]
+    label = (f"{what} x {len(embeds)} prompt(s), reference (ort_reference) prompt embeddings through the"
+             f" float AR-{ar} graph on the CPU (prefill + {DECODER_GEN_STEPS} greedy steps): {len(feeds)} of"
+             f" {len(rec.feeds)} host-loop feeds")
+    return feeds, label
 
 
 def _vision_features_cpu(model, files):
@@ -112,6 +238,13 @@ def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: 
             overrides[node.input[1]] = [{"quant_type": QuantType.QUInt8, "symmetric": False}]
         if node.op_type == "Softmax" and precision == "int8":
             overrides[node.output[0]] = [{"quant_type": QuantType.QUInt16}]
+    softmax_ranges = _masked_softmax_ranges(model_in, proto, feeds, work) if any(
+        "attention_mask" in f for f in feeds[:1]) else {}
+    for name, (lo, hi) in softmax_ranges.items():
+        o = {"rmin": np.float32(lo), "rmax": np.float32(hi)}
+        if precision == "int8":  # the 16-bit Softmax takes its input at 16 bits too
+            o["quant_type"] = QuantType.QUInt16
+        overrides.setdefault(name, [{}])[0].update(o)
     act = QuantType.QUInt16 if precision == "a16w8" else QuantType.QUInt8
     config = get_qnn_qdq_config(
         str(model_in), _Reader(feeds), calibrate_method=CalibrationMethod.MinMax, activation_type=act,
@@ -126,8 +259,51 @@ def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: 
         quantize(str(model_in), str(dst), config)
     finally:
         root.setLevel(level)
-    return {"activation": act.name, "weights": "QInt8 per-channel", "softmax": "QUInt16" if precision == "int8"
-            else act.name, "layernorm_gamma": "QUInt8 asymmetric", "io_quant": io_quant(dst)}
+    facts = {"activation": act.name, "weights": "QInt8 per-channel", "softmax": "QUInt16" if precision == "int8"
+             else act.name, "layernorm_gamma": "QUInt8 asymmetric", "io_quant": io_quant(dst)}
+    if softmax_ranges:
+        facts["softmax_input"] = f"calibrated max - {SOFTMAX_SPAN:g} .. max (the additive mask saturates)"
+    return facts
+
+
+SOFTMAX_SPAN = 64.0  # Softmax is shift-invariant: logits this far below the max weigh < 1e-27
+
+
+def _masked_softmax_ranges(model_in: Path, proto, feeds: list[dict], work: Path) -> dict[str, tuple[float, float]]:
+    """Ranges for the Softmax inputs of a graph with an additive attention mask.
+
+    MinMax over ``scores + mask`` spans the mask's -65504, which leaves the scores a step of ~1 at 16 bits
+    (~257 at 8 bits). The range is set to [max - SOFTMAX_SPAN, max] instead, ``max`` calibrated on the same
+    feeds with the float graph: masked entries saturate at the bottom, where exp() is already 0.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    names = [n.input[0] for n in proto.graph.node if n.op_type == "Softmax"]
+    if not names:
+        return {}
+    aug = onnx.load(str(model_in))
+    known = {o.name for o in aug.graph.output}
+    for n in names:
+        if n not in known:
+            aug.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
+    path = work / "softmax_ranges.onnx"
+    onnx.save(aug, str(path))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    hi = dict.fromkeys(names, -np.inf)
+    for f in feeds:
+        for n, v in zip(names, sess.run(names, f)):
+            hi[n] = max(hi[n], float(np.max(v)))
+    ranges = {n: (h - SOFTMAX_SPAN, h) for n, h in hi.items()}
+    producers = {o: node for node in proto.graph.node for o in node.output}
+    for n, r in list(ranges.items()):  # through a Cast (scores.float()) to the Add of the mask
+        p = producers.get(n)
+        while p is not None and p.op_type == "Cast":
+            ranges[p.input[0]] = r
+            p = producers.get(p.input[0])
+    return ranges
 
 
 def io_quant(path: Path) -> dict:
