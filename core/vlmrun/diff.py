@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import time
-import tomllib
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -397,12 +396,9 @@ def read_thresholds_file(path: str | os.PathLike) -> tuple[str | None, dict[str,
 
     ``metric = false`` switches a default check off.
     """
-    try:
-        table = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UsageError(f"cannot read thresholds file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"thresholds file {path} is not valid TOML: {exc}") from None
+    from .layouts import read_toml
+
+    table = read_toml(path, "thresholds file")
     precision = table.pop("precision", None)
     if precision is not None and precision not in PRECISIONS:
         raise UsageError(f"thresholds file {path}: precision must be one of {', '.join(PRECISIONS)}")

@@ -52,6 +52,16 @@ class Layout:
         return " ".join(f"{s}={self.stages[s].backend}" for s in STAGES)
 
 
+def read_toml(path: str | Path, what: str) -> dict:
+    """A TOML file as a dict, or one UsageError line saying why it cannot be read (``what`` names the file)."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{what} {path} is not valid TOML: {exc}") from None
+
+
 def resolve(
     name: str | None = None,
     file: str | Path | None = None,
@@ -61,12 +71,7 @@ def resolve(
     """Build a layout from a preset name, an optional TOML file, per-stage backend overrides and options."""
     table: dict = {}
     if file is not None:
-        try:
-            table = tomllib.loads(Path(file).read_text())
-        except OSError as exc:
-            raise UsageError(f"cannot read layout file {file}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise UsageError(f"layout file {file} is not valid TOML: {exc}") from None
+        table = read_toml(file, "layout file")
         unknown = [k for k, v in table.items() if isinstance(v, dict) and k not in STAGES]
         if unknown:
             raise UsageError(f"layout file {file} names unknown stage(s) {unknown}; stages are {list(STAGES)}")
