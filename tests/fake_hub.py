@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import re
 import shutil
 import tempfile
 import threading

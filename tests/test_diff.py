@@ -11,7 +11,6 @@ import sys
 import textwrap
 import types
 from html.parser import HTMLParser
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ the onnxruntime-qnn HTP emulator, the adb + qnn-net-run path through stand-ins, 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -18,7 +17,7 @@ from conftest import cosine
 pytest.importorskip("onnxruntime_qnn")
 
 from vlmrun import GenerationSettings, Pipeline  # noqa: E402
-from vlmrun.errors import BackendError, UsageError  # noqa: E402
+from vlmrun.errors import BackendError  # noqa: E402
 from vlmrun.layouts import Layout, StageAssignment  # noqa: E402
 from vlmrun.stages import STAGES, QuantizedTensor  # noqa: E402
 from vlmrun.store import ArtifactStore, sha256_file  # noqa: E402

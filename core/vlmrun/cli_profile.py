@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import click
 import numpy as np
 
 from .cli_options import model_options
-from .errors import UsageError
 
 PROFILE_STAGES = ("vision", "projector", "embed")
 

@@ -542,7 +542,6 @@ class GenieDialog:
                 q.put(int(ptr[i]))
 
         cbs = (self._t2e(lut, seen), TokenCB(on_tokens))
-        err: list[str] = []
 
         def run():
             try:

@@ -16,7 +16,6 @@ import numpy as np
 from .errors import InputError
 
 IMAGE_PLACEHOLDER = "<image>"
-DEFAULT_SYSTEM = None  # the template's own default system message
 
 
 def load_image(path: str | os.PathLike):

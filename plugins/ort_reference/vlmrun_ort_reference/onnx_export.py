@@ -52,7 +52,7 @@ def build_wrapper(model, form):
     nn = torch.nn
     fvlm = model.load_torch()
     inner = fvlm.model
-    S, H = model.image_size, model.hidden_size
+    S = model.image_size
 
     if form.kind == "vision":
 

@@ -14,7 +14,6 @@ forcing (``run_stage``) and to check Genie against this plugin's own arithmetic.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Iterator
 
