@@ -426,15 +426,13 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     import torch
     from tokenizers import AddedToken
     from transformers import (
-        CLIPImageProcessor,
         FastVlmForConditionalGeneration,
         GenerationConfig,
-        LlavaProcessor,
         Qwen2Config,
         TimmWrapperConfig,
     )
 
-    from .tiny import CHAT_TEMPLATE, fastvlm_config
+    from .tiny import CHAT_TEMPLATE, fastvlm_config, fastvlm_processor
 
     tensors = _load_tensors(src)
     tensors.pop(_APPLE_HEAD_PROJ, None)  # the script deletes MCi's CLIP head projection
@@ -562,22 +560,7 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
         if gen.get(key) is None and getattr(text_config, key, None) is not None:
             gen[key] = getattr(text_config, key)
     GenerationConfig(**gen).save_pretrained(str(tmp))
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": image_size},
-        crop_size={"height": image_size, "width": image_size},
-        image_mean=[0.0, 0.0, 0.0],
-        image_std=[1.0, 1.0, 1.0],
-    )
-    processor = LlavaProcessor(
-        tokenizer=tokenizer,
-        image_processor=image_processor,
-        patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="full",
-        chat_template=CHAT_TEMPLATE,
-        image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=0,
-    )
-    processor.save_pretrained(str(tmp))
+    fastvlm_processor(tokenizer, image_size).save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     # from_pretrained's loading flags leak into the saved init kwargs; they describe the source, not the tokenizer
     tcfg_file = tmp / "tokenizer_config.json"
@@ -629,7 +612,8 @@ def save_as_apple(native_dir: str | os.PathLike, out_dir: str | os.PathLike) -> 
 
 def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     import torch
-    from transformers import CLIPImageProcessor
+
+    from .tiny import fastvlm_image_processor
 
     text = dict(cfg.get("text_config") or {})
     vision = dict(cfg.get("vision_config") or {})
@@ -690,12 +674,7 @@ def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     (tmp / "config.json").write_text(json.dumps(dict(sorted(out.items())), indent=2) + "\n", encoding="utf-8")
     if (src / "generation_config.json").is_file():
         shutil.copyfile(src / "generation_config.json", tmp / "generation_config.json")
-    CLIPImageProcessor(
-        size={"shortest_edge": image_size},
-        crop_size={"height": image_size, "width": image_size},
-        image_mean=[0.0, 0.0, 0.0],
-        image_std=[1.0, 1.0, 1.0],
-    ).save_pretrained(str(tmp))
+    fastvlm_image_processor(image_size).save_pretrained(str(tmp))
 
 
 def _write_apple_tokenizer(src: pathlib.Path, tmp: pathlib.Path, image_token_id: int) -> int:

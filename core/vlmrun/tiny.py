@@ -432,10 +432,8 @@ def _build(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed: int) ->
 def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed: int) -> None:
     import torch
     from transformers import (
-        CLIPImageProcessor,
         FastVlmForConditionalGeneration,
         GenerationConfig,
-        LlavaProcessor,
         Qwen2Config,
         TimmWrapperConfig,
     )
@@ -500,7 +498,15 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
     )
     model.save_pretrained(tmp)
 
-    image_processor = CLIPImageProcessor(
+    fastvlm_processor(tokenizer, image_size).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+
+
+def fastvlm_image_processor(image_size: int):
+    """FastVLM's image processor: CLIP's, at ``image_size``, bicubic, x/255, mean 0, std 1."""
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(
         do_resize=True,
         size={"shortest_edge": image_size},
         resample=3,
@@ -513,8 +519,14 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
         image_std=[1.0, 1.0, 1.0],
         do_convert_rgb=True,
     )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
+
+
+def fastvlm_processor(tokenizer, image_size: int):
+    """The native checkpoint's ``LlavaProcessor``: the image processor, patch size 64, the chat template."""
+    from transformers import LlavaProcessor
+
+    return LlavaProcessor(
+        image_processor=fastvlm_image_processor(image_size),
         tokenizer=tokenizer,
         patch_size=PATCH_SIZE,
         vision_feature_select_strategy="full",
@@ -522,8 +534,6 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
         image_token=SPECIAL_TOKENS[3],
         num_additional_image_tokens=0,
     )
-    processor.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
 
 
 def fastvlm_config(vision_config, text_config, image_token_id: int, image_size: int, tie: bool):
