@@ -694,7 +694,8 @@ def run(
     reference capture used). Thresholds: defaults of ``precision`` < ``thresholds_file`` < ``thresholds``.
     """
     from .model import open_model
-    from .pipeline import GenerationSettings, no_progress
+    from .pipeline import GenerationSettings
+    from .progress import no_progress
     from .store import ArtifactStore
 
     progress = progress or no_progress

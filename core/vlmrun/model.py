@@ -240,15 +240,10 @@ def weights_hash(model_dir: Path, store: ArtifactStore | None = None) -> str:
     return digest
 
 
-def no_progress(label: str):
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def default_model(store: ArtifactStore, image_size: int = 1024, progress=None) -> FastVLMModel:
     """The tiny random-weight FastVLM the project builds itself (built once per image size, then reused)."""
     from . import tiny
+    from .progress import no_progress
 
     def build(tmp: Path) -> dict:
         with (progress or no_progress)(f"building the tiny FastVLM ({image_size}x{image_size}, once)"):

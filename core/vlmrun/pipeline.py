@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -24,16 +23,13 @@ from . import layouts as layouts_mod
 from . import plugins as plugins_mod
 from .errors import BackendError, InputError
 from .model import FastVLMModel, open_model
+from .progress import no_progress
 from .preprocess import load_image, preprocess_image, render_prompt, splice, tokenize_prompt
 from .sampling import Sampler, SamplingSettings
 from .stages import CONTRACTS, STAGES, DecodeRequest, ExportForm, check_tensor
 from .store import Artifact, ArtifactStore
 
 Progress = Callable[[str], ContextManager]
-
-
-def no_progress(label: str) -> ContextManager:
-    return contextlib.nullcontext()
 
 
 @attrs.define
@@ -202,7 +198,6 @@ class Generation:
             yield final[len(self.text) :]  # what was held back (an incomplete UTF-8 sequence)
         self.text = final
         n = len(self.token_ids)
-        self.timings["new_tokens"] = n
         if t_first is not None:
             self.timings["ttft_ms"] = (t_first - t0) * 1e3
             self.timings["decode_ms"] = (t_last - t_first) * 1e3
@@ -212,7 +207,7 @@ class Generation:
         # tokens of a non-streaming tool all at once.
         reported = getattr(pipe.handles["decoder"], "last_timings", None) or {}
         self.timings.update({k: float(v) for k, v in reported.items() if isinstance(v, (int, float))})
-        self.timings["new_tokens"] = n
+        self.timings["new_tokens"] = n  # what this generation yielded, whatever the runtime counted
 
 
 class Pipeline:
@@ -357,11 +352,15 @@ class Pipeline:
             self._lut = np.asarray(np.load(art.file("embed_lut_f32.npy"), mmap_mode="r"))
         return self._lut[np.asarray(ids, dtype=np.int64).reshape(-1)][None]
 
-    def generate(self, image, prompt: str, settings: GenerationSettings = GenerationSettings()) -> Generation:
-        """Start a generation; iterate it for streamed text. Inputs are checked before this returns."""
+    def generate(self, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
+                 keep_logits: bool = False) -> Generation:
+        """Start a generation; iterate it for streamed text. Inputs are checked before this returns.
+
+        ``keep_logits``: collect the per-step logits rows the decoder reports (``gen.step_logits``).
+        """
         if settings.max_new_tokens < 1:
             raise InputError("max_new_tokens must be at least 1")
-        return Generation(self, self.prepare(image, prompt, settings.system), settings)
+        return Generation(self, self.prepare(image, prompt, settings.system), settings, keep_logits)
 
     def capture(self, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
                 teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
@@ -372,9 +371,7 @@ class Pipeline:
         logits while generating and it generated exactly the forced tokens, those rows are the teacher-forced
         ones already; otherwise the decoder runs once more over the prompt plus the forced tokens.
         """
-        if settings.max_new_tokens < 1:
-            raise InputError("max_new_tokens must be at least 1")
-        gen = Generation(self, self.prepare(image, prompt, settings.system), settings, keep_logits=True).run()
+        gen = self.generate(image, prompt, settings, keep_logits=True).run()
         p, embeds = gen.prepared, gen.tensors["inputs_embeds"]
         forced = list(teacher_tokens if teacher_tokens is not None else gen.token_ids)
         n = max(len(forced), 1)

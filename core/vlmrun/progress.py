@@ -7,6 +7,11 @@ import sys
 import time
 
 
+def no_progress(label: str):
+    """A progress callback that shows nothing (the API's default)."""
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def step(label: str):
     """Show ``label`` while the block runs, then how long it took. Writes to stderr only."""
