@@ -118,6 +118,8 @@ def run_torch(args) -> dict:
     import torch
     from transformers.generation.streamers import BaseStreamer
 
+    from vlmrun.torch_stages import project, vision_features
+
     pipe = _pipe(args)
     prepared = pipe.prepare(_image(args), PROMPT)
     model = pipe.model.load_torch()
@@ -136,13 +138,12 @@ def run_torch(args) -> dict:
     ids = torch.from_numpy(prepared.input_ids)
     pv = torch.from_numpy(prepared.pixel_values)
     runs = []
-    inner = model.model
     for rep in range(args.warmup + args.repeats):
         with torch.no_grad():
             t0 = time.perf_counter()
-            feats = inner.vision_tower(pv).last_hidden_state.flatten(2).permute(0, 2, 1)
+            feats = vision_features(model, pv)
             t1 = time.perf_counter()
-            inner.multi_modal_projector(feats)
+            project(model, feats)
             t2 = time.perf_counter()
             clock = Clock()
             start = time.perf_counter()

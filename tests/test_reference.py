@@ -52,12 +52,13 @@ def test_greedy_tokens_equal_torch_eager(ref_pipe, torch_model, prepared, image_
 def test_each_stage_matches_torch(ref_pipe, torch_model, prepared):
     import torch
 
-    inner = torch_model.model
+    from vlmrun.torch_stages import embed_tokens, project, vision_features
+
     with torch.no_grad():
         pv = torch.from_numpy(prepared.pixel_values)
-        feats_t = inner.vision_tower(pv).last_hidden_state.flatten(2).permute(0, 2, 1)
-        embeds_img_t = inner.multi_modal_projector(feats_t)
-        text_t = inner.get_input_embeddings()(torch.from_numpy(prepared.input_ids))
+        feats_t = vision_features(torch_model, pv)
+        embeds_img_t = project(torch_model, feats_t)
+        text_t = embed_tokens(torch_model, torch.from_numpy(prepared.input_ids))
         full_t = torch_model(input_ids=torch.from_numpy(prepared.input_ids),
                              pixel_values=pv).logits
     feats = ref_pipe.run_stage("vision", {"pixel_values": prepared.pixel_values})["image_features"]

@@ -48,52 +48,24 @@ def _torch():
 
 def build_wrapper(model, form):
     """The torch module, example inputs, names and dynamic axes for ``form``."""
-    torch, F = _torch()
-    nn = torch.nn
+    torch, _ = _torch()
+    from vlmrun.torch_stages import EmbedStage, ProjectorStage, VisionStage
+
     fvlm = model.load_torch()
-    inner = fvlm.model
     S = model.image_size
 
     if form.kind == "vision":
-
-        class Vision(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.tower = inner.vision_tower
-
-            def forward(self, pixel_values):
-                out = self.tower(pixel_values, return_dict=True).last_hidden_state
-                return out.flatten(2).transpose(1, 2)
-
-        return Vision(), (torch.zeros(1, 3, S, S),), ["pixel_values"], ["image_features"], None
+        return VisionStage(fvlm), (torch.zeros(1, 3, S, S),), ["pixel_values"], ["image_features"], None
 
     if form.kind == "projector":
-
-        class Projector(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.proj = inner.multi_modal_projector
-
-            def forward(self, image_features):
-                return self.proj(image_features)
-
         ex = (torch.zeros(1, model.image_tokens, model.feature_dim),)
-        return Projector(), ex, ["image_features"], ["image_embeds"], None
+        return ProjectorStage(fvlm), ex, ["image_features"], ["image_embeds"], None
 
     if form.kind == "embed":
         seq = form.get("seq")
-
-        class Embed(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.weight = inner.language_model.embed_tokens.weight
-
-            def forward(self, input_ids):
-                return F.embedding(input_ids, self.weight)
-
         ex = (torch.zeros(1, int(seq or 7), dtype=torch.int64),)
         axes = None if seq else {"input_ids": {1: "seq"}, "inputs_embeds": {1: "seq"}}
-        return Embed(), ex, ["input_ids"], ["inputs_embeds"], axes
+        return EmbedStage(fvlm), ex, ["input_ids"], ["inputs_embeds"], axes
 
     if form.kind in ("decoder/kv", "decoder/fixed"):
         return _decoder_wrapper(model, fvlm, form)

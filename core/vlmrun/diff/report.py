@@ -1,0 +1,235 @@
+"""Output of a diff: the terminal table, saved captures with metrics.json, and the self-contained HTML report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import VlmrunError
+from .metrics import SQNR_CAP_DB, fmt, fmt_shape
+
+if TYPE_CHECKING:
+    from . import DiffRun
+    from .capture import Capture
+    from .compare import DiffResult
+
+
+def format_table(result: DiffResult) -> str:
+    """The terminal table: one row per checkpoint, then per-step and generation summaries and the verdict."""
+    ref, dev = result.reference, result.device
+    lines = [
+        f"reference: {ref.get('source', '?')}    device: {dev.get('source', '?')}    precision: {result.precision}",
+        "",
+    ]
+    cols = ("stage", "tensor", "shape", "max_abs", "mean_abs", "rel_l2", "cosine", "sqnr_dB", "status")
+    rows = []
+    for e in result.entries:
+        if e.stage == "generation":
+            continue
+        m = e.metrics
+        if e.note:
+            status = "FAIL " + e.note
+        elif not e.checks:
+            status = "(no check)"
+        else:
+            status = "ok" if e.passed else "FAIL " + ", ".join(c.describe() for c in e.failures)
+        if e.tensor == "input_ids":
+            vals = [f"{m.get('mismatches', '-')} differ", "", "", "", ""]
+        else:
+            cos = m.get("cosine")
+            vals = [fmt(m.get("max_abs")), fmt(m.get("mean_abs")), fmt(m.get("rel_l2")),
+                    "-" if cos is None else f"{cos:.8f}", "-" if m.get("sqnr_db") is None else f"{m['sqnr_db']:.1f}"]
+        rows.append((e.stage, e.tensor, fmt_shape(e.shape_dev), *vals, status))
+    widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols) - 1)]
+    for r in [cols, *rows]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
+    dec = result.entry("decoder")
+    m = dec.metrics
+    if "steps" in m:
+        agree = int(round(sum(result.steps["top1"])))
+        lines.append(
+            f"decoder, teacher-forced, {m['steps']} steps: top-1 agreement {agree}/{m['steps']}"
+            f" ({m['top1_agreement']:.3f}), top-5 overlap {m['top5_overlap']:.3f},"
+            f" KL mean {fmt(m['kl_mean'])} max {fmt(m['kl_max'])}"
+        )
+    g = result.entry("generation")
+    gm = g.metrics
+    first = gm["first_divergent_step"]
+    lines.append(
+        f"generation, free-running: {gm['matching_tokens']}/{gm['ref_len']} reference tokens matched"
+        f" (device made {gm['dev_len']}); first divergent step: {'none' if first is None else first}"
+        + ("" if g.passed else "  FAIL " + ", ".join(c.describe() for c in g.failures))
+    )
+    for note in result.notes:
+        lines.append(f"note: {note}")
+    culprit = result.culprit
+    if culprit is None:
+        lines.append("PASS: every checkpoint is within its thresholds")
+    else:
+        why = "; ".join(f"{e.tensor}: " + (e.note or ", ".join(c.describe() for c in e.failures))
+                        for e in result.entries if e.stage == culprit and not e.passed)
+        lines.append(f"FAIL: likely culprit: {culprit} (first stage to cross its thresholds: {why})")
+        if len(result.failed_stages) > 1:
+            lines.append(f"      also failing downstream: {', '.join(result.failed_stages[1:])}")
+    return "\n".join(lines)
+
+
+def save_run(run_: DiffRun, directory: str | os.PathLike) -> Path:
+    """``--save DIR``: DIR/reference and DIR/device (captures) and DIR/metrics.json; ``--from DIR`` replays it."""
+    d = Path(directory)
+    run_.reference.save(d / "reference")
+    run_.device.save(d / "device")
+    (d / "metrics.json").write_text(json.dumps(run_.result.to_json(), indent=2) + "\n")
+    return d
+
+
+def _png(fig) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _plots(run_: DiffRun) -> dict[str, str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise VlmrunError(f"--report needs matplotlib ({exc}); pip install matplotlib") from None
+    result = run_.result
+    figs: dict[str, str] = {}
+
+    tensors = [e for e in result.entries if e.metrics.get("sqnr_db") is not None]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    labels = [f"{e.stage}\n{e.tensor}" for e in tensors]
+    values = [float(np.nan_to_num(e.metrics["sqnr_db"], nan=-SQNR_CAP_DB)) for e in tensors]
+    colors = ["#2e7d32" if e.passed else "#c62828" for e in tensors]
+    ax.bar(range(len(tensors)), values, color=colors)
+    for i, e in enumerate(tensors):
+        limit = result.thresholds.get(e.stage, {}).get("sqnr_db")
+        if limit is not None:
+            ax.hlines(limit, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
+    ax.set_xticks(range(len(tensors)), labels, fontsize=8)
+    ax.set_ylabel("SQNR (dB)")
+    ax.set_title(f"SQNR per stage boundary (capped at {SQNR_CAP_DB:.0f} dB; dashes: thresholds; red: failed)")
+    figs["sqnr"] = _png(fig)
+
+    steps = result.steps
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True)
+    x = np.arange(len(steps["top1"]))
+    a1.plot(x, steps["top1"], "o-", label="top-1 agreement")
+    a1.plot(x, steps["top5_overlap"], "s--", label="top-5 overlap", alpha=0.7)
+    a1.set_ylim(-0.05, 1.05)
+    a1.set_ylabel("agreement")
+    a1.legend(loc="lower left", fontsize=8)
+    a1.set_title("decoder per step (teacher-forced on the reference tokens)")
+    a2.plot(x, steps["kl"], "o-", color="#6a1b9a")
+    a2.set_yscale("symlog", linthresh=1e-9)
+    a2.set_ylabel("KL(ref || dev)")
+    a2.set_xlabel("generation step")
+    figs["steps"] = _png(fig)
+
+    worst = result.worst()
+    shown = [worst] if worst is not None else []
+    culprit = result.culprit
+    if culprit is not None:  # also the first failing stage, when that is not the worst one
+        first = next((e for e in result.entries if e.stage == culprit and "sqnr_db" in e.metrics), None)
+        if first is not None and first is not worst:
+            shown.append(first)
+    fig, axes = plt.subplots(1, max(len(shown), 1), figsize=(8 if len(shown) < 2 else 11, 3.2), squeeze=False)
+    for ax, entry in zip(axes[0], shown):
+        if entry.shape_ref != entry.shape_dev:
+            ax.set_title(f"{entry.stage}/{entry.tensor}: shapes differ", fontsize=9)
+            continue
+        err = (np.asarray(run_.device.tensors[entry.tensor], dtype=np.float64)
+               - np.asarray(run_.reference.tensors[entry.tensor], dtype=np.float64))
+        if entry.tensor == "logits":
+            err = err[:, : entry.metrics.get("steps", err.shape[1])]
+        err = err.ravel()
+        err = err[np.isfinite(err)]
+        ax.hist(err, bins=100, color="#1565c0" if entry is worst else "#c62828")
+        ax.set_yscale("log")
+        kind = "worst checkpoint" if entry is worst else "first failing stage"
+        ax.set_title(f"{kind}: {entry.stage}/{entry.tensor} (SQNR {entry.metrics['sqnr_db']:.1f} dB)"
+                     + ("; all errors zero" if not np.any(err) else ""), fontsize=9)
+        ax.set_xlabel("error (device - reference)")
+        ax.set_ylabel("count")
+    figs["hist"] = _png(fig)
+    return figs
+
+
+def write_report(run_: DiffRun, directory: str | os.PathLike) -> Path:
+    """``--report DIR``: DIR/index.html (self-contained, plots as base64 PNG) and DIR/metrics.json."""
+    import html
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    result = run_.result
+    data = result.to_json()
+    figs = _plots(run_)
+    esc = html.escape
+    ref, dev = result.reference, result.device
+    verdict = ("<p class='pass'>PASS: every checkpoint is within its thresholds</p>" if result.passed else
+               f"<p class='fail'>FAIL: likely culprit <b>{esc(str(result.culprit))}</b>"
+               f" (first stage to cross its thresholds; failing: {esc(', '.join(result.failed_stages))})</p>")
+    rows = []
+    for e in result.entries:
+        m = e.metrics
+        cells = [e.stage, e.tensor, fmt_shape(e.shape_ref) + ("" if e.shape_ref == e.shape_dev else
+                                                             " vs " + fmt_shape(e.shape_dev))]
+        metric_text = ", ".join(f"{k} {fmt(v)}" for k, v in m.items())
+        checks = "; ".join(("ok " if c.ok else "FAIL ") + f"{c.metric} {c.op} {fmt(c.threshold)}"
+                           for c in e.checks) or "(no check)"
+        rows.append(
+            f"<tr class='{'ok' if e.passed else 'bad'}'>" + "".join(f"<td>{esc(c)}</td>" for c in cells)
+            + f"<td>{esc(metric_text + (' ' + e.note if e.note else ''))}</td><td>{esc(checks)}</td></tr>"
+        )
+    def tokens_text(cap: Capture) -> str:
+        text = cap.meta.get("text")
+        return " ".join(str(t) for t in cap.tokens) + (f"  ({text!r})" if text is not None else "")
+
+    notes = "".join(f"<li>{esc(n)}</li>" for n in result.notes)
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>vlmrun diff: {esc(ref.get('source', '?'))} vs
+{esc(dev.get('source', '?'))}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }} td, th {{ border: 1px solid #ccc; padding: 3px 6px; }}
+tr.bad {{ background: #ffebee; }} tr.ok {{ background: #f1f8e9; }}
+.pass {{ color: #2e7d32; font-weight: bold; }} .fail {{ color: #c62828; font-weight: bold; }}
+code, pre {{ font-size: 0.85em; }} pre {{ background: #f5f5f5; padding: 1em; overflow: auto; }}
+</style></head><body>
+<h1>vlmrun diff</h1>
+<p>reference: <b>{esc(str(ref.get('source', '?')))}</b> &nbsp; device: <b>{esc(str(dev.get('source', '?')))}</b>
+&nbsp; precision thresholds: <b>{esc(result.precision)}</b><br>
+model: <code>{esc(str(ref.get('model', '')))}</code> &nbsp; image: <code>{esc(str(ref.get('image', '')))}</code>
+&nbsp; prompt: <code>{esc(str(ref.get('prompt', '')))}</code></p>
+{verdict}
+<ul>{notes}</ul>
+<h2>Stage boundaries</h2>
+<table><tr><th>stage</th><th>tensor</th><th>shape</th><th>metrics</th><th>checks</th></tr>
+{''.join(rows)}</table>
+<h2>SQNR per stage</h2><img alt="SQNR per stage" src="data:image/png;base64,{figs['sqnr']}">
+<h2>Decoder per step</h2><img alt="per-step top-1 agreement and KL" src="data:image/png;base64,{figs['steps']}">
+<h2>Errors of the worst stage</h2><img alt="error histogram" src="data:image/png;base64,{figs['hist']}">
+<h2>Tokens</h2>
+<p>reference: <code>{esc(tokens_text(run_.reference))}</code><br>
+device (free-running): <code>{esc(tokens_text(run_.device))}</code></p>
+<h2>Raw metrics</h2><p><a href="metrics.json">metrics.json</a></p>
+<details><summary>show</summary><pre>{esc(json.dumps(data, indent=2))}</pre></details>
+</body></html>
+"""
+    (d / "metrics.json").write_text(json.dumps(data, indent=2) + "\n")
+    (d / "index.html").write_text(page)
+    return d / "index.html"
