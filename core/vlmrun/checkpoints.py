@@ -35,9 +35,9 @@ import os
 import pathlib
 import re
 import shutil
-import tempfile
 from typing import Any
 
+from .atomic import atomic_directory
 from .errors import InputError
 
 __all__ = [
@@ -251,14 +251,8 @@ def _atomic_dir(out_dir: str | os.PathLike, build) -> pathlib.Path:
     out = pathlib.Path(out_dir).expanduser().absolute()
     if os.path.lexists(out) and (not out.is_dir() or out.is_symlink() or any(out.iterdir())):
         raise InputError(f"output directory {out} already exists and is not empty; remove it or choose another one")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.converting-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:  # an empty existing out_dir is replaced
         build(tmp)
-        os.replace(tmp, out)  # an empty existing out_dir is replaced
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -254,10 +254,12 @@ def doctor(debug):
 from .cli_compile import compile_command  # noqa: E402  (subcommands living in their own modules)
 from .cli_diff import diff_command  # noqa: E402
 from .cli_profile import profile_command  # noqa: E402
+from .cli_store import store_group  # noqa: E402
 
 cli.add_command(compile_command, "compile")
 cli.add_command(diff_command, "diff")
 cli.add_command(profile_command, "profile")
+cli.add_command(store_group, "store")
 
 
 def main(argv=None) -> int:

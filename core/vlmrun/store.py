@@ -2,26 +2,33 @@
 
 One directory per key (weights hash, stage, backend, form, options, versions) with a ``manifest.json``
 that lists every file with its size and sha256. Artifacts are built in a temporary directory and renamed
-into place, so a killed run never leaves a directory that looks complete; an artifact whose files do not
-match its manifest is rebuilt.
+into place (:func:`vlmrun.atomic.atomic_directory`), so a killed run never leaves a directory that looks
+complete; an artifact whose files do not match its manifest is rebuilt. :meth:`ArtifactStore.clean_stale`
+removes the temporary directories of builders that are gone. The mtime of an artifact's ``manifest.json`` is
+when it was last used (``lookup`` touches it; the manifest is not among the checksummed files).
+
+:meth:`ArtifactStore.entries`, :meth:`~ArtifactStore.verify` and :meth:`~ArtifactStore.prune` are what
+``vlmrun store list|verify|prune`` show.
 
 Location: ``--cache-dir``, else ``$VLMRUN_CACHE_DIR``, else ``$XDG_CACHE_HOME/vlmrun`` (``~/.cache/vlmrun``).
 """
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import attrs
 
-from .errors import VlmrunError
+from . import atomic
+from .atomic import atomic_directory
+from .errors import UsageError, VlmrunError
 
 ENV_CACHE_DIR = "VLMRUN_CACHE_DIR"
 MANIFEST = "manifest.json"
@@ -101,6 +108,7 @@ class ArtifactStore:
                 if not _intact(path / name, meta):
                     return None
             self._verified.add(path)
+        _touch(path)
         return Artifact(path, manifest)
 
     def get_or_build(
@@ -116,15 +124,13 @@ class ArtifactStore:
             if found is not None:
                 return found
         path = self.path_for(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-        try:
+        with atomic_directory(path, replace=True) as tmp:
             manifest = build(tmp)
             if manifest is None:
                 raise VlmrunError(f"nothing built artifact {path.name}")
             manifest = dict(manifest)
             manifest["key"] = dict(key)
-            manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            manifest["created"] = time.strftime(TIME_FORMAT, time.gmtime())
             manifest["checksums"] = {
                 str(f.relative_to(tmp)): {"size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns,
                                           "sha256": sha256_file(f)}
@@ -132,25 +138,260 @@ class ArtifactStore:
                 if f.is_file()
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         self.builds.append(path.name)
         self._verified.add(path)
         return Artifact(path, manifest)
 
-    def clean_stale(self, older_than_s: float = 3600.0) -> None:
-        """Remove temporary build directories left by killed runs."""
-        parent = self.root / "artifacts"
+    # -- hygiene --------------------------------------------------------------------------------------------
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.root / "artifacts"
+
+    def temp_dirs(self) -> list[Path]:
+        """Temporary build directories in the store, stale or in progress."""
+        return atomic.temp_dirs(self.artifacts_dir)
+
+    def stale_temp_dirs(self, older_than_s: float = atomic.UNOWNED_STALE_S) -> list[Path]:
+        """Temporary build directories whose builder is gone (``older_than_s`` applies to those without an owner
+        file, left by older vlmrun versions)."""
+        return atomic.stale_temp_dirs(self.artifacts_dir, unowned_after_s=older_than_s)
+
+    def clean_stale(self, older_than_s: float = atomic.UNOWNED_STALE_S) -> list[Path]:
+        """Remove temporary build directories left by killed runs (never one whose builder still runs);
+        returns what was removed. Called when a pipeline opens the store."""
+        removed = []
+        for d in self.stale_temp_dirs(older_than_s):
+            shutil.rmtree(d, ignore_errors=True)
+            if not os.path.lexists(d):
+                removed.append(d)
+        return removed
+
+    # -- listing, verifying, pruning ------------------------------------------------------------------------
+    def entries(self) -> list["StoreEntry"]:
+        """Every artifact directory in the store (complete or not), sorted by name."""
+        parent = self.artifacts_dir
         if not parent.is_dir():
-            return
-        now = time.time()
-        for d in parent.glob(".tmp-*"):
-            try:
-                if now - d.stat().st_mtime > older_than_s:
-                    shutil.rmtree(d, ignore_errors=True)
-            except OSError:
-                pass
+            return []
+        dirs = sorted(p for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+        manifests = {p.name: _read_manifest(p) for p in dirs}
+        names = _model_names(self.root, manifests)
+        return [_entry(p, manifests, names) for p in dirs]
+
+    def verify(self, entries: "list[StoreEntry] | None" = None) -> list["Verdict"]:
+        """Re-hash every file of every artifact against its manifest (no size/mtime shortcut)."""
+        verdicts = []
+        for entry in self.entries() if entries is None else entries:
+            problems = _problems(entry)
+            if problems:
+                self._verified.discard(entry.path)
+            verdicts.append(Verdict(entry, tuple(problems)))
+        return verdicts
+
+    def prune(
+        self,
+        *,
+        stages: Iterable[str] = (),
+        backends: Iterable[str] = (),
+        older_than_s: float | None = None,
+        unused_for_s: float | None = None,
+        everything: bool = False,
+        dry_run: bool = False,
+        now: float | None = None,
+    ) -> "PruneResult":
+        """Remove the artifacts matching every given filter (stage in ``stages``, backend in ``backends``, created
+        more than ``older_than_s`` ago, last used more than ``unused_for_s`` ago) and the stale temporary build
+        directories. With no filter, ``everything=True`` is required (every artifact goes)."""
+        stages, backends = set(stages), set(backends)
+        if not (stages or backends or older_than_s is not None or unused_for_s is not None or everything):
+            raise UsageError("pruning needs a filter (stage, backend, age, unused time) or everything=True")
+        now = time.time() if now is None else now
+
+        def matches(e: StoreEntry) -> bool:
+            if stages and e.stage not in stages:
+                return False
+            if backends and e.backend not in backends:
+                return False
+            if older_than_s is not None and not (e.created is not None and now - e.created > older_than_s):
+                return False
+            if unused_for_s is not None and not (e.last_used is not None and now - e.last_used > unused_for_s):
+                return False
+            return True
+
+        chosen = [e for e in self.entries() if matches(e)]
+        temps = [(d, atomic.tree_size(d)) for d in self.stale_temp_dirs()]
+        if not dry_run:
+            for e in chosen:
+                atomic.discard(e.path)
+                self._verified.discard(e.path)
+            temps = [(d, size) for d, size in temps if _remove(d)]
+        return PruneResult(tuple(chosen), tuple(temps), dry_run)
+
+
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def _touch(path: Path) -> None:
+    """Record a use of an artifact: the mtime of its manifest.json (not among the checksummed files)."""
+    try:
+        os.utime(path / MANIFEST)
+    except OSError:  # a read-only store still works
+        pass
+
+
+def _remove(d: Path) -> bool:
+    shutil.rmtree(d, ignore_errors=True)
+    return not os.path.lexists(d)
+
+
+def _iso(t: float | None) -> str | None:
+    return None if t is None else time.strftime(TIME_FORMAT, time.gmtime(t))
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        m = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+@attrs.frozen
+class StoreEntry:
+    """One artifact directory as ``vlmrun store list`` shows it. ``manifest`` is None for an incomplete one."""
+
+    name: str
+    path: Path
+    manifest: dict | None
+    model: str | None  # weights hash of the model the artifact was made from (followed through "source")
+    model_name: str | None  # that model's name or directory, when the store knows it
+    stage: str | None
+    backend: str | None
+    compiler: str | None
+    kind: str | None
+    form: str | None
+    precision: str | None
+    size: int  # bytes, every file in the directory
+    created: float | None  # epoch seconds
+    last_used: float | None
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name, "path": str(self.path), "model": self.model, "model_name": self.model_name,
+            "stage": self.stage, "backend": self.backend, "compiler": self.compiler, "kind": self.kind,
+            "form": self.form, "precision": self.precision, "size": self.size, "created": _iso(self.created),
+            "last_used": _iso(self.last_used), "complete": self.manifest is not None,
+        }
+
+
+@attrs.frozen
+class Verdict:
+    entry: StoreEntry
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@attrs.frozen
+class PruneResult:
+    removed: tuple[StoreEntry, ...]
+    temp_dirs: tuple[tuple[Path, int], ...]  # (path, bytes)
+    dry_run: bool
+
+    @property
+    def freed(self) -> int:
+        return sum(e.size for e in self.removed) + sum(size for _, size in self.temp_dirs)
+
+
+def _model_names(root: Path, manifests: Mapping[str, dict | None]) -> dict[str, str]:
+    """weights hash -> a name for the model, from the store's weights-hash cache (model directory -> hash)."""
+    try:
+        cache = json.loads((root / "weights-hashes.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    artifacts = (root / "artifacts").resolve()
+    names = {}
+    for path, entry in cache.items() if isinstance(cache, dict) else ():
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if not isinstance(digest, str):
+            continue
+        p = Path(path)
+        m = manifests.get(p.name) if p.parent == artifacts else None
+        key = (m or {}).get("key") or {}
+        if m and m.get("converted_from"):
+            names[digest] = str(m["converted_from"])
+        elif m and key.get("stage") == "model":
+            names[digest] = " ".join(str(v) for v in (key.get("kind"), key.get("image_size") and
+                                                      f"{key['image_size']}px") if v)
+        else:
+            names[digest] = path
+    return names
+
+
+def _model_of(name: str, manifests: Mapping[str, dict | None], depth: int = 0) -> str | None:
+    key = (manifests.get(name) or {}).get("key") or {}
+    if key.get("weights"):
+        return str(key["weights"])
+    if key.get("source") and depth < 8:
+        return _model_of(str(key["source"]), manifests, depth + 1)
+    return None
+
+
+def _entry(path: Path, manifests: Mapping[str, dict | None], names: Mapping[str, str]) -> StoreEntry:
+    m = manifests.get(path.name)
+    key = (m or {}).get("key") or {}
+    options = key.get("options") if isinstance(key.get("options"), dict) else {}
+    model = _model_of(path.name, manifests)
+    if model is None and key.get("stage") == "model":
+        model_name = " ".join(str(v) for v in (key.get("kind"), key.get("image_size") and f"{key['image_size']}px")
+                              if v)
+    else:
+        model_name = names.get(model) if model else None
+    created = None
+    if m and isinstance(m.get("created"), str):
+        try:
+            created = float(calendar.timegm(time.strptime(m["created"], TIME_FORMAT)))
+        except ValueError:
+            created = None
+    try:
+        last_used = (path / MANIFEST).stat().st_mtime if m else None
+    except OSError:
+        last_used = None
+    if created is None:
+        try:
+            created = path.stat().st_mtime
+        except OSError:
+            pass
+
+    def text(v) -> str | None:
+        return None if v is None else str(v)
+
+    return StoreEntry(
+        name=path.name, path=path, manifest=m, model=model, model_name=model_name, stage=text(key.get("stage")),
+        backend=text(key.get("backend")), compiler=text(key.get("compiler")), kind=text(key.get("kind")),
+        form=text((m or {}).get("form") or (m or {}).get("source_form")),
+        precision=text((m or {}).get("precision") or options.get("precision")),
+        size=atomic.tree_size(path), created=created, last_used=last_used if last_used is not None else created,
+    )
+
+
+def _problems(entry: StoreEntry) -> list[str]:
+    if entry.manifest is None:
+        return [f"{MANIFEST} missing or unreadable (an incomplete artifact)"]
+    checksums = entry.manifest.get("checksums")
+    if not isinstance(checksums, dict):
+        return [f"{MANIFEST} has no checksums"]
+    problems = []
+    for name, meta in sorted(checksums.items()):
+        f = entry.path / name
+        try:
+            size = f.stat().st_size
+        except OSError:
+            problems.append(f"{name}: missing")
+            continue
+        if size != meta.get("size"):
+            problems.append(f"{name}: {size} bytes, the manifest says {meta.get('size')}")
+        elif sha256_file(f) != meta.get("sha256"):
+            problems.append(f"{name}: sha256 differs from the manifest")
+    return problems

@@ -24,10 +24,9 @@ import json
 import math
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Any
 
+from vlmrun.atomic import atomic_directory
 from vlmrun.errors import BackendError, UsageError
 
 __all__ = ["make_tiny", "SPECIAL_TOKENS", "SYSTEM_PROMPT", "CHAT_TEMPLATE", "PATCH_SIZE"]
@@ -146,15 +145,10 @@ def make_tiny(
             " pip install 'vlmrun[export]'"
         ) from err
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
+    with atomic_directory(out, replace=True) as tmp:
         _build(tmp, image_size=image_size, full_size=full_size, seed=seed)
         _set_default_permissions(tmp)
-        _swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _check_replaceable(out)  # it may have appeared while building
     return out
 
 
@@ -180,31 +174,13 @@ def _check_replaceable(out: pathlib.Path) -> None:
 
 
 def _set_default_permissions(directory: pathlib.Path) -> None:
-    """mkdtemp makes the directory 0700 (and some writers make files 0600): give it the usual umask modes."""
+    """Some writers make files 0600: give the checkpoint the usual umask modes."""
     mask = os.umask(0)
     os.umask(mask)
     for path in directory.iterdir():
         if path.is_file():
             path.chmod(0o666 & ~mask)
     directory.chmod(0o777 & ~mask)
-
-
-def _swap_in(tmp: pathlib.Path, out: pathlib.Path) -> None:
-    """Rename ``tmp`` onto ``out``; an existing ``out`` is first renamed aside, then deleted."""
-    _check_replaceable(out)  # it may have appeared while building
-    old = None
-    if os.path.lexists(out):
-        old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "dir")
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None and not os.path.lexists(out):
-            os.replace(old / "dir", out)
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
