@@ -87,7 +87,8 @@ class FakeHub:
 
     # -- compile / inference workers ------------------------------------------------------------------------
     def _compile(self, job_id: str):
-        from vlmrun_qnn_htp import ep, socs
+        from vlmrun_qnn_htp import ep
+        from vlmrun_qualcomm import socs
 
         job = self.jobs[job_id]
         src_model = self.models[job["model_id"]]
@@ -126,7 +127,8 @@ class FakeHub:
     def _infer(self, job_id: str):
         import h5py
         from qai_hub.util.dataset_entries_converters import dataset_entries_to_h5, h5_to_dataset_entries
-        from vlmrun_qnn_htp import ep, socs
+        from vlmrun_qnn_htp import ep
+        from vlmrun_qualcomm import socs
 
         job = self.jobs[job_id]
         try:

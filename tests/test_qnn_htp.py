@@ -342,7 +342,8 @@ def test_native_uint8_output_is_dequantized(int8_pipe, tiny_model, store, device
 def test_binary_for_another_soc_or_newer_qnn_is_refused(htp_pipe, tiny_model, store, registry, tmp_path):
     import onnx
 
-    from vlmrun_qnn_htp import ep, socs
+    from vlmrun_qnn_htp import ep
+    from vlmrun_qualcomm import socs
 
     other = build(tiny_model, layout(projector={"soc": "sm8650"}), store, registry, stages=("projector",))
     art = other.handles["projector"].artifact
@@ -366,7 +367,8 @@ def test_op_rejected_by_htp_is_named_and_nothing_half_written(store, tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from vlmrun_qnn_htp import ep, socs
+    from vlmrun_qnn_htp import ep
+    from vlmrun_qualcomm import socs
 
     g = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Det", ["r"], ["y"], name="the_det")], "g",
@@ -401,7 +403,7 @@ def test_qnn_net_run_failure_hang_and_short_output(htp_pipe, tiny_model, store, 
 
 
 def test_adb_device_selection_and_sdk_errors(device, monkeypatch):
-    from vlmrun.adb import Adb
+    from vlmrun_qualcomm.adb import Adb
     from vlmrun_qnn_htp.netrun import sdk_root
 
     adb = device["adb"]

@@ -17,3 +17,84 @@ def model_options(f):
                      help="FastVLM checkpoint directory (transformers-native or Apple llava_qwen2 layout)."
                           " Default: the tiny model vlmrun builds itself.")(f)
     return f
+
+
+# -- per-stage options: the flags plugins declare, and --option STAGE.KEY=VALUE ------------------------------------
+_registry = None
+
+
+def registry():
+    """The plugins, loaded once per process (their declared options become flags of the commands)."""
+    global _registry
+    if _registry is None:
+        from . import plugins
+
+        _registry = plugins.load()
+    return _registry
+
+
+def _dest(flag: str) -> str:
+    return "opt_" + flag.lstrip("-").replace("-", "_")
+
+
+def _click_type(declared):
+    types = {o.type for o in declared}
+    if all(o.choices for o in declared):
+        choices = sorted({str(c) for o in declared for c in o.choices})
+        return click.Choice(choices, case_sensitive=False)
+    if types == {int}:
+        return int
+    if types == {float} or types == {int, float}:
+        return float
+    return str
+
+
+def stage_option_flags(f):
+    """Every flag the installed plugins (and the core) declare for their per-stage options, plus the generic
+    ``--option STAGE.KEY=VALUE``. The values reach the layout through :func:`layout_overrides`."""
+    f = click.option("--option", "-o", "option_specs", multiple=True, metavar="STAGE.KEY=VALUE",
+                     help="Set one per-stage option, e.g. -o vision.precision=int8 (repeatable; `vlmrun plugins"
+                          " --options` lists them).")(f)
+    for flag, declared in sorted(registry().options.flags().items(), reverse=True):
+        owners = ", ".join(sorted({o.backend for o in declared}))
+        helps = {o.help for o in declared if o.help}
+        text = (next(iter(helps)) if len(helps) == 1 else "; ".join(f"{o.backend}: {o.help}" for o in declared))
+        f = click.option(flag, _dest(flag), type=_click_type(declared), default=None,
+                         help=f"{text} [option '{declared[0].name}' of {owners}]")(f)
+    return f
+
+
+def layout_overrides(opts: dict, layout, stages) -> dict[str, dict[str, object]]:
+    """Per-stage options from the declared flags and ``--option``: ``{stage: {key: value}}``.
+
+    A flag applies to each of ``stages`` whose backend or compiler declares its option; a flag that applies to
+    none of them is an error (it would silently do nothing). ``--option`` values go to the stage they name.
+    """
+    from .errors import UsageError
+    from .options import parse_assignment
+
+    table = registry().options
+    out: dict[str, dict[str, object]] = {s: {} for s in layout.stages}
+    for spec in opts.get("option_specs") or ():
+        stage, key, value = parse_assignment(spec)
+        out[stage][key] = value
+    flags = table.flags()
+    # --compiler first: which compiler a stage has decides which other flags apply to it
+    for flag in sorted(flags, key=lambda fl: fl != "--compiler"):
+        value = opts.get(_dest(flag))
+        if value is None:
+            continue
+        hit = []
+        for stage in stages:
+            compiler = out[stage].get("compiler") or layout.stages[stage].options.get("compiler")
+            known = table.for_stage(layout.stages[stage].backend, stage, str(compiler) if compiler else None)
+            for o in flags[flag]:
+                if o.name in known:
+                    out[stage][o.name] = value
+                    hit.append(stage)
+                    break
+        if not hit:
+            owners = ", ".join(sorted({o.backend for o in flags[flag]}))
+            on = ", ".join(f"{s}={layout.stages[s].backend}" for s in stages)
+            raise UsageError(f"{flag} applies to no stage here ({on}): it is an option of {owners}")
+    return out

@@ -1,10 +1,11 @@
 """``vlmrun profile``: run one stage on a (hosted) device and print its latency figures.
 
-    vlmrun profile --backend qaihub --stage vision --device "Snapdragon 8 Elite QRD" [--json]
+    vlmrun profile --backend PLUGIN --stage vision [--device NAME ...] [--json]
 
 The stage is compiled (cached in the artifact store), run once on inputs made from the demo image (vision),
-a prompt (embed) or seeded random features (projector), and the backend's figures are printed: for qaihub the
-hosted device's inference time, load times and peak memory from an inference job with ``profile=True``.
+a prompt (embed) or seeded random features (projector), and the figures the backend's handle reports as
+``last_profile`` (:class:`vlmrun.handles.StageHandle`) are printed, e.g. a hosted device's inference time,
+load times and peak memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import time
 import click
 import numpy as np
 
-from .cli_options import model_options
+from .cli_options import layout_overrides, model_options, registry, stage_option_flags
+from .handles import profile_of
 
 PROFILE_STAGES = ("vision", "projector", "embed")
 
@@ -36,39 +38,30 @@ def _inputs(pipe, stage: str) -> dict:
 
 
 @click.command("profile")
-@click.option("--backend", required=True, metavar="PLUGIN", help="Backend to profile on (e.g. qaihub).")
+@click.option("--backend", required=True, metavar="PLUGIN", help="Backend to profile on.")
 @click.option("--stage", type=click.Choice(PROFILE_STAGES), default="vision", show_default=True)
-@click.option("--device", help="Device to run on (qaihub: an AI Hub device name, e.g. 'Snapdragon 8 Elite QRD').")
-@click.option("--precision", type=click.Choice(["fp16", "int8", "a16w8"]), help="Numeric precision. [default: fp16]")
-@click.option("--timeout", type=float, help="Seconds to wait for each hosted job.")
+@stage_option_flags
 @model_options
 @click.option("--rebuild", is_flag=True, help="Compile again even if the store has the artifact.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--debug", is_flag=True, hidden=True)
-def profile_command(backend, stage, device, precision, timeout, model_dir, image_size, cache_dir, rebuild,
-                    as_json, debug):
+def profile_command(backend, stage, model_dir, image_size, cache_dir, rebuild, as_json, debug, **flags):
     """Run one stage once on a backend's device and print its latency figures."""
     from . import layouts as layouts_mod
     from .pipeline import Pipeline
     from .progress import step
-    from .stages import STAGES
 
-    opts = {k: v for k, v in {"device": device, "precision": precision, "timeout": timeout}.items() if v}
     base = layouts_mod.resolve("reference", None, {stage: backend})
-    staged = {s: layouts_mod.StageAssignment(base.stages[s].backend,
-                                             {**base.stages[s].options, **(opts if s == stage else {})})
-              for s in STAGES}
-    lay = layouts_mod.Layout(f"profile-{backend}", staged)
-    pipe = Pipeline.build(model_dir, lay, store=cache_dir, rebuild=rebuild, image_size=image_size,
-                          stages=(stage,), progress=step)
+    lay = layouts_mod.resolve("reference", None, {stage: backend}, layout_overrides(flags, base, (stage,)))
+    pipe = Pipeline.build(model_dir, lay, store=cache_dir, registry=registry(), rebuild=rebuild,
+                          image_size=image_size, stages=(stage,), progress=step)
     inputs = _inputs(pipe, stage)
     t0 = time.perf_counter()
     out = pipe.run_stage(stage, inputs)
     wall_ms = (time.perf_counter() - t0) * 1e3
-    handle = pipe.handles[stage]
-    figures = dict(getattr(handle, "last_profile", None) or {})
+    figures = profile_of(pipe.handles[stage])
     report = {
-        "backend": backend, "stage": stage, "device": figures.pop("device", device),
+        "backend": backend, "stage": stage, "device": figures.pop("device", flags.get("opt_device")),
         "outputs": {k: list(np.shape(v)) for k, v in out.items()},
         "wall_ms": round(wall_ms, 1), "figures": figures,
     }

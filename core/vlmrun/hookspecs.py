@@ -12,13 +12,19 @@ Stages are ``vision``, ``projector``, ``embed`` and ``decoder`` (:mod:`vlmrun.st
 contracts). The order in which the core calls the hooks for one stage of one run::
 
     describe()                       once, when plugins are loaded (what backends exist, which stages)
+    register_options(register)       once, when plugins are loaded (each backend's per-stage options)
     preflight(backend, stage, ...)   before any work: can this backend run here at all (SDK, libraries)?
     load_stage(backend, stage, ctx)  once per pipeline; the plugin asks ``ctx`` for artifacts, which makes the
       -> export(...)                   core call ``export`` (torch -> ONNX, cached in the artifact store) and
-      -> compile(...)                  ``compile`` (ONNX -> backend binary, cached) only when not cached yet
+      -> compile(backend, request)     ``compile`` (ONNX -> backend binary, cached) only when not cached yet
     run_stage(backend, stage, handle, inputs)   for every image/prompt (vision, projector, embed; and the
                                                 decoder under teacher forcing: logits for given embeddings)
     decode(backend, handle, request)            the generation loop of the decoder stage
+
+Layout options reach a plugin only after the core checked them against what it declared in
+``register_options`` (unknown keys, wrong types and values outside the choices are errors before any work).
+Handles may be any object; the core reads from them only through :mod:`vlmrun.handles`.
+A plugin implementing a hook that is not specified here fails to load (a misspelt hook is never silent).
 """
 
 from __future__ import annotations
@@ -85,29 +91,33 @@ def export(model, stage, form, out_dir):
     """
 
 
+@hookspec
+def register_options(register):
+    """Declare the per-stage options of this plugin's backends.
+
+    Called once after the plugin is registered. Call ``register(option)`` with a
+    :class:`vlmrun.options.Option` for each: name, type, allowed values, stages, default, help and an optional
+    command-line flag. The core validates layout files, flags and ``--option STAGE.KEY=VALUE`` values against
+    these declarations before any work, and hands ``load_stage`` (``ctx.options``) and ``compile``
+    (``request.stage_options``) the converted values.
+    """
+
+
 @hookspec(firstresult=True)
-def compile(backend, stage, model, source, options, out_dir, target, stage_options, artifact, rebuild, store,
-            registry):
+def compile(backend, request):
     """Compile an exported stage into a backend's own format (e.g. a QNN context binary).
 
     Called by the core when ``ctx.compiled(...)`` has no valid copy in the store.
 
     :param backend: the plugin asked to compile: the stage's ``compiler`` option (``--compiler``), which
                     defaults to the stage's backend; return ``None`` if it is not yours.
-    :param target: the backend that will load the result (equal to ``backend`` unless another plugin
-                   compiles for it, e.g. ``qaihub`` compiling context binaries that ``qnn_htp`` runs).
-    :param stage: the stage name.
-    :param model: the :class:`vlmrun.model.FastVLMModel`.
-    :param source: the :class:`vlmrun.store.Artifact` of the exported ONNX stage.
-    :param options: a dict of per-stage options from the layout (precision, soc, context_length, ...).
-    :param out_dir: an empty temporary directory to write into (renamed into the store on success).
-    :param stage_options: all of the stage's layout options (``options`` is the subset that keys the binary),
-                          e.g. a remote compiler's device name or timeout.
-    :param artifact: the name the result will have in the store (stable across runs: a remote compiler can
-                     use it to find a job an interrupted run submitted).
-    :param rebuild: ``True`` when the user asked to rebuild (``--rebuild``), so cached remote results are stale.
-    :param store: the :class:`vlmrun.store.ArtifactStore` and ``registry`` the loaded plugins, for a compiler
-                  that needs other stages' results (e.g. int8 calibration on reference activations).
+    :param request: a :class:`vlmrun.stages.CompileRequest`: ``stage``, ``model``, ``source`` (the exported
+                    ONNX artifact), ``options`` (those that key the binary), ``stage_options`` (all of the
+                    stage's options), ``target`` (the backend that will load the result: another plugin may
+                    compile for it), ``out_dir`` (an empty temporary directory, renamed into the store on
+                    success), ``artifact`` (the result's stable store name), ``rebuild``, and ``context`` (a
+                    :class:`vlmrun.stages.CompileContext`: reference activations for calibration, a state
+                    directory that persists across runs, progress).
     :return: a manifest dict (like ``export``), or ``None`` if this plugin does not compile for ``backend``.
     """
 
@@ -121,9 +131,10 @@ def load_stage(backend, stage, ctx):
     :param ctx: a :class:`vlmrun.pipeline.StageContext` with ``model``, ``options``, ``store``,
                 ``exported(form)`` and ``compiled(form, ...)`` to get (and cache) artifacts, and
                 ``progress(text)`` for long steps.
-    :return: any object (a handle) the plugin wants back in ``run_stage`` and ``decode``. A decoder handle
-             with a fixed context (compiled graphs) exposes it as ``handle.context_length``; the core checks
-             prompt lengths against it.
+    :return: any object (a handle) the plugin wants back in ``run_stage`` and ``decode``. Subclass
+             :class:`vlmrun.handles.StageHandle` / :class:`vlmrun.handles.DecoderHandle` to report artifacts,
+             a fixed ``context_length`` (the core checks prompt lengths against it), device profiles and
+             runtime-measured timings.
     """
 
 
@@ -156,7 +167,7 @@ def decode(backend, handle, request):
                     row [vocab] before sampling from it (diffs use these instead of a second forward; a runtime
                     that never sees logits, like Genie, leaves it uncalled).
     :return: an iterator of generated token ids (ints), yielded as soon as each is known so the core can
-             stream text and time the first token. A handle whose runtime measures itself may set
-             ``handle.last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the iteration; those
-             figures replace the host-clock ones.
+             stream text and time the first token. A :class:`vlmrun.handles.DecoderHandle` whose runtime
+             measures itself sets ``last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the
+             iteration; those figures replace the host-clock ones.
     """

@@ -11,7 +11,7 @@ Per-stage overrides (``--vision qnn_htp``) apply on top of the preset. A TOML la
     base = "reference"          # optional preset to start from
     [vision]
     backend = "qnn_htp"
-    precision = "int8"          # any other key is a per-stage option passed to the plugin
+    precision = "int8"          # any other key is a per-stage option the backend declares (vlmrun.options)
     [decoder]
     backend = "ort_reference"
 """
@@ -99,7 +99,18 @@ def resolve(
     return Layout(label, stages)
 
 
-def validate(layout: Layout, registry) -> None:
-    """Reject a layout naming an unknown plugin or a plugin that lacks a stage, before any work starts."""
-    for stage in STAGES:
-        registry.require_stage(layout.backend(stage), stage)
+def validate(layout: Layout, registry, stages=STAGES) -> Layout:
+    """Check ``layout`` before any work starts: every stage's backend (and compiler) is installed and runs the
+    stage, and every option is one the backend, its compiler or the core declares, with a value of the
+    declared type and choices. Returns the layout with the option values converted to their types."""
+    table = registry.options
+    checked = dict(layout.stages)
+    for stage in stages:
+        assignment = layout.stages[stage]
+        registry.require_stage(assignment.backend, stage)
+        compiler = assignment.options.get("compiler")
+        if compiler:
+            registry.backend(str(compiler))
+        checked[stage] = StageAssignment(assignment.backend,
+                                         table.check(stage, assignment.backend, assignment.options))
+    return Layout(layout.name, checked)

@@ -1,12 +1,15 @@
 """Loading plugins: entry points of group ``vlmrun``, built-ins loaded the same way.
 
 ``VLMRUN_PLUGINS`` (comma-separated names) restricts which entry points are loaded; unset means all.
-A plugin that raises on import is recorded in :attr:`Registry.failures` and skipped, never fatal.
+A plugin that raises on import, implements a hook that does not exist (a misspelt name: pluggy's
+``check_pending``) or fails to describe itself or its options is recorded in :attr:`Registry.failures` with one
+line and skipped, never fatal; ``vlmrun plugins`` shows it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import difflib
 import os
 from typing import Iterable
 
@@ -15,6 +18,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import UsageError
+from .options import Option, OptionTable
 
 ENTRY_POINT_GROUP = "vlmrun"
 ENV_PLUGINS = "VLMRUN_PLUGINS"
@@ -60,6 +64,12 @@ class Registry:
     pm: pluggy.PluginManager
     plugins: dict[str, PluginRecord] = attrs.field(factory=dict)
     failures: dict[str, str] = attrs.field(factory=dict)
+    declared: list[Option] = attrs.field(factory=list)
+
+    @property
+    def options(self) -> OptionTable:
+        """Every declared per-stage option (the core's and each backend's)."""
+        return OptionTable.of(self.declared)
 
     @property
     def hook(self):
@@ -121,21 +131,58 @@ def load(extra: Iterable[object] = (), only: str | None = None) -> Registry:
             module = ep.load()
             _register(registry, module, ep.name, _version_of(ep))
         except Exception as exc:  # a broken plugin must not break the others
-            registry.failures[ep.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            registry.failures[ep.name] = _one_line(exc)
     for plugin in extra:
-        _register(registry, plugin, getattr(plugin, "__name__", type(plugin).__name__), "?")
+        name = getattr(plugin, "__name__", type(plugin).__name__)
+        try:
+            _register(registry, plugin, name, "?")
+        except Exception as exc:
+            registry.failures[name] = _one_line(exc)
     return registry
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, pluggy.PluginValidationError):  # its detail (which arguments) is on later lines
+        return "; ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip())
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> list[str]:
+    return sorted(c.name for c in pm.get_hookcallers(plugin) or [] if not c.has_spec())
 
 
 def _register(registry: Registry, plugin: object, name: str, version: str) -> None:
     pm = registry.pm
     pm.register(plugin, name=name)
-    impl = getattr(plugin, "describe", None)
     try:
-        result = impl() if impl is not None else None
-    except Exception as exc:
+        unknown = _unknown_hooks(pm, plugin)
+        if unknown:
+            specs = [n for n in dir(hookspecs) if getattr(getattr(hookspecs, n), "vlmrun_spec", None) is not None]
+            close = difflib.get_close_matches(unknown[0], specs, n=1)
+            raise RuntimeError(f"implements unknown hook '{unknown[0]}'"
+                               + (f" (did you mean '{close[0]}'?)" if close else f"; hooks are {', '.join(specs)}"))
+        pm.check_pending()
+        impl = getattr(plugin, "describe", None)
+        try:
+            result = impl() if impl is not None else None
+        except Exception as exc:
+            raise RuntimeError(f"describe() failed: {exc}") from exc
+        infos = tuple(result if isinstance(result, (list, tuple)) else ([result] if result else []))
+        declared: list[Option] = []
+        opts_impl = getattr(plugin, "register_options", None)
+        if opts_impl is not None:
+            try:
+                opts_impl(declared.append)
+            except Exception as exc:
+                raise RuntimeError(f"register_options() failed: {exc}") from exc
+        mine_ = {b.name for b in infos}
+        for o in declared:
+            if not isinstance(o, Option) or o.backend not in mine_:
+                raise RuntimeError(f"register_options() declared {o!r}, not an Option of its own backends"
+                                   f" ({', '.join(sorted(mine_)) or 'none'})")
+    except BaseException:
         pm.unregister(plugin)
-        raise RuntimeError(f"describe() failed: {exc}") from exc
-    infos = tuple(result if isinstance(result, (list, tuple)) else ([result] if result else []))
+        raise
+    registry.declared.extend(declared)
     hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or []))
     registry.plugins[name] = PluginRecord(name, version, getattr(plugin, "__name__", name), infos, hooks)

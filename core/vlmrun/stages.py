@@ -12,7 +12,8 @@ Shapes are written with symbolic dims filled from the model (:meth:`vlmrun.model
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import os
+from typing import Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -138,3 +139,59 @@ class DecodeRequest:
     context_length: int
     # when set, a decoder that sees its logits calls it with each step's row [V] before sampling from it
     on_logits: Callable[[np.ndarray], None] | None = None
+
+
+@attrs.frozen
+class CompileRequest:
+    """Everything a ``compile`` hook gets: what to compile, for whom, where to write, and a narrow context.
+
+    :ivar stage: the stage name.
+    :ivar model: the :class:`vlmrun.model.FastVLMModel`.
+    :ivar source: the :class:`vlmrun.store.Artifact` of the exported ONNX stage.
+    :ivar options: the options that key the binary (what the loading backend passed to ``ctx.compiled``).
+    :ivar stage_options: all of the stage's layout options, checked against the declarations (a remote
+        compiler's device or timeout live here).
+    :ivar target: the backend that will load the result.
+    :ivar compiler: the plugin asked to compile (the stage's ``compiler`` option, else ``target``).
+    :ivar out_dir: an empty temporary directory; it becomes the artifact if the hook returns normally.
+    :ivar artifact: the name the result will have in the store (stable across runs).
+    :ivar rebuild: the user asked to rebuild (``--rebuild``): cached remote results are stale.
+    :ivar context: a :class:`CompileContext`: what compilers may ask of the core.
+    """
+
+    stage: str
+    model: object
+    source: object
+    options: Mapping[str, object]
+    stage_options: Mapping[str, object]
+    target: str
+    compiler: str
+    out_dir: object  # pathlib.Path
+    artifact: str
+    rebuild: bool
+    context: "CompileContext"
+
+
+class CompileContext:
+    """What a compiler may ask of the core while it compiles (implemented by :mod:`vlmrun.pipeline`)."""
+
+    def reference_inputs(self, images: Sequence[object] | None = None,
+                         prompts: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
+        """The stage's contract inputs as the ``reference`` layout produces them, one dict per (image, prompt)
+        pair: ``pixel_values`` for vision, ``image_features`` for the projector, ``input_ids`` for embed,
+        ``inputs_embeds`` (image spliced in) for the decoder. ``images`` are paths or PIL images (default: the
+        demo image); ``prompts`` default to one descriptive question; the shorter list is cycled."""
+        raise NotImplementedError
+
+    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Reference embeddings of token ids: int [n] -> float32 [1, n, H] (to drive a decoder loop)."""
+        raise NotImplementedError
+
+    def state_dir(self) -> "os.PathLike":
+        """A directory that persists across runs for this artifact (outside it: e.g. a remote job ledger);
+        created on first call."""
+        raise NotImplementedError
+
+    def progress(self, label: str):
+        """A context manager that shows ``label`` while a long step runs."""
+        raise NotImplementedError

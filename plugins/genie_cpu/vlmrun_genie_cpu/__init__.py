@@ -16,7 +16,9 @@ from __future__ import annotations
 from vlmrun import hookimpl
 from vlmrun.plugins import BackendInfo, Check, mine
 
-from . import sdk
+from vlmrun.options import Option
+from vlmrun_qualcomm import sdk
+from vlmrun_qualcomm.sdk import phone_options
 
 NAME = "genie_cpu"
 __version__ = "0.1.0"
@@ -45,12 +47,32 @@ def doctor():
 
 
 @hookimpl
-def compile(backend, stage, model, source, options, out_dir):
+def register_options(register):
+    from .compose import QUANTIZE
+    from .runner import DEFAULT_CONTEXT, REMOTE_DIR, RUNNERS
+
+    for o in (
+        Option(NAME, "quantize", str, choices=QUANTIZE, default="none", flag="--quantize",
+               help="model-bin weight quantization by the SDK composer (none, z8, q4)"),
+        Option(NAME, "context_length", int, default=DEFAULT_CONTEXT, minimum=8, flag="--context-length",
+               help="Genie dialog context (prompt plus generated tokens)"),
+        Option(NAME, "runner", str, choices=RUNNERS, default="auto",
+               help="libgenie (in a worker process), t2t (the SDK's genie-t2t-run) or auto"),
+        Option(NAME, "remote_dir", str, default=REMOTE_DIR, help="working directory on the phone"),
+        Option(NAME, "timeout", float, default=600.0, minimum=1, help="seconds for one generation"),
+        Option(NAME, "compose_timeout", float, default=3600.0, minimum=1, help="seconds for the composer"),
+        *phone_options(NAME),
+    ):
+        register(o)
+
+
+@hookimpl
+def compile(backend, request):
     if not mine(backend, NAME):
         return None
     from .compose import compile_decoder
 
-    return compile_decoder(model, source, options, out_dir)
+    return compile_decoder(request.model, request.source, dict(request.options), request.out_dir)
 
 
 @hookimpl

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from vlmrun import procs
 from vlmrun.errors import BackendError, UsageError
 
-from .sdk import Sdk
+from vlmrun_qualcomm.sdk import Sdk
 
 QUANTIZE = {"none": None, "z8": "Z8", "q4": "Q4"}
 PREFIX = "model.language_model."
@@ -84,12 +84,8 @@ def compile_decoder(model, source, options: dict, out_dir: Path) -> dict:
         qwen = write_qwen2_dir(model, work / "qwen2")
         argv = composer_argv(str(composer), qwen, out_dir / "model.bin", quantize)
         t0 = time.perf_counter()
-        try:
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=work)
-        except subprocess.TimeoutExpired:
-            raise BackendError(f"the genai-transformer composer timed out after {timeout:g} s") from None
-        except OSError as exc:
-            raise BackendError(f"the genai-transformer composer could not start ({composer}): {exc}") from None
+        res = procs.run(argv, timeout=timeout, what="the genai-transformer composer", cwd=work,
+                        hint="raise the compose_timeout option")
         seconds = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)

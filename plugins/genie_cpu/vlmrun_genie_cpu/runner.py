@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from vlmrun import genie
+from vlmrun.handles import DecoderHandle
+from vlmrun_qualcomm import genie
 from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.stages import ExportForm
 
 from .compose import quantize_option
-from .sdk import Sdk
+from vlmrun_qualcomm.sdk import Sdk
 
 RUNNERS = ("auto", "libgenie", "t2t")
 DEFAULT_CONTEXT = 1024
@@ -52,13 +53,13 @@ def load_decoder(ctx):
                        f"genai-transformer-{opts['quantize']}")
     adb = None
     if opts["target"] == "android":
-        from vlmrun.adb import Adb
+        from vlmrun_qualcomm.adb import Adb
 
         adb = Adb.connect(opts["device"], opts["adb"])
     return GenieCpuDecoder(ctx.model, art, opts, tools, adb)
 
 
-class GenieCpuDecoder:
+class GenieCpuDecoder(DecoderHandle):
     def __init__(self, model, artifact, opts: dict, tools: dict, adb=None):
         self.model, self.artifact, self.opts, self.tools, self.adb = model, artifact, opts, tools, adb
         self.facts = genie.GenieModel.from_model(model)

@@ -37,11 +37,14 @@ import numpy as np
 
 from vlmrun import hookimpl
 from vlmrun.errors import BackendError, UsageError
+from vlmrun.handles import StageHandle
+from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import ExportForm
 
 from . import hub as hubmod
-from .wrapper import onnx_io, write_ctx_onnx
+from vlmrun_qualcomm import socs
+from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
 NAME = "qaihub"
 __version__ = "0.1.0"
@@ -53,15 +56,6 @@ DEFAULT_EMBED_SEQ = 32
 ENV_DEVICE = "VLMRUN_QAIHUB_DEVICE"
 # the loading stage's own options (timeout, retries, ...) for the compile hook, which gets only keyed options
 
-# SoC -> (AI Hub device, QNN soc_model, HTP arch). Only SM8750's device name is the documented default;
-# the others are the hub's published reference devices (unverified here).
-SOC_DEVICES = {
-    "SM8750": ("Snapdragon 8 Elite QRD", 69, "v79"),
-    "SM8650": ("Snapdragon 8 Gen 3 QRD", 57, "v75"),
-    "SM8550": ("Samsung Galaxy S23 (Family)", 43, "v73"),
-    "SC8380XP": ("Snapdragon X Elite CRD", 60, "v73"),
-}
-SOC_BY_MODEL = {v[1]: (k, v[2]) for k, v in SOC_DEVICES.items()}
 QUANT_FLAGS = {"int8": "--quantize_full_type int8", "a16w8": "--quantize_full_type w8a16"}
 
 
@@ -71,8 +65,11 @@ def device_of(options) -> str:
     dev = o.get("hub_device") or o.get("device") or os.environ.get(ENV_DEVICE)
     if dev:
         return str(dev)
-    soc = str(o.get("soc") or "SM8750").upper()
-    return SOC_DEVICES.get(soc, (DEFAULT_DEVICE,))[0]
+    soc = socs.soc(o.get("soc"))
+    if soc.hub_device is None:
+        raise UsageError(f"no AI Hub device is known for {soc.name}; name one with the device option"
+                         f" (e.g. --device \"{DEFAULT_DEVICE}\")")
+    return soc.hub_device
 
 
 def make_device(name: str):
@@ -139,15 +136,45 @@ def doctor():
 
 
 @hookimpl
-def compile(backend, stage, model, source, options, out_dir, target, stage_options, artifact, rebuild):
+def register_options(register):
+    for o in (
+        Option(NAME, "device", str, flag="--device",
+               help='AI Hub device name (e.g. "Snapdragon 8 Elite QRD") or "chipset:..." attributes'
+                    f" [default: from soc; env {ENV_DEVICE}]"),
+        Option(NAME, "hub_device", str, flag="--hub-device",
+               help="AI Hub device when qaihub compiles for another backend (--compiler qaihub) [default: from soc]"),
+        Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
+               help="target Snapdragon SoC (picks the hub's reference device)"),
+        Option(NAME, "precision", str, choices=PRECISIONS, default="fp16", flag="--precision",
+               help="numeric precision (hub-side quantization with calibration data)"),
+        Option(NAME, "calibration_images", Path, flag="--calibration-images",
+               help="folder of images to calibrate int8 (default: seeded random data)"),
+        Option(NAME, "calibration_samples", int, default=8, minimum=1, help="calibration samples per input"),
+        Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
+               help="static sequence length of the embed graph"),
+        Option(NAME, "hub_options", str, help="extra AI Hub compile options, appended verbatim"),
+        Option(NAME, "timeout", float, minimum=0.01, flag="--timeout",
+               help="seconds to wait for one hub job [default: 3 h; env VLMRUN_QAIHUB_TIMEOUT]"),
+        Option(NAME, "retries", int, default=hubmod.DEFAULT_RETRIES, minimum=0, help="network retries per call"),
+        Option(NAME, "poll_interval", float, minimum=0.01, help="seconds between job status polls"),
+    ):
+        register(o)
+
+
+@hookimpl
+def compile(backend, request):
     if not mine(backend, NAME):
         return None
-    extra = dict(stage_options or {})
-    if target != NAME:
-        extra.pop("device", None)  # for another backend (qnn_htp) `device` is its adb serial; use hub_device
-    merged = {**extra, **dict(options or {})}
-    return compile_on_hub(hub_for(merged), stage, model, source, merged, Path(out_dir), target,
-                          artifact=artifact or Path(out_dir).name, rebuild=bool(rebuild))
+    merged = {**dict(request.stage_options or {}), **dict(request.options or {})}
+    if request.target != NAME:
+        # for another backend `device` is its own (qnn_htp: the adb serial of a phone); the hub device is
+        # `hub_device`, or `device` when that backend's stage stays on this machine
+        device = merged.pop("device", None)
+        if not merged.get("hub_device") and str(merged.get("target") or "local") == "local" and device:
+            merged["hub_device"] = device
+    return compile_on_hub(hub_for(merged), request.stage, request.model, request.source, merged,
+                          Path(request.out_dir), request.target, artifact=request.artifact,
+                          rebuild=bool(request.rebuild), state_dir=request.context.state_dir())
 
 
 def _upload_dir(source, work: Path) -> Path:
@@ -213,7 +240,7 @@ def _spec_list(io_spec) -> tuple[list[dict], str | None]:
 
 
 def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir: Path, target: str, *,
-                   artifact: str, rebuild: bool = False) -> dict:
+                   artifact: str, state_dir: Path, rebuild: bool = False) -> dict:
     import qai_hub
     from qai_hub.client import ModelMetadataKey
 
@@ -223,8 +250,7 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
     form = source.manifest.get("form", stage)
     name = "".join(c if c.isalnum() else "_" for c in form).strip("_") or stage
     src_io = onnx_io(source.file())
-    store_root = out_dir.parent.parent
-    ledger = hubmod.Ledger(store_root)
+    ledger = hubmod.Ledger(state_dir)
     key = f"{artifact}|{device}|{hub_opts}"
     client = hub.client
     t0 = time.perf_counter()
@@ -288,15 +314,16 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
     soc_name = str(options.get("soc") or "").upper() or None
     soc_model_n = int(soc_model) if soc_model and str(soc_model).isdigit() else None
     arch = None
-    if soc_model_n in SOC_BY_MODEL:
-        hub_soc, arch = SOC_BY_MODEL[soc_model_n]
-        if soc_name and soc_name != hub_soc:
-            raise BackendError(f"AI Hub device '{device}' built the binary for {hub_soc}/{arch} but {soc_name} was"
-                               f" asked for; choose a device with that SoC (option device)")
-        soc_name = soc_name or hub_soc
-    if soc_name in SOC_DEVICES:
-        soc_model_n = soc_model_n or SOC_DEVICES[soc_name][1]
-        arch = arch or SOC_DEVICES[soc_name][2]
+    hub_soc = socs.by_soc_model(soc_model_n)
+    if hub_soc is not None:
+        arch = hub_soc.arch
+        if soc_name and soc_name != hub_soc.name:
+            raise BackendError(f"AI Hub device '{device}' built the binary for {hub_soc.name}/{arch} but {soc_name}"
+                               f" was asked for; choose a device with that SoC (option device)")
+        soc_name = soc_name or hub_soc.name
+    if soc_name in socs.SOCS:
+        soc_model_n = soc_model_n or socs.SOCS[soc_name].soc_model
+        arch = arch or socs.SOCS[soc_name].arch
     hexagon = meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_HEXAGON_VERSION)
     if hexagon and not arch:
         arch = f"v{str(hexagon).lstrip('vV')}"
@@ -308,27 +335,14 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
     sdk = f"v{str(qnn).lstrip('vV')}" if qnn else None
     write_ctx_onnx(out_dir / ctx_name, bin_name, inputs, outputs, graph_name=graph_name, sdk_version=sdk)
     ledger.update(key, state="done")
-    io_q = {t["name"]: t["quant"] for t in (*inputs, *outputs) if "quant" in t}
-    return {
-        "files": [ctx_name, bin_name],
-        "graphs": graphs or [graph_name],
-        "inputs": inputs,
-        "outputs": outputs,
-        "ep_sdk_version": sdk,
-        "qnn_version": str(qnn).lstrip("vV") if qnn else None,
-        "soc": soc_name,
-        "soc_model": soc_model_n,
-        "arch": arch,
-        "compile_s": round(time.perf_counter() - t0, 3),
-        "binary_bytes": {bin_name: (out_dir / bin_name).stat().st_size},
-        "stage": stage,
-        "precision": precision,
-        "source_form": form,
-        "io_quant": io_q,
-        "fallback": "disabled",
-        "compiler": NAME,
-        "target": target,
-        "hub": {
+    manifest = ContextManifest(
+        files=[ctx_name, bin_name], graphs=graphs or [graph_name], inputs=inputs, outputs=outputs,
+        stage=stage, precision=precision, compiler=NAME, target=target,
+        qnn_version=str(qnn).lstrip("vV") if qnn else None, ep_sdk_version=sdk,
+        soc=soc_name, soc_model=soc_model_n, arch=arch, source_form=form,
+        compile_s=round(time.perf_counter() - t0, 3),
+        binary_bytes={bin_name: (out_dir / bin_name).stat().st_size},
+        extra={"hub": {
             "compile_job": job.job_id,
             "target_model": target_model.model_id,
             "device": device,
@@ -336,17 +350,19 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
             "url": hubmod.redact(job.url),
             "downloaded_as": got_name,
             "client": str(getattr(qai_hub, "__version__", "?")),
-        },
-    }
+        }},
+    )
+    return manifest.to_dict()
 
 
 # -- hosted devices --------------------------------------------------------------------------------------------
-class HostedStage:
+class HostedStage(StageHandle):
     """A stage compiled on AI Hub; each run is an inference job (profile=True) on the hosted device."""
 
     def __init__(self, hub: hubmod.Hub, artifact, stage: str, device: str, embed_seq: int | None = None):
         self.hub = hub
         self.artifact = artifact
+        self.artifacts = (artifact,)
         self.stage = stage
         self.device = device
         self.embed_seq = embed_seq

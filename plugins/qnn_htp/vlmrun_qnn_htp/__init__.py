@@ -1,7 +1,7 @@
 """vlmrun plugin ``qnn_htp``: FastVLM stages as QNN context binaries on the Qualcomm HTP.
 
 Compile: ONNX -> QNN context binary with onnxruntime-qnn (EPContext, embed mode 0, CPU fallback disabled,
-static shapes, ``soc_model`` from :mod:`.socs`), fp16 by default or int8 via static QDQ (:mod:`.quant`).
+static shapes, ``soc_model`` from :mod:`vlmrun_qualcomm.socs`), fp16 by default or int8 via static QDQ (:mod:`.quant`).
 Run: locally on the HTP backend of onnxruntime-qnn (the v79 emulator on x86_64, the NPU on a Snapdragon
 host), or with ``target = "android"`` on a phone through the SDK's ``qnn-net-run`` over adb (:mod:`.netrun`).
 Decode: a host-driven fixed-KV loop over an AR-N prefill graph and an AR-1 graph (:mod:`.decoder`).
@@ -11,7 +11,7 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 =================== ====================================================================================
 ``precision``       ``fp16`` (default), ``int8`` (a8w8, 16-bit Softmax) or ``a16w8``: every stage (decoder:
                     host engine only)
-``soc``             ``SM8750`` (default), ``SM8650``, ``SM8550``, ... (see :data:`.socs.SOCS`)
+``soc``             ``SM8750`` (default), ``SM8650``, ``SM8550``, ... (see :data:`vlmrun_qualcomm.socs.SOCS`)
 ``calibration_images`` folder of images for int8 (default: random data for vision/projector, labelled so in
                     the manifest; the demo image for the decoder; embed calibrates on token ids)
 ``context_length``  decoder context the graphs are compiled for (default 512)
@@ -26,7 +26,6 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -36,10 +35,16 @@ import numpy as np
 
 from vlmrun import hookimpl
 from vlmrun.errors import UsageError
+from vlmrun.handles import DecoderHandle as DecoderHandleBase
+from vlmrun.handles import StageHandle
+from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import STAGES, ExportForm
+from vlmrun_qualcomm import socs
+from vlmrun_qualcomm.manifest import ContextManifest
+from vlmrun_qualcomm.sdk import Sdk, phone_options
 
-from . import ep, quant, socs
+from . import ep, quant
 
 NAME = "qnn_htp"
 __version__ = "0.1.0"
@@ -111,6 +116,31 @@ def forms(stage: str, opts: dict) -> list[ExportForm]:
 
 # -- hooks -------------------------------------------------------------------------------------------------
 @hookimpl
+def register_options(register):
+    for o in (
+        Option(NAME, "precision", str, choices=PRECISIONS, default="fp16", flag="--precision",
+               help="numeric precision: fp16, int8 (a8w8, 16-bit Softmax) or a16w8"),
+        Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
+               help="target Snapdragon SoC"),
+        Option(NAME, "calibration_images", Path, flag="--calibration-images",
+               help="folder of images to calibrate int8 (default: random data, labelled so in the manifest)"),
+        Option(NAME, "context_length", int, stages=("decoder",), default=DEFAULT_CONTEXT, minimum=8,
+               flag="--context-length", help="decoder context the graphs are compiled for"),
+        Option(NAME, "prefill_ar", int, stages=("decoder",), default=DEFAULT_PREFILL_AR, minimum=1,
+               help="decoder prefill chunk (AR-N)"),
+        Option(NAME, "engine", str, stages=("decoder",), choices=ENGINES, default="host", flag="--decoder-engine",
+               help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie)"),
+        Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
+               help="static sequence length of the embed graph; longer inputs run in chunks"),
+        Option(NAME, "native_outputs", bool, default=False,
+               help="qnn-net-run --use_native_output_files: quantized outputs arrive quantized (phone)"),
+        Option(NAME, "timeout", float, default=600.0, minimum=1, help="seconds for one stage run (phone, Genie)"),
+        *phone_options(NAME),
+    ):
+        register(o)
+
+
+@hookimpl
 def describe():
     return BackendInfo(NAME, STAGES, "Qualcomm QNN HTP (v79 emulator via onnxruntime-qnn, the NPU, or a phone over adb)",
                        precision="fp16")
@@ -127,7 +157,7 @@ def doctor():
         return checks
     ok, detail = ep.htp_backend_loads()
     checks.append(Check("HTP backend (libQnnHtp.so)", ok, detail))
-    root = next((os.environ[e] for e in ("QAIRT_SDK_ROOT", "QNN_SDK_ROOT") if os.environ.get(e)), None)
+    root = Sdk.find(None).root
     if root:
         tools = ["bin/x86_64-linux-clang/qnn-net-run", "bin/x86_64-linux-clang/qnn-context-binary-generator",
                  "bin/aarch64-android/qnn-net-run", "lib/aarch64-android/libQnnHtp.so"]
@@ -138,7 +168,7 @@ def doctor():
     else:
         checks.append(Check("QNN SDK tools", False, "QAIRT_SDK_ROOT / QNN_SDK_ROOT not set (needed for --target android)"))
     try:
-        from vlmrun.adb import list_devices
+        from vlmrun_qualcomm.adb import list_devices
 
         devs = list_devices(timeout=5)
         checks.append(Check("adb devices", bool(devs), ", ".join(f"{s} ({st})" for s, st in devs) or "none connected"))
@@ -150,13 +180,16 @@ def doctor():
 
 
 @hookimpl
-def compile(backend, stage, model, source, options, out_dir, store, registry):
+def compile(backend, request):
     if not mine(backend, NAME):
         return None
-    return compile_stage(stage, model, source, options, Path(out_dir), store=store, registry=registry)
+    return compile_stage(request.stage, request.model, request.source, request.options, Path(request.out_dir),
+                         context=request.context)
 
 
-def compile_stage(stage, model, source, options, out_dir: Path, store=None, registry=None) -> dict:
+def compile_stage(stage, model, source, options, out_dir: Path, context=None) -> dict:
+    """Compile ``source`` into a context binary in ``out_dir``; ``context`` (a CompileContext) gives int8
+    calibration its reference activations."""
     soc = socs.soc(options.get("soc"))
     precision = options.get("precision", "fp16")
     form = source.manifest.get("form", stage)
@@ -169,7 +202,7 @@ def compile_stage(stage, model, source, options, out_dir: Path, store=None, regi
         if precision != "fp16":
             t0 = time.perf_counter()
             feeds, label = quant.calibration_samples(stage, model, options.get("calibration_images"), source=source,
-                                                      store=store, registry=registry)
+                                                      context=context)
             qdq = work / f"{name}.qdq.onnx"
             facts = quant.quantize_qdq(src, qdq, feeds, precision, work)
             extra = {"quantization": {**facts, "calibration": label,
@@ -182,16 +215,17 @@ def compile_stage(stage, model, source, options, out_dir: Path, store=None, regi
     for t in (*info["inputs"], *info["outputs"]):
         if t["name"] in io_q:
             t["quant"] = io_q[t["name"]]
-    return {**info, "stage": stage, "precision": precision, "source_form": form,
-            "io_quant": io_q, "fallback": "disabled", **extra}
+    return ContextManifest(**info, stage=stage, precision=precision, compiler=NAME, source_form=form,
+                           io_quant=io_q, extra=extra).to_dict()
 
 
-class LocalStage:
+class LocalStage(StageHandle):
     """A compiled non-decoder stage on the local HTP backend."""
 
     def __init__(self, session: ep.HtpSession, artifact):
         self.session = session
         self.artifact = artifact
+        self.artifacts = (artifact,)
         self.load_s = session.load_s
 
     def run(self, inputs: dict) -> dict:
@@ -201,14 +235,14 @@ class LocalStage:
         return self.session.run(feeds)
 
 
-class ChunkedEmbed:
+class ChunkedEmbed(StageHandle):
     """The static-shape embed graph (seq E) over any length: pad with token 0, run in chunks, slice."""
 
-    def __init__(self, runner, seq: int):
+    def __init__(self, runner: StageHandle, seq: int):
         self.runner = runner
         self.seq = seq
-        self.artifact = getattr(runner, "artifact", None)
-        self.load_s = getattr(runner, "load_s", 0.0)
+        self.artifacts = runner.artifacts
+        self.load_s = runner.load_s
 
     def run(self, inputs: dict) -> dict:
         ids = np.asarray(inputs["input_ids"], dtype=np.int64)
@@ -225,10 +259,10 @@ class ChunkedEmbed:
         return {"inputs_embeds": np.concatenate(parts, axis=1).astype(np.float32)}
 
 
-class DecoderHandle:
+class DecoderHandle(DecoderHandleBase):
     def __init__(self, decoder, artifacts, load_s):
         self.decoder = decoder
-        self.artifacts = artifacts
+        self.artifacts = tuple(artifacts)
         self.load_s = load_s
 
     @property
@@ -254,6 +288,7 @@ def load_stage(backend, stage, ctx):
     soc = socs.soc(opts["soc"])
     arts = [_compiled(ctx, stage, opts, f) for f in forms(stage, opts)]
     for art in arts:
+        ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
         ep.check_binary(art.manifest, art.file(), soc, f"{stage} ({art.path.name})")
     if stage == "decoder" and opts["engine"] == "genie":
         from .genie_engine import GenieHtpHandle
@@ -272,7 +307,7 @@ def load_stage(backend, stage, ctx):
         return DecoderHandle(FixedKVDecoder(sessions, opts["context_length"], ctx.model), arts, load_s)
     art = arts[0]
     if opts["target"] == "android":
-        from vlmrun.adb import Adb
+        from vlmrun_qualcomm.adb import Adb
 
         from .netrun import NetRunStage, sdk_root
 
@@ -281,8 +316,6 @@ def load_stage(backend, stage, ctx):
         adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
         runner = NetRunStage(art, stage, sdk=sdk, adb=adb, native_outputs=bool(o.get("native_outputs")),
                              timeout=float(o.get("timeout") or 300))
-        runner.artifact = art
-        runner.load_s = 0.0
     else:
         runner = LocalStage(ep.HtpSession(art.file(), soc, f"{stage} ({art.path.name})"), art)
     if stage == "embed":

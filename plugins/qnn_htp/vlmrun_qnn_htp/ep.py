@@ -20,7 +20,8 @@ import numpy as np
 
 from vlmrun.errors import BackendError
 
-from .socs import Soc
+from vlmrun_qualcomm.manifest import describe_ctx_onnx
+from vlmrun_qualcomm.socs import Soc
 
 EP_NAME = "QNNExecutionProvider"
 _registered = False
@@ -110,43 +111,6 @@ def session_options(soc: Soc, *, fallback: bool = False, context_path: Path | No
     provider.update(extra_provider or {})
     so.add_provider_for_devices(devices, provider)
     return ort, so
-
-
-def describe_ctx_onnx(path: Path) -> dict:
-    """Graph names, binary files, SDK version and I/O of an EP-context ONNX (no weights to load)."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    graphs, files, sdk, others = [], [], set(), []
-    for node in model.graph.node:
-        if node.op_type != "EPContext":
-            others.append(f"{node.op_type} (node {node.name or '?'})")
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        dec = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items() if k != "notes"}
-        graphs.append(dec.get("partition_name") or node.name)
-        if dec.get("ep_cache_context") and int(dec.get("embed_mode", 1)) == 0:
-            files.append(dec["ep_cache_context"])
-        if dec.get("ep_sdk_version"):
-            sdk.add(dec["ep_sdk_version"])
-
-    def io(values):
-        out = []
-        for v in values:
-            t = v.type.tensor_type
-            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim]
-            out.append({"name": v.name, "shape": shape,
-                        "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name})
-        return out
-
-    return {
-        "graphs": graphs,
-        "binaries": sorted(set(files)),
-        "ep_sdk_version": sorted(sdk)[0] if sdk else None,
-        "non_qnn_nodes": others,
-        "inputs": io(model.graph.input),
-        "outputs": io(model.graph.output),
-    }
 
 
 def unsupported_nodes(src: Path, soc: Soc) -> list[str]:

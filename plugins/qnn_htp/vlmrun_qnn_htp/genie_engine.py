@@ -2,8 +2,8 @@
 
 The decoder is exported in Genie's I/O layout (``decoder/genie``: AR-N and AR-1 graphs taking
 ``inputs_embeds``), compiled by this plugin into context binaries (the EP's ``*_ctx_qnn.bin``), and handed to
-Genie through a dialog config generated from the model (:func:`vlmrun.genie.dialog_config`). Genie runs in a
-worker process (:func:`vlmrun.genie.stream_tokens_worker`): in one process with onnxruntime-qnn's EP it gave
+Genie through a dialog config generated from the model (:func:`vlmrun_qualcomm.genie.dialog_config`). Genie runs in a
+worker process (:func:`vlmrun_qualcomm.genie.stream_tokens_worker`): in one process with onnxruntime-qnn's EP it gave
 corrupt tokens.
 ``GenieDialog_embeddingTokenQuery`` gets the spliced prompt embeddings and a token-to-embedding callback over the
 host LUT; token ids stream back as Genie produces them.
@@ -19,8 +19,9 @@ from typing import Iterator
 
 import numpy as np
 
-from vlmrun import genie
 from vlmrun.errors import BackendError, InputError
+from vlmrun.handles import DecoderHandle
+from vlmrun_qualcomm import genie
 
 from . import ep
 from .decoder import MASK_MIN, FixedKVDecoder
@@ -91,7 +92,7 @@ class GenieLayoutDecoder(FixedKVDecoder):
         return out["logits"].reshape(1, ar, -1)[:, :n]
 
 
-class GenieHtpHandle:
+class GenieHtpHandle(DecoderHandle):
     """The decoder stage with engine ``genie``: Genie for ``decode``, the host loop for ``run_stage``."""
 
     def __init__(self, model, graphs: list[tuple[int, object]], ctx: int, soc, lut_npy: Path,

@@ -12,29 +12,23 @@ The SDK (``QAIRT_SDK_ROOT`` / ``QNN_SDK_ROOT`` or the ``sdk_root`` option) provi
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from vlmrun.adb import Adb
+from vlmrun_qualcomm.adb import Adb
+from vlmrun_qualcomm.sdk import Sdk
 from vlmrun.errors import BackendError
+from vlmrun.handles import StageHandle
 from vlmrun.stages import QuantizedTensor
 
 REMOTE_ROOT = "/data/local/tmp/vlmrun"
-ENV_SDK = ("QAIRT_SDK_ROOT", "QNN_SDK_ROOT")
 
 
 def sdk_root(option: str | None = None) -> Path:
-    for cand in (option, *(os.environ.get(e) for e in ENV_SDK)):
-        if cand:
-            root = Path(cand).expanduser()
-            if not root.is_dir():
-                raise BackendError(f"QNN SDK root {root} does not exist (from sdk_root / QAIRT_SDK_ROOT / QNN_SDK_ROOT)")
-            return root
-    raise BackendError("the QNN SDK is needed for --target android: set QAIRT_SDK_ROOT (or QNN_SDK_ROOT) to the"
-                       " unpacked QAIRT SDK, or pass the sdk_root option")
+    """The QNN SDK root for ``--target android`` (the ``sdk_root`` option, else the environment)."""
+    return Sdk.find(option).require_root("for --target android")
 
 
 def device_files(root: Path, arch: str) -> tuple[Path, list[Path], list[Path]]:
@@ -53,12 +47,14 @@ def device_files(root: Path, arch: str) -> tuple[Path, list[Path], list[Path]]:
     return exe, libs, dsp
 
 
-class NetRunStage:
+class NetRunStage(StageHandle):
     """One compiled stage run on a phone. ``run(inputs)`` returns floats or QuantizedTensors."""
 
     def __init__(self, artifact, stage: str, *, sdk: Path, adb: Adb, native_outputs: bool = False,
                  timeout: float = 300.0, remote_root: str = REMOTE_ROOT):
         self.stage = stage
+        self.artifact = artifact
+        self.artifacts = (artifact,)
         self.manifest = artifact.manifest
         self.adb = adb
         self.native = native_outputs

@@ -57,11 +57,13 @@ DECODER_GEN_STEPS = 8      # greedy tokens decoded (by the float graph) after ea
 DECODER_MAX_SAMPLES = 64   # feeds kept per decoder graph (evenly spaced over the recorded calls)
 
 
-def calibration_samples(stage: str, model, folder, seed: int = 0, source=None, store=None,
-                        registry=None) -> tuple[list[dict], str]:
+def calibration_samples(stage: str, model, folder, seed: int = 0, source=None,
+                        context=None) -> tuple[list[dict], str]:
     """Input feeds for calibrating ``stage`` and a label saying where they came from.
 
-    ``source`` (the exported ONNX artifact being quantized) is needed for ``embed`` and ``decoder``.
+    ``source`` (the exported ONNX artifact being quantized) is needed for ``embed`` and ``decoder``;
+    ``context`` (the compile request's :class:`vlmrun.stages.CompileContext`) gives the reference activations
+    the projector (with images) and the decoder calibrate on.
     """
     files = calibration_files(folder)
     rng = np.random.default_rng(seed)
@@ -76,16 +78,23 @@ def calibration_samples(stage: str, model, folder, seed: int = 0, source=None, s
                 "random")
     if stage == "projector":
         if files:
-            feats = _vision_features_cpu(model, files)
-            return [{"image_features": f} for f in feats], f"images:{len(files)} (through the fp32 vision stage)"
+            return (_require(context).reference_inputs(files),
+                    f"images:{len(files)} (through the reference fp32 vision stage)")
         shape = (1, model.image_tokens, model.feature_dim)
         return [{"image_features": rng.standard_normal(shape).astype(np.float32)} for _ in range(RANDOM_SAMPLES)], \
             "random"
     if stage == "embed":
         return _embed_samples(model, source.file())
     if stage == "decoder":
-        return _decoder_samples(model, source, files, store, registry)
+        return _decoder_samples(model, source, files, _require(context))
     raise UsageError(f"int8 is not available for stage '{stage}' on qnn_htp; use --precision fp16")
+
+
+def _require(context):
+    if context is None:
+        raise UsageError("calibrating this stage needs reference activations: compile it through a pipeline"
+                         " (vlmrun compile), which gives the compiler its context")
+    return context
 
 
 def _ort_cpu(path):
@@ -143,29 +152,7 @@ class _Recorder:
         return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
 
 
-def _prompt_embeddings(model, source, files, store=None, registry=None):
-    """Prompt embeddings [1,T,H] from the reference pipeline (ort_reference) for the calibration images
-    (or the demo image), one prompt each; plus the token-embedding function."""
-    from vlmrun import plugins
-    from vlmrun.demo_image import demo_image
-    from vlmrun.pipeline import Pipeline
-    from vlmrun.preprocess import load_image
-    from vlmrun.store import ArtifactStore
-
-    if store is None:  # called outside a pipeline: the store the exported graph lives in
-        store = ArtifactStore(Path(source.path).parent.parent)
-    pipe = Pipeline.build(model, "reference", store=store, registry=registry or plugins.load(),
-                          stages=("vision", "projector", "embed"))
-    images = [load_image(f) for f in files] or [demo_image()]
-    pairs = [(img, CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]) for i, img in enumerate(images)]
-    if not files:  # one image: vary the prompt instead
-        pairs = [(images[0], p) for p in CALIBRATION_PROMPTS]
-    embeds = [pipe.embed_prompt(pipe.prepare(img, p)) for img, p in pairs]
-    what = f"images:{len(files)}" if files else "demo image"
-    return embeds, pipe.embed_tokens, what
-
-
-def _decoder_samples(model, source, files, store=None, registry=None) -> tuple[list[dict], str]:
+def _decoder_samples(model, source, files, context) -> tuple[list[dict], str]:
     """Realistic feeds for one fixed-KV graph: the host loop (:class:`.decoder.FixedKVDecoder`) driven over the
     reference prompt embeddings with the float graph on the onnxruntime CPU, prefill then greedy decode;
     every call's feeds (mask, positions, past KV from the real prefill) are recorded."""
@@ -176,7 +163,10 @@ def _decoder_samples(model, source, files, store=None, registry=None) -> tuple[l
     ar, ctx = int(shapes["attention_mask"][2]), int(shapes["attention_mask"][3])
     rec = _Recorder(sess)
     dec = FixedKVDecoder({ar: rec, 1: rec}, ctx, model, min_chunk=1)  # min_chunk 1: only this AR is picked
-    embeds, embed_tokens, what = _prompt_embeddings(model, source, files, store, registry)
+    # the calibration images with one prompt each, or the demo image with every prompt
+    prompts = [CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)] for i in range(len(files))] or CALIBRATION_PROMPTS
+    embeds = [f["inputs_embeds"] for f in context.reference_inputs(files or None, prompts)]
+    embed_tokens, what = context.embed_tokens, (f"images:{len(files)}" if files else "demo image")
     for e in embeds:
         e = e[:, : max(1, ctx - ar - DECODER_GEN_STEPS)].astype(np.float32)
         dec.reset()
@@ -194,21 +184,6 @@ def _decoder_samples(model, source, files, store=None, registry=None) -> tuple[l
              f" float AR-{ar} graph on the CPU (prefill + {DECODER_GEN_STEPS} greedy steps): {len(feeds)} of"
              f" {len(rec.feeds)} host-loop feeds")
     return feeds, label
-
-
-def _vision_features_cpu(model, files):
-    """Vision features of the calibration images from the torch model (fp32, CPU)."""
-    import torch
-
-    from vlmrun.preprocess import load_image, preprocess_image
-
-    tower = model.load_torch().model.vision_tower.eval()
-    out = []
-    with torch.no_grad():
-        for f in files:
-            pv = torch.from_numpy(preprocess_image(load_image(f), model.image_processor_config))
-            out.append(tower(pv, return_dict=True).last_hidden_state.flatten(2).transpose(1, 2).numpy())
-    return out
 
 
 class _Reader:

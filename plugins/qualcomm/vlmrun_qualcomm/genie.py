@@ -28,8 +28,6 @@ import json
 import os
 import queue
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -39,8 +37,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 import attrs
 import numpy as np
 
-from .errors import BackendError, UsageError
-from .sampling import SamplingSettings
+from vlmrun import procs
+from vlmrun.errors import BackendError, UsageError
+from vlmrun.sampling import SamplingSettings
 
 BACKENDS = ("QnnHtp", "QnnGenAiTransformer")
 
@@ -708,39 +707,9 @@ def run_t2t(argv: Sequence[str], *, timeout: float = 600.0, cwd: str | os.PathLi
             on_output: Callable[[str], None] | None = None) -> T2TResult:
     """Run ``genie-t2t-run`` on this host with a timeout (the process group is killed on a hang)."""
     t0 = time.perf_counter()
-    full_env = dict(os.environ, **(env or {}))
-    try:
-        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=full_env,
-                                start_new_session=True)
-    except OSError as exc:
-        raise BackendError(f"genie-t2t-run could not start ({argv[0]}): {exc.strerror or exc}") from None
-    out_chunks: list[bytes] = []
-
-    def pump():
-        for chunk in iter(lambda: proc.stdout.read1(4096), b""):
-            out_chunks.append(chunk)
-            if on_output:
-                on_output(chunk.decode("utf-8", "replace"))
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    err_box: list[bytes] = []
-    err_reader = threading.Thread(target=lambda: err_box.append(proc.stderr.read()), daemon=True)
-    err_reader.start()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise BackendError(f"genie-t2t-run timed out after {timeout:g} s (killed); raise the decoder's timeout"
-                           " option if the model is large") from None
-    finally:
-        reader.join(5)
-        err_reader.join(5)
-    stdout = b"".join(out_chunks).decode("utf-8", "replace")
-    stderr = b"".join(err_box).decode("utf-8", "replace")
-    return finish_t2t(stdout, stderr, proc.returncode, profile, time.perf_counter() - t0)
+    res = procs.run(argv, timeout=timeout, what="genie-t2t-run", cwd=cwd, env=dict(os.environ, **(env or {})),
+                    on_stdout=on_output, hint="raise the decoder's timeout option if the model is large")
+    return finish_t2t(res.stdout, res.stderr, res.returncode, profile, time.perf_counter() - t0)
 
 
 def finish_t2t(stdout: str, stderr: str, returncode: int, profile: str | os.PathLike | None,
@@ -759,13 +728,13 @@ def finish_t2t(stdout: str, stderr: str, returncode: int, profile: str | os.Path
 # -- libGenie in a worker process ----------------------------------------------------------------------------
 # libGenie's QnnHtp backend shares libQnnHtp.so with onnxruntime-qnn's execution provider; in one process the two
 # were seen to corrupt each other (wrong, run-to-run different tokens after the EP compiled or ran graphs).
-# So vlmrun runs Genie in a small worker process (``python -m vlmrun.genie``) that never loads onnxruntime:
+# So vlmrun runs Genie in a small worker process (``python -m vlmrun_qualcomm.genie``) that never loads onnxruntime:
 # tokens stream back one per line on a pipe, errors come back as one line, a hang is killed by a timeout.
 
 def _worker(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m vlmrun.genie")
+    ap = argparse.ArgumentParser(prog="python -m vlmrun_qualcomm.genie")
     ap.add_argument("--lib", required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--embeddings", required=True)
@@ -798,47 +767,39 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
 
     ``profile_out`` (a dict) receives the parsed profile timings when the query finishes.
     """
+    import shutil
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-"))
     cfg_path, emb_path, prof = tmp / "genie_config.json", tmp / "embeddings.raw", tmp / "profile.json"
     cfg_path.write_text(json.dumps(config, indent=1))
     write_embeddings(emb_path, embeds)
-    argv = [sys.executable, "-m", "vlmrun.genie", "--lib", str(lib_path), "--config", str(cfg_path),
+    argv = [sys.executable, "-m", "vlmrun_qualcomm.genie", "--lib", str(lib_path), "--config", str(cfg_path),
             "--embeddings", str(emb_path), "--lut", str(lut_npy), "--profile", str(prof)]
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}, **(env or {})}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    err_box: list[str] = []
-    err_reader = threading.Thread(target=lambda: err_box.append(proc.stderr.read()), daemon=True)
-    err_reader.start()
-    timed_out: list[bool] = []
-    timer = threading.Timer(timeout, lambda: (timed_out.append(True), _killpg(proc)))
-    timer.start()
-    done, error = False, None
+    done, error, err_box = False, None, []
     try:
-        for line in proc.stdout:
-            word, _, rest = line.strip().partition(" ")
-            if word == "TOKEN":
-                yield int(rest)
-            elif word == "DONE":
-                done = True
-            elif word == "ERROR":
-                error = rest
-        proc.wait()
-    finally:
-        if proc.poll() is None:  # the consumer stopped early: let Genie finish (it writes the profile), briefly
+        with procs.watched(argv, timeout=timeout, what="the Genie worker", env=env) as w:
+            err_reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
+            err_reader.start()
             try:
-                for _ in proc.stdout:
-                    pass
-                proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, ValueError, OSError):
-                _killpg(proc)
-                proc.wait()
-        timer.cancel()
-        err_reader.join(5)
-        import shutil
-
+                for line in w.proc.stdout:
+                    word, _, rest = line.strip().partition(" ")
+                    if word == "TOKEN":
+                        yield int(rest)
+                    elif word == "DONE":
+                        done = True
+                    elif word == "ERROR":
+                        error = rest
+            finally:
+                # the consumer stopped early: let Genie finish (it writes the profile), within the deadline
+                with contextlib.suppress(ValueError, OSError):
+                    for _ in w.proc.stdout:
+                        pass
+                w.proc.wait()
+                err_reader.join(5)
+        timed_out = w.timed_out
+    finally:
         prof_text = prof.read_text() if prof.is_file() else ""
         shutil.rmtree(tmp, ignore_errors=True)
         if profile_out is not None and prof_text:
@@ -849,14 +810,9 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
         raise BackendError(f"Genie timed out after {timeout:g} s (worker killed)")
     if error:
         raise BackendError(error)
-    if not done or proc.returncode != 0:
+    if not done or w.proc.returncode != 0:
         detail = _last_error_line("".join(err_box)) or "no message"
-        raise BackendError(f"the Genie worker exited with status {proc.returncode}: {detail}")
-
-
-def _killpg(proc) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        raise BackendError(f"the Genie worker exited with status {w.proc.returncode}: {detail}")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ import hashlib
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .errors import BackendError
+from vlmrun import procs
+from vlmrun.errors import BackendError
 
 DEFAULT_TIMEOUT = 60.0
 ENV_ADB = "VLMRUN_ADB"
@@ -44,31 +44,7 @@ def _sha256(path: Path) -> str:
 
 def _run(argv: Sequence[str], timeout: float, what: str) -> subprocess.CompletedProcess:
     """Run ``argv`` with a timeout; on timeout the whole process group is killed (no orphan holds the pipes)."""
-    try:
-        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    except OSError as exc:
-        raise BackendError(f"{what} could not start: {exc.strerror or exc}") from None
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        raise BackendError(f"{what} timed out after {timeout:g} s") from None
-    except BaseException:
-        _kill_group(proc)
-        raise
-    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        proc.kill()
-    try:
-        proc.communicate(timeout=5)
-    except Exception:
-        pass
+    return procs.run(argv, timeout=timeout, what=what)
 
 
 def _first_line(text: str) -> str:

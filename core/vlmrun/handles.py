@@ -1,0 +1,64 @@
+"""What the core reads from the handles plugins return from ``load_stage``.
+
+``load_stage`` may return any object; the core reads nothing from it except through these classes. A handle
+that subclasses :class:`StageHandle` (or :class:`DecoderHandle` for the decoder) and sets their attributes tells
+the core what it loaded and what it measured; a plain object is a handle with nothing to report.
+
+>>> class MyVision(StageHandle):
+...     def __init__(self, session, artifact):
+...         self.session, self.artifacts = session, (artifact,)
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+_EMPTY: Mapping = MappingProxyType({})
+
+
+class StageHandle:
+    """Base class of a stage handle. Subclasses set what applies (instance attributes); the defaults say
+    "nothing to report".
+
+    :ivar artifacts: the store artifacts (:class:`vlmrun.store.Artifact`) the stage runs from, reported by
+        ``vlmrun compile``.
+    :ivar last_profile: figures a device measured on the last ``run_stage`` (e.g. a hosted device's
+        ``inference_ms``, ``peak_memory_bytes``, ``job_id``, ``device``), reported by ``vlmrun profile``.
+    :ivar load_s: seconds spent loading (opening sessions, pushing files).
+    """
+
+    artifacts: Sequence = ()
+    last_profile: Mapping[str, object] = _EMPTY
+    load_s: float = 0.0
+
+
+class DecoderHandle(StageHandle):
+    """Base class of a decoder handle.
+
+    :ivar context_length: the context the decoder was built for (compiled graphs fix it), or ``None`` when it
+        follows the layout's ``context_length`` option or the model; the core checks prompt lengths against it.
+    :ivar last_timings: figures the runtime measured during the last ``decode`` (e.g. ``ttft_ms``,
+        ``tokens_per_s``, ``prompt_tokens_per_s``); they replace the host-clock figures of a generation.
+    """
+
+    context_length: int | None = None
+    last_timings: Mapping[str, float] = _EMPTY
+
+
+def artifacts_of(handle: object) -> list:
+    return list(handle.artifacts) if isinstance(handle, StageHandle) else []
+
+
+def profile_of(handle: object) -> dict:
+    return dict(handle.last_profile) if isinstance(handle, StageHandle) else {}
+
+
+def context_of(handle: object) -> int | None:
+    return handle.context_length if isinstance(handle, DecoderHandle) else None
+
+
+def timings_of(handle: object) -> dict[str, float]:
+    if not isinstance(handle, DecoderHandle):
+        return {}
+    return {k: float(v) for k, v in handle.last_timings.items() if isinstance(v, (int, float))}

@@ -1,0 +1,185 @@
+"""Per-stage options: plugins declare them, the core checks every layout against the declarations.
+
+A plugin declares the options of its backends in the ``register_options`` hook (pytest's ``pytest_addoption``
+is the model)::
+
+    @vlmrun.hookimpl
+    def register_options(register):
+        register(Option("acme_npu", "threads", int, default=4, minimum=1, help="worker threads"))
+        register(Option("acme_npu", "precision", str, choices=("fp16", "int8"), flag="--precision",
+                        help="numeric precision"))
+
+An option is a key of a stage's table in a layout file (``[vision] threads = 2``), a generic
+``--option vision.threads=2`` on the command line, or, when it declares a ``flag``, that flag
+(``--precision int8``, applied to every stage whose backend or compiler declares the option).
+
+Before any export or compile, :func:`check_layout` checks each stage's options against what the stage's backend
+(and its ``compiler``, when another plugin compiles for it) declares, plus the core's own options below:
+an unknown key, a value of the wrong type or outside its choices is one :class:`~vlmrun.errors.UsageError`
+naming the key, the stage and the closest known option.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import attrs
+
+from .errors import UsageError
+from .stages import STAGES
+
+TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", Path: "a path"}
+CORE = "vlmrun"  # the owner of the options every backend takes
+
+
+@attrs.frozen
+class Option:
+    """One per-stage option of a backend.
+
+    :param backend: the backend that reads it (``vlmrun`` for the core's own options).
+    :param name: the layout key (``snake_case``).
+    :param type: ``str``, ``int``, ``float``, ``bool`` or ``pathlib.Path``; values are converted to it.
+    :param choices: the allowed values (compared case-insensitively for strings), or ``None``.
+    :param stages: the stages it applies to (``None``: every stage the backend runs).
+    :param default: what the backend uses when the option is not given (shown in help; not filled in).
+    :param flag: a command-line flag for it (``--precision``); several backends may declare the same flag.
+    :param minimum: the smallest allowed value of a number.
+    """
+
+    backend: str
+    name: str
+    type: type = str
+    choices: tuple | None = attrs.field(default=None, converter=lambda c: tuple(c) if c is not None else None)
+    stages: tuple[str, ...] | None = attrs.field(default=None,
+                                                 converter=lambda s: tuple(s) if s is not None else None)
+    default: object = None
+    help: str = ""
+    flag: str | None = None
+    minimum: float | None = None
+
+    def applies_to(self, stage: str) -> bool:
+        return self.stages is None or stage in self.stages
+
+    def convert(self, value: object, where: str) -> object:
+        """``value`` as this option's type (strings from ``--option`` are parsed), or a UsageError."""
+        want = self.type
+        bad = UsageError(f"{where}: option '{self.name}' must be {TYPES.get(want, want.__name__)}"
+                         f"{self._choices_text()}, got {value!r}")
+        try:
+            if want is bool:
+                if isinstance(value, bool):
+                    out = value
+                elif str(value).strip().lower() in ("1", "true", "yes", "on"):
+                    out = True
+                elif str(value).strip().lower() in ("0", "false", "no", "off"):
+                    out = False
+                else:
+                    raise bad
+            elif want is int:
+                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                    raise bad
+                out = int(str(value).strip()) if isinstance(value, str) else int(value)
+            elif want is float:
+                if isinstance(value, bool):
+                    raise bad
+                out = float(value)
+            elif want is Path:
+                if not isinstance(value, (str, Path)) or not str(value):
+                    raise bad
+                out = str(Path(value).expanduser())
+            else:
+                if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                    raise bad
+                out = str(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if self.choices is not None:
+            folded = {str(c).lower(): c for c in self.choices}
+            key = str(out).lower()
+            if key not in folded:
+                raise bad
+            out = folded[key]
+        if self.minimum is not None and isinstance(out, (int, float)) and out < self.minimum:
+            raise UsageError(f"{where}: option '{self.name}' must be at least {self.minimum:g}, got {out!r}")
+        return out
+
+    def _choices_text(self) -> str:
+        return f" (one of {', '.join(map(str, self.choices))})" if self.choices else ""
+
+
+# The options the core itself reads, valid on every backend.
+CORE_OPTIONS = (
+    Option(CORE, "compiler", str, help="plugin that compiles this stage's binaries (default: the stage's backend)",
+           flag="--compiler"),
+    Option(CORE, "context_length", int, stages=("decoder",), minimum=2, flag="--context-length",
+           help="decoder context length: prompt plus generated tokens (default: the backend's or the model's)"),
+)
+
+
+@attrs.define
+class OptionTable:
+    """Every declared option, by backend."""
+
+    by_backend: dict[str, dict[str, Option]] = attrs.field(factory=dict)
+
+    @classmethod
+    def of(cls, options: Iterable[Option]) -> "OptionTable":
+        table = cls()
+        for o in (*CORE_OPTIONS, *options):
+            table.by_backend.setdefault(o.backend, {})[o.name] = o
+        return table
+
+    def for_stage(self, backend: str, stage: str, compiler: str | None = None) -> dict[str, Option]:
+        """The options a stage on ``backend`` (compiled by ``compiler``) takes: core, backend, then compiler."""
+        out = {n: o for n, o in self.by_backend.get(CORE, {}).items() if o.applies_to(stage)}
+        for owner in (compiler, backend):
+            if owner and owner != CORE:
+                out.update({n: o for n, o in self.by_backend.get(owner, {}).items() if o.applies_to(stage)})
+        return out
+
+    def flags(self) -> dict[str, list[Option]]:
+        """Command-line flag -> the options declaring it (one flag may be declared by several backends)."""
+        out: dict[str, list[Option]] = {}
+        for opts in self.by_backend.values():
+            for o in opts.values():
+                if o.flag:
+                    out.setdefault(o.flag, []).append(o)
+        return out
+
+    def check(self, stage: str, backend: str, options: Mapping[str, object]) -> dict[str, object]:
+        """``options`` of one stage converted to their declared types; UsageError for an unknown or bad one."""
+        compiler = options.get("compiler")
+        known = self.for_stage(backend, stage, str(compiler) if compiler else None)
+        owners = f"{backend}" + (f" compiled by {compiler}" if compiler and compiler != backend else "")
+        out = {}
+        for key, value in options.items():
+            where = f"stage '{stage}' ({owners})"
+            if key not in known:
+                raise UsageError(f"{where} has no option '{key}'{self._hint(key, known, stage)}")
+            out[key] = known[key].convert(value, where)
+        return out
+
+    def _hint(self, key: str, known: Mapping[str, Option], stage: str) -> str:
+        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean '{close[0]}'?"
+        elsewhere = sorted({s for opts in self.by_backend.values() for o in opts.values() if o.name == key
+                            for s in (o.stages or STAGES) if s != stage})
+        if elsewhere:
+            return f" (it applies to: {', '.join(elsewhere)}); known here: {', '.join(sorted(known)) or 'none'}"
+        return f"; known here: {', '.join(sorted(known)) or 'none'}"
+
+
+def parse_assignment(spec: str) -> tuple[str, str, str]:
+    """``STAGE.KEY=VALUE`` (from ``--option``) as (stage, key, value); UsageError when malformed."""
+    lhs, sep, value = spec.partition("=")
+    stage, dot, key = lhs.strip().partition(".")
+    if not sep or not dot or not key:
+        raise UsageError(f"--option '{spec}' is not STAGE.KEY=VALUE (e.g. vision.precision=int8)")
+    if stage not in STAGES:
+        close = difflib.get_close_matches(stage, STAGES, n=1)
+        raise UsageError(f"--option '{spec}' names unknown stage '{stage}'; stages are {', '.join(STAGES)}"
+                         + (f" (did you mean '{close[0]}'?)" if close else ""))
+    return stage, key.strip(), value.strip()

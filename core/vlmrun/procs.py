@@ -1,0 +1,106 @@
+"""Running external tools: argument lists, a timeout, and the whole process group killed on a hang.
+
+Plugins drive SDK tools, device transports and worker processes through these two calls:
+
+>>> result = run(["tool", "--flag", value], timeout=60, what="tool")       # CompletedProcess (text)
+>>> with watched(argv, timeout=600, what="worker") as w:                   # stream a long-running process
+...     for line in w.proc.stdout: ...
+
+A tool is started in its own session (process group), so a timeout or an interrupt kills it *and* whatever it
+started (a shell, adb's server round trip, a child holding the pipes). Failing to start and timing out are one
+:class:`vlmrun.errors.BackendError` line each; a non-zero exit is the caller's to judge (it knows the tool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from typing import Callable, Iterator, Mapping, Sequence
+
+import attrs
+
+from .errors import BackendError
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (``proc`` itself when the group is gone) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        with contextlib.suppress(OSError):
+            proc.kill()
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=5)
+
+
+@attrs.define
+class Watch:
+    """A started process under a deadline: ``proc`` (its pipes are yours to read) and ``timed_out``."""
+
+    proc: subprocess.Popen
+    timeout: float
+    timed_out: bool = False
+
+    def _expire(self) -> None:
+        self.timed_out = True
+        kill_group(self.proc)
+
+
+def _start(argv: Sequence[str], what: str, **kw) -> subprocess.Popen:
+    if isinstance(argv, (str, bytes)):
+        raise TypeError("argv must be a list of arguments, never a shell string")
+    try:
+        return subprocess.Popen([str(a) for a in argv], start_new_session=True, **kw)
+    except OSError as exc:
+        raise BackendError(f"{what} could not start ({argv[0]}): {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def watched(argv: Sequence[str], *, timeout: float, what: str, cwd: str | os.PathLike | None = None,
+            env: Mapping[str, str] | None = None, text: bool = True,
+            stdin: int | None = subprocess.DEVNULL) -> Iterator[Watch]:
+    """Start ``argv`` with piped stdout/stderr and kill its group after ``timeout`` s, on an exception in the
+    block, or when the block ends with the process still running. ``env`` replaces the environment."""
+    proc = _start(argv, what, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, cwd=cwd,
+                  env=dict(env) if env is not None else None, text=text)
+    w = Watch(proc, timeout)
+    timer = threading.Timer(timeout, w._expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield w
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            kill_group(proc)
+        for f in (proc.stdout, proc.stderr):
+            with contextlib.suppress(Exception):
+                f.close()
+
+
+def run(argv: Sequence[str], *, timeout: float, what: str, cwd: str | os.PathLike | None = None,
+        env: Mapping[str, str] | None = None, on_stdout: Callable[[str], None] | None = None,
+        hint: str = "") -> subprocess.CompletedProcess:
+    """Run ``argv`` to completion (text output). ``on_stdout`` gets stdout as it arrives (for streaming).
+
+    :raises BackendError: the tool could not start, or ran past ``timeout`` (its group is killed); ``hint``
+        is appended to the timeout line (what the user can do about it).
+    """
+    with watched(argv, timeout=timeout, what=what, cwd=cwd, env=env, text=False) as w:
+        err_box: list[bytes] = []
+        err_reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
+        err_reader.start()
+        chunks: list[bytes] = []
+        for chunk in iter(lambda: w.proc.stdout.read1(4096), b""):
+            chunks.append(chunk)
+            if on_stdout is not None:
+                on_stdout(chunk.decode("utf-8", "replace"))
+        w.proc.wait()
+        err_reader.join(5)
+    if w.timed_out:
+        raise BackendError(f"{what} timed out after {timeout:g} s (killed){'; ' + hint if hint else ''}")
+    return subprocess.CompletedProcess(list(argv), w.proc.returncode, b"".join(chunks).decode("utf-8", "replace"),
+                                       b"".join(err_box).decode("utf-8", "replace"))
