@@ -478,3 +478,386 @@ def test_broken_apple_checkpoint_leaves_nothing_behind(apple_dir, tmp_path):
     os.remove(src / "model.safetensors")
     with pytest.raises(InputError, match=r"no \*\.safetensors weights"):
         checkpoints.convert_apple_to_native(src, out_parent / "native")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the conversion cache: keyed by every file that shapes the converted model
+
+PROMPT = "What is in this image?"
+HEAD = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"  # Apple's qwen_2 turn
+TAIL = f"\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _as_vocab_and_merges(src):
+    """Store the tokenizer as apple/FastVLM-0.5B does: vocab.json + merges.txt + added_tokens.json."""
+    tj = json.loads((src / "tokenizer.json").read_text())
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]
+    (src / "vocab.json").write_text(json.dumps(tj["model"]["vocab"], ensure_ascii=False))
+    (src / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (src / "added_tokens.json").write_text(json.dumps({t["content"]: t["id"] for t in tj["added_tokens"]}))
+    os.remove(src / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def apple_vm_dir(apple_dir, tmp_path_factory):
+    src = tmp_path_factory.mktemp("apple-vm") / "FastVLM-apple"
+    shutil.copytree(apple_dir, src)
+    _as_vocab_and_merges(src)
+    return src
+
+
+def _apple_prompt_ids(src):
+    """What Apple's predict feeds its model, with the -200 placeholder expanded as the conversion does."""
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer.from_pretrained(str(src))
+    image_id = _config(src)["vocab_size"]  # <image> is appended after Apple's tokens
+    return tok(HEAD)["input_ids"] + [image_id] * (IMAGE_SIZE // 64) ** 2 + tok(TAIL)["input_ids"]
+
+
+def _vlmrun_prompt_ids(src, store, rebuild=False):
+    from PIL import Image
+
+    from vlmrun import Pipeline
+
+    pipe = Pipeline.build(src, "reference", store=store, stages=(), rebuild=rebuild)
+    prepared = pipe.prepare(Image.new("RGB", (320, 200), (200, 30, 30)), PROMPT)
+    return prepared.input_ids[0].tolist(), pipe.model
+
+
+def _drop_merge_of(src):
+    """Remove the merge that forms the prompt's longest token from merges.txt: BPE then splits it in two."""
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer.from_pretrained(str(src))
+    longest = max(tok.convert_ids_to_tokens(tok(PROMPT)["input_ids"]), key=len)
+    lines = (src / "merges.txt").read_text().splitlines()
+    kept = [line for line in lines if line.startswith("#") or line.replace(" ", "") != longest]
+    assert len(kept) == len(lines) - 1, longest
+    (src / "merges.txt").write_text("\n".join(kept) + "\n")
+    return longest
+
+
+def test_editing_merges_txt_reaches_the_next_run(apple_vm_dir, tmp_path):
+    from vlmrun.store import ArtifactStore
+
+    src = tmp_path / "apple"
+    shutil.copytree(apple_vm_dir, src)
+    store = ArtifactStore(tmp_path / "cache")
+    before, model = _vlmrun_prompt_ids(src, store)
+    assert before == _apple_prompt_ids(src)
+    image_id, n_image = _config(src)["vocab_size"], (IMAGE_SIZE // 64) ** 2
+    start = before.index(image_id)
+    assert before[start : start + n_image] == [image_id] * n_image and before.count(image_id) == n_image
+    # the tiny tokenizer's ids for "\nWhat is in this image?<|im_end|>\n<|im_start|>assistant\n"
+    assert before[start + n_image :] == [198, 341, 270, 285, 258, 367, 338, 30, 402, 198, 401, 300, 82, 387, 83,
+                                         287, 83, 198]  # fmt: skip
+    assert len([p for p in (tmp_path / "cache" / "artifacts").iterdir() if p.name.startswith("checkpoint-")]) == 1
+
+    token = _drop_merge_of(src)
+    after, model2 = _vlmrun_prompt_ids(src, ArtifactStore(tmp_path / "cache"))  # a new run, no --rebuild
+    assert after == _apple_prompt_ids(src) != before
+    assert len(after) == len(before) + 1, token  # the token is now two
+    assert model2.path != model.path and model2.source == src
+    # the first conversion is still there, for the first tokenizer
+    assert len([p for p in (tmp_path / "cache" / "artifacts").iterdir() if p.name.startswith("checkpoint-")]) == 2
+
+
+def test_rebuild_converts_again(apple_dir, tmp_path):
+    from vlmrun.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "cache")
+    ids, model = _vlmrun_prompt_ids(apple_dir, store)
+    assert [b for b in store.builds if b.startswith("checkpoint-")] == [model.path.name]
+    store = ArtifactStore(tmp_path / "cache")
+    _vlmrun_prompt_ids(apple_dir, store)
+    assert store.builds == []  # reused
+    stamp = (model.path / "model.safetensors").stat().st_mtime_ns
+    store = ArtifactStore(tmp_path / "cache")
+    again, model2 = _vlmrun_prompt_ids(apple_dir, store, rebuild=True)
+    assert store.builds == [model.path.name] and model2.path == model.path and again == ids
+    assert (model.path / "model.safetensors").stat().st_mtime_ns != stamp
+
+
+def test_two_dirs_with_the_same_weights_keep_their_own_tokenizers(apple_dir, tmp_path):
+    from vlmrun.store import ArtifactStore
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        for f in apple_dir.iterdir():
+            if f.suffix == ".safetensors":
+                os.link(f, d / f.name)  # the very same weight files
+            else:
+                shutil.copyfile(f, d / f.name)
+    tj = json.loads((b / "tokenizer.json").read_text())  # b: a tokenizer.json without the prompt's longest merge
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer.from_pretrained(str(b))
+    longest = max(tok.convert_ids_to_tokens(tok(PROMPT)["input_ids"]), key=len)
+    merges = tj["model"]["merges"]
+    tj["model"]["merges"] = [m for m in merges if "".join(m.split(" ") if isinstance(m, str) else m) != longest]
+    assert len(tj["model"]["merges"]) == len(merges) - 1
+    (b / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+
+    store = ArtifactStore(tmp_path / "cache")
+    ids_a, model_a = _vlmrun_prompt_ids(a, store)
+    ids_b, model_b = _vlmrun_prompt_ids(b, store)
+    assert ids_a == _apple_prompt_ids(a) and ids_b == _apple_prompt_ids(b)
+    assert ids_a != ids_b and len(ids_b) == len(ids_a) + 1
+    assert model_a.path != model_b.path
+    assert _vlmrun_prompt_ids(a, store)[0] == ids_a  # and back: each directory keeps its own conversion
+
+
+def test_conversion_inputs_are_every_file_that_shapes_the_model(apple_vm_dir, tmp_path):
+    src = tmp_path / "apple"
+    shutil.copytree(apple_vm_dir, src)
+    (src / "README.md").write_text("# FastVLM\n")
+    (src / "LICENSE").write_text("licence\n")
+    (src / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert [p.name for p in checkpoints.conversion_inputs(src)] == [
+        "added_tokens.json", "chat_template.jinja", "config.json", "generation_config.json", "merges.txt",
+        "model.safetensors", "preprocessor_config.json", "special_tokens_map.json", "tokenizer_config.json",
+        checkpoints.EXTRA_ROWS_FILE, "vocab.json",
+    ]  # fmt: skip
+    base = checkpoints.conversion_digest(src)
+    for name in ("README.md", "LICENSE", ".gitattributes"):
+        with open(src / name, "a") as f:
+            f.write("more\n")
+        assert checkpoints.conversion_digest(src) == base, name  # documentation does not count
+    for p in checkpoints.conversion_inputs(src):
+        data = p.read_bytes()
+        p.write_bytes(data + b"\n")
+        assert checkpoints.conversion_digest(src) != base, p.name  # each of them does
+        p.write_bytes(data)
+        assert checkpoints.conversion_digest(src) == base
+
+
+def test_large_weight_hashes_are_cached_by_stamp(apple_dir, tmp_path, monkeypatch):
+    from vlmrun import store as store_mod
+
+    src = tmp_path / "apple"
+    shutil.copytree(apple_dir, src)
+    monkeypatch.setattr(store_mod, "FULL_HASH_LIMIT", 10_000)  # the weights are "large", the JSON files small
+    hashed = []
+    real = store_mod.sha256_file
+    monkeypatch.setattr(store_mod, "sha256_file", lambda f: hashed.append(f.name) or real(f))
+    first = checkpoints.conversion_digest(src, tmp_path / "cache")
+    assert "model.safetensors" in hashed and (tmp_path / "cache" / checkpoints.FILE_HASHES).is_file()
+    hashed.clear()
+    assert checkpoints.conversion_digest(src, tmp_path / "cache") == first
+    assert "model.safetensors" not in hashed and "config.json" in hashed  # small files: always
+    data = bytearray((src / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # same size, new contents
+    (src / "model.safetensors").write_bytes(bytes(data))
+    hashed.clear()
+    assert checkpoints.conversion_digest(src, tmp_path / "cache") != first and "model.safetensors" in hashed
+
+
+# --------------------------------------------------------------------------------------------------------------
+# sharded checkpoints
+
+
+def _shard(src, n=2):
+    """Split model.safetensors into n shards plus model.safetensors.index.json, as save_pretrained does."""
+    weights = load_file(str(src / "model.safetensors"))
+    os.remove(src / "model.safetensors")
+    keys = sorted(weights)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for i, name in enumerate(names):
+        part = keys[i * len(keys) // n : (i + 1) * len(keys) // n]
+        save_file({k: weights[k] for k in part}, str(src / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    total = sum(v.numel() * v.element_size() for v in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (src / checkpoints.SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    return names
+
+
+def test_sharded_apple_checkpoint_converts(apple_dir, roundtrip_dir, tmp_path):
+    src = tmp_path / "apple"
+    shutil.copytree(apple_dir, src)
+    names = _shard(src)
+    assert [p.name for p in checkpoints.conversion_inputs(src) if p.suffix == ".safetensors"] == [
+        *names, checkpoints.EXTRA_ROWS_FILE]
+    out = checkpoints.convert_apple_to_native(src, tmp_path / "native")
+    conv, ref = load_file(str(out / "model.safetensors")), load_file(str(roundtrip_dir / "model.safetensors"))
+    assert set(conv) == set(ref) and all(torch.equal(conv[k], ref[k]) for k in ref)
+
+
+def test_missing_shard_is_named(apple_dir, tmp_path, image_path):
+    from conftest import run_cli
+
+    from vlmrun.model import FastVLMModel
+
+    src = tmp_path / "apple"
+    shutil.copytree(apple_dir, src)
+    names = _shard(src, 3)
+    os.remove(src / names[1])
+    want = (f"{src}: shard model-00002-of-00003.safetensors is missing; model.safetensors.index.json lists 3"
+            " shard files and 2 are present; copy or download the missing shard")
+    with pytest.raises(InputError) as err:
+        checkpoints.convert_apple_to_native(src, tmp_path / "out")
+    assert str(err.value) == want
+    with pytest.raises(InputError) as err:
+        FastVLMModel.open(src)  # before any hashing or conversion
+    assert str(err.value) == want
+    res = run_cli(["--image", str(image_path), "--prompt", "x", "--model", str(src), "--image-size", "256"],
+                  tmp_path / "cache")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == f"vlmrun: error: {want}"
+    os.remove(src / names[2])
+    with pytest.raises(InputError, match=r"shard model-00002-of-00003.safetensors \(and 1 more\) is missing"):
+        checkpoints.convert_apple_to_native(src, tmp_path / "out")
+
+
+def test_index_naming_a_shard_without_the_weight(apple_dir, tmp_path):
+    src = tmp_path / "apple"
+    shutil.copytree(apple_dir, src)
+    names = _shard(src)
+    index = json.loads((src / checkpoints.SAFETENSORS_INDEX).read_text())
+    index["weight_map"]["model.norm.bias"] = names[0]
+    (src / checkpoints.SAFETENSORS_INDEX).write_text(json.dumps(index))
+    with pytest.raises(InputError, match=r"puts \['model.norm.bias'\] in model-00001-of-00002.safetensors, which"
+                                         r" does not hold them"):
+        checkpoints.convert_apple_to_native(src, tmp_path / "out")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# stop ids: the checkpoint's generation config, else the tokenizer's eos, else the model config's
+
+
+def _ids(path, *tokens):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return [tok.token_to_id(t) for t in tokens]
+
+
+def _stop_ids(path):
+    from vlmrun.model import FastVLMModel
+
+    return set(FastVLMModel(path, path, "fast_vlm").stop_ids)
+
+
+def test_stop_ids_follow_the_generation_config(native_dir, tmp_path):
+    src = tmp_path / "native"
+    shutil.copytree(native_dir, src)
+    endoftext, im_end = _ids(src, "<|endoftext|>", "<|im_end|>")
+    gen_file, tcfg_file = src / "generation_config.json", src / "tokenizer_config.json"
+    gen = json.loads(gen_file.read_text())
+    assert gen["eos_token_id"] == im_end
+    assert _stop_ids(src) == {im_end}  # not <|endoftext|> too: Apple's predict stops on <|im_end|> only
+
+    gen_file.write_text(json.dumps({**gen, "eos_token_id": [im_end, endoftext]}))  # a list
+    assert _stop_ids(src) == {im_end, endoftext}
+    gen_file.write_text(json.dumps({**gen, "eos_token_id": endoftext}))  # an int
+    assert _stop_ids(src) == {endoftext}
+
+    os.remove(gen_file)  # no generation config: the tokenizer's eos
+    tcfg = json.loads(tcfg_file.read_text())
+    assert tcfg["eos_token"] == "<|im_end|>" and _stop_ids(src) == {im_end}
+    tcfg_file.write_text(json.dumps({**tcfg, "eos_token": {"content": "<|endoftext|>", "special": True}}))
+    assert _stop_ids(src) == {endoftext}
+
+    del tcfg["eos_token"]  # nor a tokenizer eos: the model config's eos_token_id
+    tcfg_file.write_text(json.dumps(tcfg))
+    assert _config(src)["text_config"]["eos_token_id"] == im_end and _stop_ids(src) == {im_end}
+
+
+def test_converted_apple_checkpoint_stops_on_its_generation_config(apple_dir, tmp_path):
+    from vlmrun.model import FastVLMModel
+    from vlmrun.store import ArtifactStore
+
+    src = tmp_path / "apple"
+    shutil.copytree(apple_dir, src)
+    endoftext, im_end = _ids(src, "<|endoftext|>", "<|im_end|>")
+    store = ArtifactStore(tmp_path / "cache")
+    assert FastVLMModel.open(src, store).stop_ids == {im_end}
+    gen = json.loads((src / "generation_config.json").read_text())
+    (src / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [endoftext, im_end]}))
+    assert FastVLMModel.open(src, store).stop_ids == {endoftext, im_end}  # a new conversion, no --rebuild
+
+
+def test_json_output_carries_the_stop_ids(cache_dir, ref_pipe, image_path):
+    from conftest import run_cli
+
+    im_end = _ids(ref_pipe.model.path, "<|im_end|>")[0]
+    args = ["--image", str(image_path), "--prompt", "x", "--image-size", "256", "--max-new-tokens", "2", "--json"]
+    res = run_cli(args, cache_dir)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["stop_ids"] == [im_end] == sorted(ref_pipe.model.stop_ids)
+    res = run_cli([*args, "--ignore-eos"], cache_dir)
+    assert res.returncode == 0 and json.loads(res.stdout)["stop_ids"] == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the rows the conversion adds (<image>, padding to a multiple of 64) are never sampled
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),  # greedy
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.5, top_p=0.9),
+        dict(temperature=2.0, top_k=40, top_p=0.95, seed=3),
+    ],
+)
+def test_sampler_never_picks_rows_past_the_vocab_limit(settings):
+    import numpy as np
+
+    from vlmrun.sampling import Sampler, SamplingSettings
+
+    v_apple, v_padded = 1936, 2000  # as FastVLM-0.5B's 151936 -> 152000, on a shorter vector
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=v_padded).astype(np.float32)
+    logits[v_apple:] += 50.0  # the padded rows would win every draw
+    s = SamplingSettings(**settings)
+    masked, unmasked = Sampler(s, vocab_limit=v_apple), Sampler(s)
+    picks = [masked(logits) for _ in range(200)]
+    assert max(picks) < v_apple
+    assert min(unmasked(logits) for _ in range(20)) >= v_apple  # without the limit they are all that is picked
+    if not settings:
+        assert picks[0] == int(np.argmax(logits[:v_apple]))
+    else:
+        assert len(set(picks)) > 1  # really sampled
+
+
+def test_vocab_limit_is_apples_vocab_size(native_dir, apple_dir, tmp_path):
+    from vlmrun.model import FastVLMModel
+    from vlmrun.store import ArtifactStore
+
+    converted = FastVLMModel.open(apple_dir, ArtifactStore(tmp_path / "cache"))
+    v_apple = _config(apple_dir)["vocab_size"]
+    assert converted.vocab_limit == v_apple == 403 and converted.vocab_size == 448
+    info = json.loads((converted.path / checkpoints.CONVERSION_FILE).read_text())
+    assert info == {"source_layout": "llava_qwen2", "source_vocab_size": 403, "vocab_size": 448,
+                    "image_token_id": 403}
+    assert FastVLMModel.open(native_dir).vocab_limit is None  # a native checkpoint: every row is the model's
+
+
+def test_padded_rows_are_never_generated(apple_dir, tmp_path, image_path):
+    """End to end on the reference layout: rows past Apple's vocabulary made to win every step are not picked."""
+    from vlmrun import GenerationSettings, Pipeline, SamplingSettings
+    from vlmrun.store import ArtifactStore
+
+    src = tmp_path / "apple"
+    shutil.copytree(apple_dir, src)
+    v_apple = _config(src)["vocab_size"]
+    rows = load_file(str(src / checkpoints.EXTRA_ROWS_FILE))
+    gen = torch.Generator().manual_seed(0)
+    rows["embed"] = (torch.randn(rows["embed"].shape, generator=gen) * 10).to(rows["embed"].dtype)
+    save_file(rows, str(src / checkpoints.EXTRA_ROWS_FILE))  # large rows: their logits dominate
+
+    pipe = Pipeline.build(src, "reference", store=ArtifactStore(tmp_path / "cache"))
+    assert pipe.model.vocab_limit == v_apple
+    for sampling in (SamplingSettings(), SamplingSettings(temperature=1.0, top_k=10, top_p=0.9, seed=1)):
+        g = pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=8, sampling=sampling,
+                                                                 ignore_eos=True), keep_logits=True).run()
+        assert len(g.token_ids) == 8 and max(g.token_ids) < v_apple, g.token_ids
+        assert all(int(row.argmax()) >= v_apple for row in g.step_logits)  # the mask is what kept them out

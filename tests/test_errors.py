@@ -162,3 +162,25 @@ def test_large_files_are_rehashed_only_when_touched(tmp_path, monkeypatch):
     art.file().write_bytes(b"654321")  # same size, new mtime: hashed again, and caught
     os.utime(art.file(), ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert store_mod.ArtifactStore(tmp_path).lookup(key) is None and hashed == ["w.data"]
+
+
+def _png_header(width, height):
+    """A PNG whose header claims width x height (Pillow checks the pixel count when it opens the file)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_decompression_bomb_is_a_usage_error(warm, tmp_path):
+    f = tmp_path / "huge.png"
+    f.write_bytes(_png_header(20000, 20000))
+    res = run_cli(["--image", str(f), "--prompt", "x", *BASE], warm)
+    line = one_error_line(res, code=2)
+    assert line == (f"vlmrun: error: image {f} has 400,000,000 pixels, over Pillow's decompression-bomb limit of"
+                    " 178,956,970 pixels; downscale it first (the model resizes it to its own input size anyway)")
+    assert "internal error" not in res.stderr and len(res.stderr.strip().splitlines()) == 1

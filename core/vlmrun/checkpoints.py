@@ -25,6 +25,12 @@ layout has no room for the native vocabulary rows past Apple's ``vocab_size`` (t
 so that the round trip is lossless it stores them in a side file, :data:`EXTRA_ROWS_FILE`, which
 :func:`convert_apple_to_native` uses instead of the mean rows when present. Real Apple checkpoints have no such file.
 
+The conversion also writes :data:`CONVERSION_FILE` (Apple's ``vocab_size`` among others: the sampler never picks
+the rows past it, which Apple's model does not have). :func:`conversion_digest` hashes every file that shapes a
+conversion (weights, config, generation config, tokenizer files, chat template, processor config); the
+artifact store keys converted checkpoints by it. A sharded checkpoint is read through its
+``model.safetensors.index.json``, and a shard it lists but the directory lacks is named.
+
 torch, transformers' model classes and safetensors' torch API are imported inside the functions only.
 """
 
@@ -44,7 +50,11 @@ __all__ = [
     "NATIVE",
     "APPLE",
     "EXTRA_ROWS_FILE",
+    "CONVERSION_FILE",
     "detect_layout",
+    "check_shards",
+    "conversion_inputs",
+    "conversion_digest",
     "convert_apple_to_native",
     "save_as_apple",
     "apple_key_to_native",
@@ -56,6 +66,11 @@ APPLE = "llava_qwen2"
 
 #: Side file written by :func:`save_as_apple`: native vocabulary rows beyond Apple's ``vocab_size``.
 EXTRA_ROWS_FILE = "vlmrun_extra_vocab_rows.safetensors"
+#: Written by :func:`convert_apple_to_native` beside the converted checkpoint: what the source model was
+#: (``source_vocab_size``: the rows Apple's model has; the rows past it exist only for ``<image>`` and padding).
+CONVERSION_FILE = "vlmrun_conversion.json"
+#: A sharded checkpoint's map of weight name -> shard file (transformers' name).
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 #: FastViTHD's total stride: one image token per 64 x 64 pixels.
 PATCH_SIZE = 64
@@ -256,7 +271,36 @@ def _atomic_dir(out_dir: str | os.PathLike, build) -> pathlib.Path:
     return out
 
 
+def _indexed_weight_files(path: pathlib.Path) -> list[pathlib.Path] | None:
+    """The shards :data:`SAFETENSORS_INDEX` names (``None`` without an index); a missing shard is named."""
+    index = path / SAFETENSORS_INDEX
+    if not index.is_file():
+        return None
+    weight_map = _read_json(index, "a safetensors index with a weight_map").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        raise InputError(f"{index} has no weight_map of weight name -> shard file; expected a safetensors index")
+    names = sorted(set(weight_map.values()))
+    if any(pathlib.PurePath(n).name != n or n in (".", "..") for n in names):
+        raise InputError(f"{index} names shard files outside {path}; expected plain file names")
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputError(
+            f"{path}: shard {missing[0]}{more} is missing; {SAFETENSORS_INDEX} lists {len(names)} shard files and"
+            f" {len(names) - len(missing)} are present; copy or download the missing shard"
+        )
+    return [path / n for n in names]
+
+
+def check_shards(model_dir: str | os.PathLike) -> None:
+    """Raise :class:`InputError` naming a shard that ``model.safetensors.index.json`` lists but is missing."""
+    _indexed_weight_files(pathlib.Path(model_dir).expanduser())
+
+
 def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+    indexed = _indexed_weight_files(path)
+    if indexed is not None:
+        return indexed  # as transformers does: with an index, only the shards it names are weights
     files = sorted(p for p in path.glob("*.safetensors") if p.name != EXTRA_ROWS_FILE)
     if not files:
         bins = sorted(p.name for p in path.glob("*.bin"))
@@ -280,6 +324,15 @@ def _load_tensors(path: pathlib.Path) -> dict:
             raise
         except Exception as exc:  # safetensors raises its own error types
             raise InputError(f"cannot read {file} ({exc}); expected a safetensors file") from None
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = _read_json(index, "a safetensors index")["weight_map"]
+        absent = sorted(k for k in weight_map if k not in tensors)
+        if absent:
+            raise InputError(
+                f"{path}: {SAFETENSORS_INDEX} puts {_some(absent)} in {weight_map[absent[0]]}, which does not hold"
+                " them; expected the shards the index was written for"
+            )
     return tensors
 
 
@@ -391,6 +444,81 @@ def _load_qwen2_tokenizer(path: pathlib.Path):
         return Qwen2Tokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise InputError(f"cannot load the Qwen2 tokenizer in {path} ({type(exc).__name__}: {exc})") from None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# what a conversion depends on
+
+#: Suffixes of the configuration and tokenizer files a conversion reads (config.json, generation_config.json,
+#: preprocessor_config.json, tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, added_tokens.json,
+#: special_tokens_map.json, chat_template.jinja / .json, ...).
+_INPUT_SUFFIXES = frozenset({".json", ".txt", ".jinja", ".model", ".tiktoken"})
+#: Files that describe the checkpoint to people, not to the conversion.
+_NOT_INPUTS = re.compile(r"(readme|licen[cs]e|notice|copying|citation)([._-].*)?", re.IGNORECASE)
+#: Per-file hash cache in the artifact store's root (for weight files over the store's full-hash limit).
+FILE_HASHES = "file-hashes.json"
+
+
+def conversion_inputs(model_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """Every file of a checkpoint directory that shapes its conversion, sorted by name.
+
+    The weights the conversion reads (the shards ``model.safetensors.index.json`` names, else every
+    ``*.safetensors``, plus :data:`EXTRA_ROWS_FILE`) and every configuration, tokenizer, chat-template and
+    processor file (``*.json``, ``*.txt``, ``*.jinja``, ...), whatever its name, so that a tokenizer stored as
+    vocab.json + merges.txt + added_tokens.json counts as much as a tokenizer.json. READMEs, licences and hidden
+    files do not count. A shard the index lists but the directory lacks raises :class:`InputError` naming it.
+    """
+    path = pathlib.Path(model_dir).expanduser()
+    files = {p.name: p for p in _weight_files(path)}
+    for p in path.iterdir():
+        if p.name.startswith(".") or _NOT_INPUTS.fullmatch(p.name):
+            continue
+        if (p.suffix.lower() in _INPUT_SUFFIXES or p.name == EXTRA_ROWS_FILE) and p.is_file():
+            files[p.name] = p
+    return [files[name] for name in sorted(files)]
+
+
+def conversion_digest(model_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """sha256 (16 hex digits) over the names and contents of :func:`conversion_inputs`: the conversion's key.
+
+    Files up to the store's full-hash limit (every tokenizer and config file) are hashed on every call; a larger
+    weight file's hash is kept in ``cache_dir/``:data:`FILE_HASHES` and reused while its size, mtime, ctime and
+    inode are unchanged (as the store does for its own multi-GB files).
+    """
+    import hashlib
+
+    from . import store as store_mod
+
+    cache_file = pathlib.Path(cache_dir) / FILE_HASHES if cache_dir is not None else None
+    cache: dict = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            cache = json.loads(cache_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cache = {}
+        if not isinstance(cache, dict):
+            cache = {}
+    changed = False
+    h = hashlib.sha256()
+    for file in conversion_inputs(model_dir):
+        st = file.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        where = str(file.resolve())
+        entry = cache.get(where) if st.st_size > store_mod.FULL_HASH_LIMIT else None
+        if isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("sha256"), str):
+            digest = entry["sha256"]
+        else:
+            digest = store_mod.sha256_file(file)
+            if st.st_size > store_mod.FULL_HASH_LIMIT:
+                cache[where] = {"stamp": stamp, "sha256": digest}
+                changed = True
+        h.update(f"{file.name}\0{digest}\n".encode())
+    if changed and cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        part = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        part.write_text(json.dumps(cache), encoding="utf-8")
+        os.replace(part, cache_file)
+    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -562,6 +690,11 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     for key in ("is_local", "local_files_only"):
         tcfg.pop(key, None)
     tcfg_file.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    # Apple's model has v_apple logit rows; the rows past them exist only for <image> and the padding, so the
+    # original model can never produce them (vlmrun's sampler masks them: FastVLMModel.vocab_limit)
+    info = {"source_layout": APPLE, "source_vocab_size": v_apple, "vocab_size": v_native,
+            "image_token_id": image_token_id}
+    (tmp / CONVERSION_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
 def _load_extra_rows(src: pathlib.Path, embed, lm_head) -> dict | None:

@@ -122,6 +122,7 @@ def _generate(pipe, image, prompt: str, opts: dict) -> None:
         gen.run()
         click.echo(json.dumps({
             "text": gen.text, "token_ids": gen.token_ids, "stopped_by": gen.stopped_by,
+            "stop_ids": [] if opts["ignore_eos"] else sorted(pipe.model.stop_ids),
             "timings": gen.timings, "layout": {s: pipe.layout.backend(s) for s in STAGES},
             "model": str(pipe.model.source),
         }))

@@ -29,6 +29,12 @@ def _read_json(path: Path) -> dict:
         raise InputError(f"cannot read {path}: {exc}") from None
 
 
+def _int_ids(value) -> set[int]:
+    """Token ids from a config value: an int, a list of ints, or nothing."""
+    values = value if isinstance(value, list) else [value]
+    return {int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+
 @attrs.define(slots=False)
 class FastVLMModel:
     """A native-layout FastVLM checkpoint directory and what the pipeline needs to know about it."""
@@ -38,22 +44,25 @@ class FastVLMModel:
     source_layout: str
 
     @classmethod
-    def open(cls, model_dir: str | os.PathLike, store: ArtifactStore | None = None) -> "FastVLMModel":
+    def open(cls, model_dir: str | os.PathLike, store: ArtifactStore | None = None,
+             rebuild: bool = False) -> "FastVLMModel":
         from . import checkpoints
 
         src = Path(model_dir).expanduser()
         layout = checkpoints.detect_layout(src)
+        checkpoints.check_shards(src)
         if layout == checkpoints.NATIVE:
             return cls(src, src, layout)
         store = store or ArtifactStore()
-        digest = weights_hash(src, store)
+        # keyed by every file that shapes the conversion (weights, configs, tokenizer files, templates)
+        digest = checkpoints.conversion_digest(src, store.root)
         def convert(tmp: Path) -> dict:
             checkpoints.convert_apple_to_native(src, tmp / "model")
             _flatten(tmp / "model", tmp)
             return {"files": ["config.json"], "converted_from": str(src)}
 
-        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "weights": digest, "v": 1}
-        art = store.get_or_build(key, convert)
+        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 2}
+        art = store.get_or_build(key, convert, rebuild=rebuild)
         return cls(art.path, src, layout)
 
     # -- configuration -------------------------------------------------------------------------------
@@ -147,18 +156,28 @@ class FastVLMModel:
 
     @cached_property
     def stop_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (self.generation_config, self.text_config, self.config):
-            eos = source.get("eos_token_id")
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(int(e) for e in eos)
-        for tok in ("<|im_end|>", "<|endoftext|>"):
-            tid = self.tokenizer.token_to_id(tok)
-            if tid is not None:
-                ids.add(tid)
+        """The ids a generation stops on, as the checkpoint says: its generation config's ``eos_token_id`` (an
+        int or a list), else the tokenizer's eos token, else the model config's ``eos_token_id``."""
+        ids = _int_ids(self.generation_config.get("eos_token_id"))
+        if not ids:
+            eos = (_read_json(self.path / "tokenizer_config.json").get("eos_token")
+                   or _read_json(self.path / "special_tokens_map.json").get("eos_token"))
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            tid = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+            ids = {tid} if tid is not None else set()
+        if not ids:
+            ids = _int_ids(self.text_config.get("eos_token_id")) or _int_ids(self.config.get("eos_token_id"))
         return frozenset(ids)
+
+    @cached_property
+    def vocab_limit(self) -> int | None:
+        """How many logit rows the sampler may pick from (``None``: all). A converted Apple checkpoint has rows
+        past Apple's ``vocab_size`` (``<image>`` and padding to a multiple of 64) that the original model does not
+        have and so can never produce; they are masked."""
+        from .checkpoints import CONVERSION_FILE
+
+        limit = _read_json(self.path / CONVERSION_FILE).get("source_vocab_size")
+        return int(limit) if isinstance(limit, int) and 0 < limit < self.vocab_size else None
 
     # -- tokenizer -----------------------------------------------------------------------------------
     @cached_property
@@ -255,11 +274,14 @@ def default_model(store: ArtifactStore, image_size: int = 1024, progress=None) -
     return FastVLMModel(art.path, art.path, "fast_vlm")
 
 
-def open_model(model, store: ArtifactStore, image_size: int = 1024, progress=None) -> FastVLMModel:
-    """A FastVLMModel from an instance, a checkpoint directory, or ``None`` (the tiny default model)."""
+def open_model(model, store: ArtifactStore, image_size: int = 1024, progress=None,
+               rebuild: bool = False) -> FastVLMModel:
+    """A FastVLMModel from an instance, a checkpoint directory, or ``None`` (the tiny default model).
+
+    ``rebuild``: convert an Apple-layout checkpoint again even when the store holds its conversion."""
     if isinstance(model, FastVLMModel):
         return model
     if model is None:
         return default_model(store, image_size, progress)
-    return FastVLMModel.open(model, store)
+    return FastVLMModel.open(model, store, rebuild=rebuild)
 

@@ -160,7 +160,7 @@ class Generation:
         request = DecodeRequest(
             inputs_embeds=inputs_embeds,
             max_new_tokens=budget,
-            sampler=Sampler(s.sampling),
+            sampler=Sampler(s.sampling, vocab_limit=pipe.model.vocab_limit),
             stop_ids=stops,
             embed_tokens=pipe.embed_tokens,
             context_length=ctx_len,
@@ -253,7 +253,7 @@ class Pipeline:
         if not isinstance(store, ArtifactStore):
             store = ArtifactStore(store)
         store.clean_stale()
-        fvlm = open_model(model, store, image_size, progress)
+        fvlm = open_model(model, store, image_size, progress, rebuild=rebuild)
         for stage in stages:
             assignment = layout.stages[stage]
             registry.hook.preflight(backend=assignment.backend, stage=stage, model=fvlm,

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, UsageError
 
 IMAGE_PLACEHOLDER = "<image>"
 
 
 def load_image(path: str | os.PathLike):
-    """Open an image file as RGB, with one clear error for missing, unreadable, non-image or truncated files."""
+    """Open an image file as RGB, with one clear error for missing, unreadable, non-image or truncated files.
+
+    An image over Pillow's decompression-bomb limit (``2 * Image.MAX_IMAGE_PIXELS`` pixels) is a usage error that
+    names its pixel count and the limit."""
     from PIL import Image, UnidentifiedImageError
 
     p = Path(path)
@@ -31,12 +34,28 @@ def load_image(path: str | os.PathLike):
         with Image.open(p) as im:
             im.load()
             return im.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise UsageError(_bomb_message(p, exc, Image.MAX_IMAGE_PIXELS)) from None
     except UnidentifiedImageError:
         raise InputError(f"{p} is not an image file Pillow can read (give a JPEG, PNG, ...)") from None
     except PermissionError:
         raise InputError(f"cannot read image {p}: permission denied") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise InputError(f"image {p} is truncated or corrupt ({exc}); re-export or re-download it") from None
+
+
+def _bomb_message(p: Path, exc: Exception, max_pixels: int | None) -> str:
+    import re
+
+    # Pillow: "Image size (N pixels) exceeds limit of M pixels, could be decompression bomb DOS attack."
+    m = re.search(r"\((\d+) pixels\).*?limit of (\d+) pixels", str(exc))
+    if m:
+        pixels, limit = f"{int(m[1]):,} pixels", f"{int(m[2]):,} pixels"
+    else:
+        pixels = "more pixels"
+        limit = f"{2 * max_pixels:,} pixels" if max_pixels else "its limit"
+    return (f"image {p} has {pixels}, over Pillow's decompression-bomb limit of {limit}; downscale it first"
+            " (the model resizes it to its own input size anyway)")
 
 
 def pad_to_square(image, fill: tuple[int, int, int]):

@@ -1,4 +1,11 @@
-"""Token sampling from logits: greedy, or seeded temperature / top-k / top-p."""
+"""Token sampling from logits: greedy, or seeded temperature / top-k / top-p.
+
+Every decoder backend that sees logits (``ort_reference``, ``qnn_htp``'s host loop, any plugin calling
+``request.sampler``) picks its tokens here, so a mask set here holds for all of them: ``vocab_limit`` keeps the
+rows at and past it from ever being picked (a converted Apple checkpoint's ``<image>`` and padding rows, which
+Apple's model does not have). Runtimes that sample inside themselves (Genie: ``--decoder-engine genie``,
+``genie_cpu``) get only the settings and do not apply the mask.
+"""
 
 from __future__ import annotations
 
@@ -19,17 +26,27 @@ class SamplingSettings:
 
 
 class Sampler:
-    """Picks the next token from a logits vector. Deterministic for a given seed."""
+    """Picks the next token from a logits vector. Deterministic for a given seed.
 
-    def __init__(self, settings: SamplingSettings = SamplingSettings()):
+    ``vocab_limit``: only ids below it can be picked (``None``: every row); greedy, top-k, top-p and
+    temperature sampling all choose among ``logits[:vocab_limit]``.
+    """
+
+    def __init__(self, settings: SamplingSettings = SamplingSettings(), vocab_limit: int | None = None):
+        if vocab_limit is not None and int(vocab_limit) < 1:
+            raise ValueError(f"vocab_limit must be positive, got {vocab_limit}")
         self.settings = settings
+        self.vocab_limit = None if vocab_limit is None else int(vocab_limit)
         self._rng = np.random.default_rng(settings.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
         s = self.settings
+        logits = np.asarray(logits).reshape(-1)
+        if self.vocab_limit is not None:
+            logits = logits[: self.vocab_limit]  # a view: the masked rows are simply not candidates
         if s.greedy:
             return int(np.argmax(logits))
-        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        logits = logits.astype(np.float64)
         scaled = logits / s.temperature
         order = np.argsort(-scaled, kind="stable")
         if s.top_k > 0:
