@@ -239,7 +239,9 @@ def test_cli_compile_reuses_and_records_random_calibration(htp_pipe, cache_dir):
     m = json.loads((Path(art["path"]) / "manifest.json").read_text())
     assert art["built"] and m["quantization"]["calibration"] == "random" and m["precision"] == "int8"
     res = run("--stage", "vision", "--soc", "sm9999")
-    assert res.returncode != 0 and "unknown SoC 'sm9999'" in res.stderr
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "vlmrun: error: stage 'vision' (qnn_htp): option 'soc' must be one of SM8750, SM8650, SM8550, SM8475,"
+        " SM8450, SC8380XP, got 'sm9999'")
 
 
 def test_all_npu_layout_from_the_cli(htp_pipe, cache_dir, image_path, tmp_path):

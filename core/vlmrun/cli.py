@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import click
 
-from .cli_options import model_options
+from .cli_options import layout_overrides, model_options, registry, stage_option_flags
 from .errors import VlmrunError
 from .stages import STAGES
 
@@ -31,18 +33,7 @@ def _pipeline_options(f):
     f = click.option("--layout", default=None, help="Layout preset: reference, hybrid, all-npu. [default: reference]")(f)
     f = click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")(f)
     f = click.option("--rebuild", is_flag=True, help="Export/compile again even if the store has the artifacts.")(f)
-    f = click.option("--context-length", type=click.IntRange(2), default=None,
-                     help="Decoder context length (prompt + generated tokens). [default: the model's]")(f)
-    f = click.option("--compiler", metavar="PLUGIN", default=None,
-                     help="Plugin that compiles the stages' binaries (e.g. qaihub). [default: each stage's backend]")(f)
-    f = click.option("--target", type=click.Choice(["local", "android"]), default=None,
-                     help="Where compiled stages run: this machine (the emulator or a local NPU) or a phone over"
-                          " adb (needs the QNN SDK: QAIRT_SDK_ROOT). [default: local]")(f)
-    f = click.option("--device", "device_serial", metavar="SERIAL", default=None,
-                     help="adb serial of the phone, when more than one is connected.")(f)
-    f = click.option("--decoder-engine", type=click.Choice(["host", "genie"]), default=None,
-                     help="How qnn_htp drives its compiled decoder graphs: vlmrun's host loop, or Qualcomm's Genie"
-                          " runtime (libGenie). [default: host]")(f)
+    f = stage_option_flags(f)
     f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
     return _stage_options(f)
 
@@ -59,32 +50,28 @@ def _generation_options(f):
     return f
 
 
-def _build(opts: dict, stages=STAGES):
+def _build(opts: dict, stages=STAGES, requests=()):
+    """The pipeline of a command: layout (preset, file, --STAGE overrides, option flags), checked with the
+    inputs of ``requests`` (image, prompt) before any export or compile."""
+    from . import layouts
     from .pipeline import Pipeline
     from .progress import step
 
     overrides = {s: opts.get(f"{s}_backend") for s in STAGES}
+    base = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides)
+    layout = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides,
+                             layout_overrides(opts, base, stages))
     return Pipeline.build(
         opts.get("model_dir"),
-        opts.get("layout"),
-        overrides=overrides,
-        options=_stage_option_overrides(opts),
-        layout_file=opts.get("layout_file"),
+        layout,
         store=opts.get("cache_dir"),
+        registry=registry(),
         rebuild=opts.get("rebuild", False),
         image_size=opts.get("image_size", 1024),
         stages=stages,
         progress=step,
+        requests=requests,
     )
-
-
-def _stage_option_overrides(opts: dict) -> dict:
-    """Per-stage options given on the command line (None = keep the layout's)."""
-    out = {s: {"compiler": opts.get("compiler"), "target": opts.get("target"), "device": opts.get("device_serial")}
-           for s in STAGES}
-    out["decoder"]["context_length"] = opts.get("context_length")
-    out["decoder"]["engine"] = opts.get("decoder_engine")
-    return out
 
 
 def _settings(opts: dict):
@@ -99,7 +86,8 @@ def _settings(opts: dict):
 
 
 def _format_timings(t: dict) -> str:
-    parts = [f"{k} {t[k + '_ms']:.1f} ms" for k in ("vision", "projector", "embed") if k + "_ms" in t]
+    parts = [f"{k} {t[k + '_ms']:.1f} ms" + (f" on device (wall {t[k + '_wall_ms']:.0f} ms)" if k + "_wall_ms" in t else "")
+             for k in ("vision", "projector", "embed") if k + "_ms" in t]
     if "ttft_ms" in t:
         parts.append(f"prefill/TTFT {t['ttft_ms']:.1f} ms ({t.get('prompt_tokens', 0)} prompt tokens)")
     if "tokens_per_s" in t:
@@ -120,10 +108,11 @@ def _generate(pipe, image, prompt: str, opts: dict) -> None:
     gen = pipe.generate(image, prompt, _settings(opts))
     if opts["as_json"]:
         gen.run()
-        click.echo(json.dumps({
+        click.echo(json.dumps(default=str, obj={
             "text": gen.text, "token_ids": gen.token_ids, "stopped_by": gen.stopped_by,
             "stop_ids": [] if opts["ignore_eos"] else sorted(pipe.model.stop_ids),
-            "timings": gen.timings, "layout": {s: pipe.layout.backend(s) for s in STAGES},
+            "timings": gen.timings, "profiles": gen.profiles,
+            "layout": {s: pipe.layout.backend(s) for s in STAGES},
             "model": str(pipe.model.source),
         }))
         return
@@ -150,8 +139,9 @@ def cli(ctx, image, prompt, **opts):
     Answer a prompt about an image (every stage on the `reference` layout, tiny default model):
       vlmrun --image photo.jpg --prompt "Describe the image."
     Move stages to other backends:
-      vlmrun --layout hybrid ...          or   vlmrun --vision qnn_htp --decoder genie_cpu ...
-    Stages: vision, projector, embed, decoder. `vlmrun plugins` lists the backends installed.
+      vlmrun --layout hybrid ...          or   vlmrun --vision PLUGIN --decoder PLUGIN ...
+    Stages: vision, projector, embed, decoder. `vlmrun plugins` lists the backends installed,
+    `vlmrun plugins --options` the per-stage options each declares.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -160,7 +150,7 @@ def cli(ctx, image, prompt, **opts):
             click.echo(ctx.get_help())
             ctx.exit(0)
         raise click.UsageError("give both --image and --prompt (or use a subcommand such as `vlmrun demo`)")
-    pipe = _build(opts)
+    pipe = _build(opts, requests=[(image, prompt)])
     _generate(pipe, image, prompt, opts)
 
 
@@ -172,8 +162,9 @@ def demo(prompt, **opts):
     """Build (once) the tiny FastVLM, export its stages, and answer a prompt about a generated image."""
     from .demo_image import demo_image
 
-    pipe = _build(opts)
-    _generate(pipe, demo_image(), prompt, opts)
+    image = demo_image()
+    pipe = _build(opts, requests=[(image, prompt)])
+    _generate(pipe, image, prompt, opts)
 
 
 @cli.command()
@@ -187,23 +178,31 @@ def export(only, **opts):
     click.echo(f"artifact store: {pipe.store.root} ({len(pipe.store.builds)} built, others reused)")
 
 
+def _option_json(o) -> dict:
+    return {"name": o.name, "type": o.type.__name__, "choices": list(o.choices) if o.choices else None,
+            "stages": list(o.stages) if o.stages else None, "default": o.default, "flag": o.flag, "help": o.help}
+
+
 @cli.command()
+@click.option("--options", "show_options", is_flag=True, help="Also list each backend's per-stage options.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--debug", is_flag=True, hidden=True)
-def plugins(as_json, debug):
-    """List installed backend plugins: version, stages, hooks, and plugins that failed to load."""
-    from . import plugins as plugins_mod
-
-    reg = plugins_mod.load()
+def plugins(show_options, as_json, debug):
+    """List installed backend plugins: version, stages, hooks, options, and plugins that failed to load."""
+    reg = registry()
+    table = reg.options.by_backend
     if as_json:
         click.echo(json.dumps({
             "plugins": [
                 {"name": p.name, "version": p.version, "module": p.module, "hooks": list(p.hooks),
-                 "backends": [{"name": b.name, "stages": list(b.stages), "summary": b.summary} for b in p.backends]}
+                 "backends": [{"name": b.name, "stages": list(b.stages), "summary": b.summary,
+                               "options": [_option_json(o) for o in table.get(b.name, {}).values()]}
+                              for b in p.backends]}
                 for p in reg.plugins.values()
             ],
+            "core_options": [_option_json(o) for o in table.get("vlmrun", {}).values()],
             "failed": reg.failures,
-        }, indent=2))
+        }, indent=2, default=str))
         return
     if not reg.plugins:
         click.echo("no plugins installed")
@@ -211,7 +210,17 @@ def plugins(as_json, debug):
         click.echo(f"{p.name} {p.version}")
         for b in p.backends:
             click.echo(f"  backend {b.name}: stages {', '.join(b.stages)}" + (f" - {b.summary}" if b.summary else ""))
+            if show_options:
+                for o in table.get(b.name, {}).values():
+                    what = "|".join(map(str, o.choices)) if o.choices else o.type.__name__
+                    where = f" ({', '.join(o.stages)})" if o.stages else ""
+                    flag = f" {o.flag}" if o.flag else ""
+                    default = f" [default {o.default}]" if o.default is not None else ""
+                    click.echo(f"    {o.name}={what}{where}{flag}: {o.help}{default}")
         click.echo(f"  hooks: {', '.join(p.hooks)}")
+    if show_options:
+        click.echo("every backend: " + "; ".join(f"{o.name} ({o.flag}): {o.help}"
+                                                  for o in table.get("vlmrun", {}).values()))
     for name, why in reg.failures.items():
         click.echo(f"{name} FAILED to load: {why}")
 
@@ -235,18 +244,32 @@ def make_tiny(out_dir, image_size, full_size, seed, debug):
     click.echo(str(out_dir))
 
 
+@contextlib.contextmanager
+def _native_stdout_to_stderr():
+    """Point file descriptor 1 at stderr while the block runs (what native code prints stays off stdout)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 @cli.command()
 @click.option("--debug", is_flag=True, hidden=True)
 def doctor(debug):
     """Check each plugin's environment (runtimes, libraries, SDK tools, devices)."""
-    from . import plugins as plugins_mod
-
-    reg = plugins_mod.load()
+    reg = registry()
     for name, record in reg.plugins.items():
         plugin = reg.pm.get_plugin(name)
         impl = getattr(plugin, "doctor", None)
+        with _native_stdout_to_stderr():  # native libraries a check loads may print banners on fd 1
+            checks = impl() if impl else []
         click.echo(f"{name} {record.version}")
-        for check in (impl() if impl else []):
+        for check in checks:
             click.echo(f"  [{'ok' if check.ok else '!!'}] {check.name}: {check.detail}")
     for name, why in reg.failures.items():
         click.echo(f"{name}\n  [!!] failed to load: {why}")

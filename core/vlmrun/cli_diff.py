@@ -59,7 +59,7 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
     \b
       vlmrun diff --reference reference --device all-npu --image I --prompt P
       vlmrun diff --reference torch --device reference          # check the ONNX Runtime reference itself
-      vlmrun diff --device-vision qnn_htp --precision fp16 --report out/
+      vlmrun diff --device-vision PLUGIN --precision fp16 --report out/
       vlmrun diff --from host/reference --from phone/device     # compare saved captures
     Exit status: 0 every threshold holds, 1 some threshold fails, 2 usage error.
     """

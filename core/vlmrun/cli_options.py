@@ -38,10 +38,11 @@ def _dest(flag: str) -> str:
 
 
 def _click_type(declared):
+    """The flag's click type: a plain one (values are checked against each stage's declaration, with one error
+    line naming the stage and the choices); choices are shown as the metavar."""
     types = {o.type for o in declared}
     if all(o.choices for o in declared):
-        choices = sorted({str(c) for o in declared for c in o.choices})
-        return click.Choice(choices, case_sensitive=False)
+        return click.STRING
     if types == {int}:
         return int
     if types == {float} or types == {int, float}:
@@ -59,7 +60,9 @@ def stage_option_flags(f):
         owners = ", ".join(sorted({o.backend for o in declared}))
         helps = {o.help for o in declared if o.help}
         text = (next(iter(helps)) if len(helps) == 1 else "; ".join(f"{o.backend}: {o.help}" for o in declared))
-        f = click.option(flag, _dest(flag), type=_click_type(declared), default=None,
+        choices = sorted({str(c) for o in declared for c in (o.choices or ())})
+        metavar = "[" + "|".join(choices) + "]" if choices and all(o.choices for o in declared) else None
+        f = click.option(flag, _dest(flag), type=_click_type(declared), default=None, metavar=metavar,
                          help=f"{text} [option '{declared[0].name}' of {owners}]")(f)
     return f
 

@@ -111,7 +111,7 @@ def verify_command(cache_dir, as_json, debug):
 @store_group.command("prune")
 @click.option("--stage", "stages", multiple=True, metavar="STAGE", help="Only artifacts of this stage (repeatable).")
 @click.option("--backend", "backends", multiple=True, metavar="BACKEND",
-              help="Only artifacts for this backend, e.g. onnx, qnn_htp (repeatable).")
+              help="Only artifacts for this backend, e.g. onnx, ort_reference (repeatable).")
 @click.option("--older-than", metavar="AGE", help="Only artifacts created more than AGE ago (e.g. 7d, 12h).")
 @click.option("--unused-for", metavar="AGE", help="Only artifacts not used for AGE (e.g. 30d).")
 @click.option("--all", "everything", is_flag=True, help="Every artifact (needed when no other filter is given).")

@@ -105,7 +105,7 @@ def register_options(register):
 
 @hookspec(firstresult=True)
 def compile(backend, request):
-    """Compile an exported stage into a backend's own format (e.g. a QNN context binary).
+    """Compile an exported stage into a backend's own format (e.g. an NPU context binary).
 
     Called by the core when ``ctx.compiled(...)`` has no valid copy in the store.
 
@@ -165,7 +165,7 @@ def decode(backend, handle, request):
                     ``embed_tokens(ids) -> [1, n, hidden]`` to embed generated tokens,
                     ``context_length``, and ``on_logits``: when not ``None``, call it with each step's logits
                     row [vocab] before sampling from it (diffs use these instead of a second forward; a runtime
-                    that never sees logits, like Genie, leaves it uncalled).
+                    that never sees logits (it samples inside itself) leaves it uncalled).
     :return: an iterator of generated token ids (ints), yielded as soon as each is known so the core can
              stream text and time the first token. A :class:`vlmrun.handles.DecoderHandle` whose runtime
              measures itself sets ``last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the

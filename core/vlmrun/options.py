@@ -65,8 +65,8 @@ class Option:
     def convert(self, value: object, where: str) -> object:
         """``value`` as this option's type (strings from ``--option`` are parsed), or a UsageError."""
         want = self.type
-        bad = UsageError(f"{where}: option '{self.name}' must be {TYPES.get(want, want.__name__)}"
-                         f"{self._choices_text()}, got {value!r}")
+        what = f"one of {', '.join(map(str, self.choices))}" if self.choices else TYPES.get(want, want.__name__)
+        bad = UsageError(f"{where}: option '{self.name}' must be {what}, got {value!r}")
         try:
             if want is bool:
                 if isinstance(value, bool):
@@ -104,9 +104,6 @@ class Option:
         if self.minimum is not None and isinstance(out, (int, float)) and out < self.minimum:
             raise UsageError(f"{where}: option '{self.name}' must be at least {self.minimum:g}, got {out!r}")
         return out
-
-    def _choices_text(self) -> str:
-        return f" (one of {', '.join(map(str, self.choices))})" if self.choices else ""
 
 
 # The options the core itself reads, valid on every backend.

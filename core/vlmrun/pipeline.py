@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Mapping
+from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -22,11 +22,12 @@ import numpy as np
 from . import layouts as layouts_mod
 from . import plugins as plugins_mod
 from .errors import BackendError, InputError
+from .handles import context_of, profile_of, timings_of
 from .model import FastVLMModel, open_model
 from .progress import no_progress
 from .preprocess import load_image, preprocess_image, render_prompt, splice, tokenize_prompt
 from .sampling import Sampler, SamplingSettings
-from .stages import CONTRACTS, STAGES, DecodeRequest, ExportForm, check_tensor
+from .stages import CONTRACTS, STAGES, CompileContext, CompileRequest, DecodeRequest, ExportForm, check_tensor
 from .store import Artifact, ArtifactStore
 
 Progress = Callable[[str], ContextManager]
@@ -65,20 +66,82 @@ class StageContext:
             "versions": self._versions("compile"),
         }
 
+        name = self.store.path_for(key).name
+
         def build(tmp: Path) -> dict:
             via = "" if compiler == self.backend else f" with {compiler}"
+            request = CompileRequest(
+                stage=self.stage, model=self.model, source=source, options=dict(options),
+                stage_options=dict(self.options), target=self.backend, compiler=compiler, out_dir=tmp,
+                artifact=name, rebuild=self.rebuild,
+                context=StageCompileContext(self, name),
+            )
             with self.progress(f"compiling {self.stage} for {self.backend}{via} ({kind})"):
-                result = self.registry.hook.compile(
-                    backend=compiler, stage=self.stage, model=self.model, source=source,
-                    options=dict(options), out_dir=tmp, target=self.backend, stage_options=dict(self.options),
-                    artifact=self.store.path_for(key).name, rebuild=self.rebuild, store=self.store,
-                    registry=self.registry,
-                )
+                result = self.registry.hook.compile(backend=compiler, request=request)
             if result is None:
                 raise BackendError(f"'{compiler}' cannot compile stage '{self.stage}' for backend '{self.backend}'")
             return result
 
         return self.store.get_or_build(key, build, rebuild=self.rebuild)
+
+
+CALIBRATION_PROMPT = "Describe the image."
+
+
+class StageCompileContext(CompileContext):
+    """The core's side of a compile (see :class:`vlmrun.stages.CompileContext`): reference activations come
+    from a ``reference``-layout pipeline over the same model and store, built on first use."""
+
+    def __init__(self, stage_ctx: StageContext, artifact: str):
+        self._ctx = stage_ctx
+        self._artifact = artifact
+        self._pipe: "Pipeline | None" = None
+
+    def _reference(self) -> "Pipeline":
+        if self._pipe is None:
+            c = self._ctx
+            upstream = {"vision": (), "projector": ("vision",), "embed": (),
+                        "decoder": ("vision", "projector", "embed")}[c.stage]
+            self._pipe = Pipeline.build(c.model, "reference", store=c.store, registry=c.registry,
+                                        stages=upstream or ("embed",), progress=c.progress)
+        return self._pipe
+
+    def reference_inputs(self, images=None, prompts=None) -> list[dict[str, np.ndarray]]:
+        from .demo_image import demo_image
+
+        c = self._ctx
+        images = list(images or [demo_image()])
+        prompts = list(prompts or [CALIBRATION_PROMPT])
+        n = max(len(images), len(prompts))
+        pairs = [(images[i % len(images)], prompts[i % len(prompts)]) for i in range(n)]
+        out = []
+        for img, prompt in pairs:
+            if c.stage == "vision":
+                if isinstance(img, (str, os.PathLike)):
+                    img = load_image(img)
+                out.append({"pixel_values": preprocess_image(img, c.model.image_processor_config)})
+                continue
+            pipe = self._reference()
+            prepared = pipe.prepare(img, prompt)
+            if c.stage == "projector":
+                out.append({"image_features": pipe.run_stage("vision", {"pixel_values": prepared.pixel_values})[
+                    "image_features"]})
+            elif c.stage == "embed":
+                out.append({"input_ids": prepared.input_ids})
+            else:
+                out.append({"inputs_embeds": pipe.embed_prompt(prepared)})
+        return out
+
+    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
+        return self._reference().embed_tokens(ids)
+
+    def state_dir(self) -> Path:
+        d = self._ctx.store.root / "state" / self._artifact
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def progress(self, label: str):
+        return self._ctx.progress(label)
 
 
 def export_artifact(registry, store, model, form: ExportForm, progress: Progress = no_progress, rebuild=False):
@@ -135,6 +198,7 @@ class Generation:
         self.text = ""
         self.timings: dict[str, float] = {}
         self.tensors: dict[str, np.ndarray] = {}  # stage-boundary tensors of this request
+        self.profiles: dict[str, dict] = {}  # device figures of the stages whose handles report them
         self.stopped_by = ""
         self._iter = self._run()
 
@@ -152,7 +216,7 @@ class Generation:
 
     def _run(self) -> Iterator[str]:
         pipe, s = self.pipeline, self.settings
-        inputs_embeds = pipe.embed_prompt(self.prepared, self.timings, self.tensors)
+        inputs_embeds = pipe.embed_prompt(self.prepared, self.timings, self.tensors, self.profiles)
         prompt_len = inputs_embeds.shape[1]
         ctx_len = pipe.context_length
         budget = min(s.max_new_tokens, ctx_len - prompt_len)
@@ -203,10 +267,9 @@ class Generation:
             self.timings["decode_ms"] = (t_last - t_first) * 1e3
             if n > 1 and t_last > t_first:
                 self.timings["tokens_per_s"] = (n - 1) / (t_last - t_first)
-        # A runtime that measures itself (Genie's profile) knows better than the host clock, which sees the
+        # A runtime that measures itself (its own profile) knows better than the host clock, which sees the
         # tokens of a non-streaming tool all at once.
-        reported = getattr(pipe.handles["decoder"], "last_timings", None) or {}
-        self.timings.update({k: float(v) for k, v in reported.items() if isinstance(v, (int, float))})
+        self.timings.update(timings_of(pipe.handles["decoder"]))
         self.timings["new_tokens"] = n  # what this generation yielded, whatever the runtime counted
 
 
@@ -237,19 +300,20 @@ class Pipeline:
         image_size: int = 1024,
         stages: tuple[str, ...] = STAGES,
         progress: Progress = no_progress,
+        requests: Sequence[tuple[object, str]] = (),
     ) -> "Pipeline":
         """Resolve and check the layout, open the model (the tiny default if ``None``), load every stage.
 
-        The layout is validated against the installed plugins before anything is exported or loaded.
+        Everything that can be checked is checked before anything is exported, compiled or loaded: the layout
+        against the installed plugins and their declared options, then the images of ``requests`` (pairs of
+        image, prompt the caller is about to run: each must be readable and decodable), then, once the model is
+        open, that each prompt fits the decoder's context.
         """
         registry = registry or plugins_mod.load()
         if not isinstance(layout, layouts_mod.Layout):
             layout = layouts_mod.resolve(layout, layout_file, overrides, options)
-        for stage in stages:
-            registry.require_stage(layout.backend(stage), stage)
-            compiler = layout.stages[stage].options.get("compiler")
-            if compiler:
-                registry.backend(str(compiler))
+        layout = layouts_mod.validate(layout, registry, stages)
+        images = [load_image(img) if isinstance(img, (str, os.PathLike)) else img for img, _ in requests]
         if not isinstance(store, ArtifactStore):
             store = ArtifactStore(store)
         store.clean_stale()
@@ -259,6 +323,9 @@ class Pipeline:
             registry.hook.preflight(backend=assignment.backend, stage=stage, model=fvlm,
                                     options=dict(assignment.options))
         pipe = cls(fvlm, layout, registry, store, {}, progress)
+        if "decoder" in stages:
+            for image, (_, prompt) in zip(images, requests):
+                pipe.prepare(image, prompt)  # the prompt must fit the context before minutes of compiling
         for stage in stages:
             pipe.handles[stage] = pipe._load(stage, rebuild)
         return pipe
@@ -279,9 +346,15 @@ class Pipeline:
     def context_length(self) -> int:
         """The decoder's context: its handle's ``context_length`` (compiled backends fix it), else the
         layout option, else the model's ``max_position_embeddings``."""
-        fixed = getattr(self.handles.get("decoder"), "context_length", None)
+        fixed = context_of(self.handles.get("decoder"))
         opts = self.layout.stages["decoder"].options
-        return int(fixed or opts.get("context_length") or self.model.max_context)
+        return int(fixed or opts.get("context_length") or self._declared_context() or self.model.max_context)
+
+    def _declared_context(self) -> int | None:
+        """The decoder backend's declared default context (before its handle exists, for early checks)."""
+        known = self.registry.options.for_stage(self.layout.backend("decoder"), "decoder")
+        default = known["context_length"].default if "context_length" in known else None
+        return int(default) if isinstance(default, int) else None
 
     # -- single stages -------------------------------------------------------------------------------
     def run_stage(self, stage: str, inputs: Mapping[str, np.ndarray], producer: str = "the caller") -> dict:
@@ -323,21 +396,33 @@ class Pipeline:
             )
         return Prepared(pixel_values, ids, start, text)
 
-    def embed_prompt(self, prepared: Prepared, timings: dict | None = None, tensors: dict | None = None) -> np.ndarray:
+    def embed_prompt(self, prepared: Prepared, timings: dict | None = None, tensors: dict | None = None,
+                     profiles: dict | None = None) -> np.ndarray:
         """vision -> projector, embed, splice: the decoder's ``inputs_embeds`` [1, T, H].
 
-        ``timings`` gets each stage's latency, ``tensors`` each boundary tensor (when given).
+        ``timings`` gets each stage's latency (``<stage>_ms``: the device's own ``inference_ms`` when the handle
+        reports one, with the host's wall time as ``<stage>_wall_ms``), ``tensors`` each boundary tensor and
+        ``profiles`` each stage's device figures (:attr:`vlmrun.handles.StageHandle.last_profile`), when given.
         """
         timings = timings if timings is not None else {}
-        t = time.perf_counter()
-        feats = self.run_stage("vision", {"pixel_values": prepared.pixel_values})["image_features"]
-        timings["vision_ms"] = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        img = self.run_stage("projector", {"image_features": feats}, self.layout.backend("vision"))["image_embeds"]
-        timings["projector_ms"] = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        txt = self.run_stage("embed", {"input_ids": prepared.input_ids})["inputs_embeds"]
-        timings["embed_ms"] = (time.perf_counter() - t) * 1e3
+
+        def timed(stage: str, inputs: dict, producer: str = "the caller") -> dict:
+            t = time.perf_counter()
+            out = self.run_stage(stage, inputs, producer)
+            wall = (time.perf_counter() - t) * 1e3
+            prof = profile_of(self.handles[stage])
+            device_ms = prof.get("inference_ms")
+            if isinstance(device_ms, (int, float)):
+                timings[f"{stage}_ms"], timings[f"{stage}_wall_ms"] = float(device_ms), wall
+            else:
+                timings[f"{stage}_ms"] = wall
+            if profiles is not None and prof:
+                profiles[stage] = prof
+            return out
+
+        feats = timed("vision", {"pixel_values": prepared.pixel_values})["image_features"]
+        img = timed("projector", {"image_features": feats}, self.layout.backend("vision"))["image_embeds"]
+        txt = timed("embed", {"input_ids": prepared.input_ids})["inputs_embeds"]
         embeds = splice(txt, img, prepared.image_start)
         if tensors is not None:
             tensors.update(image_features=feats, image_embeds=img, text_embeds=txt, inputs_embeds=embeds)

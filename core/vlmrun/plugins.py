@@ -183,6 +183,8 @@ def _register(registry: Registry, plugin: object, name: str, version: str) -> No
     except BaseException:
         pm.unregister(plugin)
         raise
-    registry.declared.extend(declared)
+    stages_of = {b.name: b.stages for b in infos}
+    registry.declared.extend(o if o.stages is not None else attrs.evolve(o, stages=stages_of[o.backend])
+                             for o in declared)
     hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or []))
     registry.plugins[name] = PluginRecord(name, version, getattr(plugin, "__name__", name), infos, hooks)

@@ -1,10 +1,10 @@
 """Token sampling from logits: greedy, or seeded temperature / top-k / top-p.
 
-Every decoder backend that sees logits (``ort_reference``, ``qnn_htp``'s host loop, any plugin calling
-``request.sampler``) picks its tokens here, so a mask set here holds for all of them: ``vocab_limit`` keeps the
+Every decoder backend that sees logits (``ort_reference``, host-driven loops over compiled graphs, any plugin
+calling ``request.sampler``) picks its tokens here, so a mask set here holds for all of them: ``vocab_limit`` keeps the
 rows at and past it from ever being picked (a converted Apple checkpoint's ``<image>`` and padding rows, which
-Apple's model does not have). Runtimes that sample inside themselves (Genie: ``--decoder-engine genie``,
-``genie_cpu``) get only the settings and do not apply the mask.
+Apple's model does not have). Runtimes that sample inside themselves (vendor LLM runtimes
+that only return tokens) get only the settings and do not apply the mask.
 """
 
 from __future__ import annotations

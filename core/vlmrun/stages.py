@@ -66,7 +66,7 @@ CONTRACTS: dict[str, StageContract] = {
 
 @attrs.frozen
 class QuantizedTensor:
-    """A quantized tensor as a backend produced it: ``float = (q + offset) * scale`` (QNN's convention)."""
+    """A quantized tensor as a backend produced it: ``float = (q + offset) * scale`` (the usual NPU runtimes' convention)."""
 
     data: np.ndarray
     scale: float

@@ -241,7 +241,9 @@ class ChunkedEmbed(StageHandle):
     def __init__(self, runner: StageHandle, seq: int):
         self.runner = runner
         self.seq = seq
+        self.artifact = runner.artifact
         self.artifacts = runner.artifacts
+        self.artifact = runner.artifacts[0] if runner.artifacts else None
         self.load_s = runner.load_s
 
     def run(self, inputs: dict) -> dict:

@@ -1,0 +1,172 @@
+"""The shape of the framework: a vendor-free core, plugins that fail loudly, options checked before any work,
+inputs checked before any work, and a third-party backend installed with pip."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from test_plugins import make_distribution
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "core" / "vlmrun"
+# what the core must never import or name: Qualcomm's runtimes, tools, services and the plugins that wrap them
+VENDOR = re.compile(r"genie|\badb\b|qnn|qairt|\bhtp\b|ai ?hub|qai_hub|vlmrun_qualcomm|snapdragon|hexagon", re.I)
+PRESETS_FILE = CORE / "layouts.py"  # layout presets may name plugins
+
+
+def test_core_names_no_vendor():
+    hits = []
+    for path in sorted(CORE.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not VENDOR.search(line):
+                continue
+            if path == PRESETS_FILE and not VENDOR.search(re.sub(r"qnn_htp|genie_cpu", "", line)):
+                continue  # the presets module may name plugins, nothing else
+            hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_core_has_no_backend_flags():
+    """Backend flags come from the plugins' declarations, not from the core's command modules."""
+    for path in CORE.glob("cli*.py"):
+        text = path.read_text()
+        for flag in ("--decoder-engine", "--soc", "--quantize", "--target", "--calibration-images", "--hub-device"):
+            assert f'"{flag}"' not in text, f"{path.name} hard-codes {flag}"
+
+
+MISSPELT = '''
+from vlmrun import hookimpl
+from vlmrun.plugins import BackendInfo
+
+@hookimpl
+def describe():
+    return BackendInfo("typo_npu", ("vision",), "a backend with a misspelt hook")
+
+@hookimpl
+def load_stag(backend, stage, ctx):
+    return None
+'''
+
+
+def test_misspelt_hook_fails_that_plugin_only(tmp_path, cache_dir):
+    site = make_distribution(tmp_path, "typo_backend", "typo_backend", MISSPELT, "typo_npu")
+    res = run_cli(["plugins"], cache_dir, {"PYTHONPATH": str(site)})
+    assert res.returncode == 0, res.stderr
+    assert ("typo_npu FAILED to load: RuntimeError: implements unknown hook 'load_stag'"
+            " (did you mean 'load_stage'?)") in res.stdout
+    assert "ort_reference 0.1.0" in res.stdout and "Traceback" not in res.stdout + res.stderr
+    # in-process: the registry records it, never raises
+    sys.path.insert(0, str(site))
+    try:
+        from vlmrun.plugins import load
+
+        reg = load()
+        assert "typo_npu" not in reg.plugins and "unknown hook 'load_stag'" in reg.failures["typo_npu"]
+        assert "ort_reference" in reg.plugins
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("typo_backend", None)
+
+
+def _store_is_empty(cache: Path) -> bool:
+    return not cache.exists() or not any(cache.rglob("*"))
+
+
+@pytest.mark.parametrize("table, expected", [
+    ('backend = "qnn_htp"\nprecison = "int8"',
+     "stage 'vision' (qnn_htp) has no option 'precison'; did you mean 'precision'?"),
+    ('nonsense_key = 3', "stage 'vision' (ort_reference) has no option 'nonsense_key'; known here: compiler"),
+    ('backend = "qnn_htp"\ncontext_length = "abc"',
+     "stage 'vision' (qnn_htp) has no option 'context_length' (it applies to: decoder)"),
+    ('backend = "qnn_htp"\nprecision = "int9"',
+     "stage 'vision' (qnn_htp): option 'precision' must be one of fp16, int8, a16w8, got 'int9'"),
+])
+def test_bad_layout_option_is_an_error_before_any_work(tmp_path, image_path, table, expected):
+    layout = tmp_path / "layout.toml"
+    layout.write_text(f'base = "reference"\n[vision]\n{table}\n')
+    cache = tmp_path / "empty-store"
+    res = run_cli(["--image", str(image_path), "--prompt", "Hi", "--layout-file", str(layout)], cache)
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip()
+    assert line.startswith(f"vlmrun: error: {expected}") and "\n" not in line, line
+    assert _store_is_empty(cache)
+
+
+def test_bad_option_values_from_the_command_line(tmp_path, image_path):
+    cache = tmp_path / "empty-store"
+    cases = [
+        (["--layout", "all-npu", "-o", "decoder.context_length=abc"],
+         "stage 'decoder' (qnn_htp): option 'context_length' must be an integer, got 'abc'"),
+        (["-o", "vison.precision=int8"], "--option 'vison.precision=int8' names unknown stage 'vison'; stages are"
+                                         " vision, projector, embed, decoder (did you mean 'vision'?)"),
+        (["--soc", "sm8650"], "--soc applies to no stage here (vision=ort_reference, projector=ort_reference,"
+                              " embed=ort_reference, decoder=ort_reference): it is an option of"),  # qaihub, qnn_htp
+        (["--vision", "qnn_htp", "--context-length", "1"],
+         "stage 'decoder' (ort_reference): option 'context_length' must be at least 2, got 1"),
+    ]
+    for args, expected in cases:
+        res = run_cli(["--image", str(image_path), "--prompt", "Hi", *args], cache)
+        assert res.returncode == 2, (args, res.stderr)
+        line = res.stderr.strip()
+        assert line.startswith(f"vlmrun: error: {expected}") and "\n" not in line, (args, line)
+    # a declared option on the right stage is accepted and typed (checked without building anything)
+    from vlmrun import layouts
+    from vlmrun.plugins import load
+
+    lay = layouts.resolve("all-npu", options={"decoder": {"context_length": "256", "engine": "GENIE"}})
+    checked = layouts.validate(lay, load())
+    assert checked.stages["decoder"].options == {"context_length": 256, "engine": "genie"}
+    assert _store_is_empty(cache)
+
+
+def test_missing_image_fails_fast_and_writes_nothing(tmp_path):
+    cache = tmp_path / "empty-store"
+    t0 = time.perf_counter()
+    res = run_cli(["--image", str(tmp_path / "nope.jpg"), "--prompt", "Hi", "--layout", "all-npu"], cache)
+    seconds = time.perf_counter() - t0
+    assert res.returncode == 1 and "image not found" in res.stderr and "Traceback" not in res.stderr
+    assert seconds < 3.0, seconds
+    assert _store_is_empty(cache)
+
+
+def test_prompt_past_the_context_fails_before_any_export(tmp_path, image_path):
+    cache = tmp_path / "empty-store"
+    res = run_cli(["--image", str(image_path), "--prompt", "Hi", "--image-size", "256", "--context-length", "8"],
+                  cache)
+    assert res.returncode == 1 and "but the context holds 8" in res.stderr
+    built = [p.name for p in (cache / "artifacts").iterdir() if not p.name.startswith("model-")]
+    assert built == []  # the tiny model was built (it has the tokenizer), nothing was exported
+
+
+EXAMPLE = ROOT / "examples" / "vlmrun-example-backend"
+
+
+def test_third_party_backend_installed_with_pip(tmp_path, cache_dir, tiny_model, image_path):
+    """The README's plugin guide: the example distribution, installed with pip, runs the vision stage with its
+    own option, and gives the reference layout's tokens."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(EXAMPLE)], check=True, capture_output=True, text=True, timeout=300)
+    env = {"PYTHONPATH": str(site)}
+    listing = run_cli(["plugins", "--options"], cache_dir, env)
+    assert "backend example_cpu: stages vision" in listing.stdout
+    assert "threads=int (vision) --threads: intra-op threads of the ONNX Runtime session [default 1]" in listing.stdout
+    common = ["--image", str(image_path), "--prompt", "Describe the image.", "--image-size", "256",
+              "--max-new-tokens", "6", "--ignore-eos", "--json"]
+    ref = run_cli(common, cache_dir, env)
+    mine = run_cli([*common, "--vision", "example_cpu", "--threads", "2"], cache_dir, env)
+    assert ref.returncode == 0 and mine.returncode == 0, mine.stderr
+    ref_out, mine_out = json.loads(ref.stdout), json.loads(mine.stdout)
+    assert mine_out["layout"]["vision"] == "example_cpu"
+    assert mine_out["token_ids"] == ref_out["token_ids"] and len(mine_out["token_ids"]) == 6
+    bad = run_cli([*common, "--vision", "example_cpu", "-o", "vision.threads=0"], cache_dir, env)
+    assert bad.returncode == 2
+    assert "stage 'vision' (example_cpu): option 'threads' must be at least 1, got 0" in bad.stderr
