@@ -170,3 +170,11 @@ def test_third_party_backend_installed_with_pip(tmp_path, cache_dir, tiny_model,
     bad = run_cli([*common, "--vision", "example_cpu", "-o", "vision.threads=0"], cache_dir, env)
     assert bad.returncode == 2
     assert "stage 'vision' (example_cpu): option 'threads' must be at least 1, got 0" in bad.stderr
+
+
+def test_doctor_keeps_native_banners_off_stdout(tmp_path):
+    res = run_cli(["doctor"], tmp_path / "store")
+    assert res.returncode == 0, res.stderr
+    assert "LIBNATIVE" not in res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("  [") or re.match(r"^\S+ \d+\.\d+\.\d+$", ln) for ln in lines), res.stdout

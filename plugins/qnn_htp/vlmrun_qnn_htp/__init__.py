@@ -18,9 +18,15 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 ``prefill_ar``      decoder prefill chunk (AR-N) (default 64)
 ``engine``          decoder engine: ``host`` (this loop) or ``genie`` (Genie on QnnHtp via libGenie from
                     onnxruntime-qnn, graphs in Genie's I/O layout, see :mod:`.genie_engine`)
+``rmsnorm``         decoder RMSNorm as exported: ``safe`` (default: each row scaled by its max |x| before
+                    squaring, so fp16 does not overflow on massive activations) or ``plain`` (transformers' form;
+                    overflows in fp16 once |x| > 256, kept to show the failure)
 ``embed_seq``       static sequence length of the embed graph; longer inputs run in chunks (default 32)
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
                     ``native_outputs``, ``timeout``
+``toolchain``       ``onnxruntime`` (default: onnxruntime-qnn, QNN 2.51) or ``sdk``: the QAIRT SDK's own
+                    converter, model-lib generator and context-binary generator (:mod:`.sdk_compile`), for
+                    binaries that carry the SDK's QNN version (a phone running an older QAIRT)
 =================== ====================================================================================
 """
 
@@ -34,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun import hookimpl
-from vlmrun.errors import UsageError
+from vlmrun.errors import BackendError, UsageError
 from vlmrun.handles import DecoderHandle as DecoderHandleBase
 from vlmrun.handles import StageHandle
 from vlmrun.options import Option
@@ -42,7 +48,7 @@ from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import STAGES, ExportForm
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest
-from vlmrun_qualcomm.sdk import Sdk, phone_options
+from vlmrun_qualcomm.sdk import Sdk, newer_than, phone_options
 
 from . import ep, quant
 
@@ -51,6 +57,8 @@ __version__ = "0.1.0"
 
 PRECISIONS = ("fp16", "int8", "a16w8")
 ENGINES = ("host", "genie")
+RMSNORMS = ("safe", "plain")  # the decoder exports' RMSNorm (vlmrun_ort_reference.onnx_export.safe_rms_norm)
+TOOLCHAINS = ("onnxruntime", "sdk")
 DEFAULT_CONTEXT = 512
 DEFAULT_PREFILL_AR = 64
 DEFAULT_EMBED_SEQ = 32
@@ -84,6 +92,10 @@ def stage_options(stage: str, options) -> dict:
             raise UsageError(f"decoder engine '{engine}' is not provided by qnn_htp (engines: {', '.join(ENGINES)});"
                              " a Genie engine comes with its own plugin")
         out["engine"] = engine
+        rmsnorm = str(o.get("rmsnorm") or "safe").lower()
+        if rmsnorm not in RMSNORMS:
+            raise UsageError(f"rmsnorm '{rmsnorm}' is not one of {', '.join(RMSNORMS)}")
+        out["rmsnorm"] = rmsnorm
     if stage == "embed":
         out["embed_seq"] = int(o.get("embed_seq") or DEFAULT_EMBED_SEQ)
     target = str(o.get("target") or "local").lower()
@@ -93,22 +105,46 @@ def stage_options(stage: str, options) -> dict:
         raise UsageError("the decoder cannot run through qnn-net-run (--target android); run it locally"
                          " or on another backend")
     out["target"] = target
+    toolchain = str(o.get("toolchain") or "onnxruntime").lower()
+    if toolchain not in TOOLCHAINS:
+        raise UsageError(f"toolchain '{toolchain}' is not one of {', '.join(TOOLCHAINS)}")
+    if toolchain == "sdk" and stage == "decoder":
+        raise UsageError("toolchain = \"sdk\" compiles vision, projector and embed; the decoder compiles with"
+                         " onnxruntime-qnn")
+    out["toolchain"] = toolchain
+    if toolchain == "sdk":
+        out["sdk_root"] = str(o["sdk_root"]) if o.get("sdk_root") else None
     return out
 
 
 def compile_key(opts: dict) -> dict:
     """The options that determine the binary's bytes (they key the artifact store)."""
     keep = ("precision", "soc", "calibration")
-    return {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
+    key = {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
+    if opts.get("toolchain") == "sdk":  # the SDK's tools, its QNN version (the onnxruntime default keys as before)
+        sdk = Sdk.find(opts.get("sdk_root"))
+        key.update(toolchain="sdk", qnn=sdk.version(), sdk_root=str(sdk.root))
+    return key
+
+
+def binary_version(opts: dict, options) -> str | None:
+    """The QNN version the stage's binary will carry, when it is known before compiling."""
+    compiler = str(dict(options or {}).get("compiler") or NAME)
+    if compiler != NAME:
+        v = dict(options or {}).get("qairt_version")  # the qaihub plugin's pin of the hub's QAIRT version
+        return str(v) if v else None
+    return Sdk.find(opts.get("sdk_root")).version() if opts.get("toolchain") == "sdk" else ep.qnn_version()
 
 
 def forms(stage: str, opts: dict) -> list[ExportForm]:
     if stage == "decoder":
         ctx = opts["context_length"]
         ars = sorted({opts["prefill_ar"], 1}, reverse=True)
+        norm = opts.get("rmsnorm") or "safe"  # fp16-safe RMSNorm unless asked otherwise
         if opts.get("engine") == "genie":
-            return [ExportForm.of("decoder", "decoder/genie", ar=ar, ctx=ctx, input="embeds") for ar in ars]
-        return [ExportForm.of("decoder", "decoder/fixed", ar=ar, ctx=ctx) for ar in ars]
+            return [ExportForm.of("decoder", "decoder/genie", ar=ar, ctx=ctx, input="embeds", rmsnorm=norm)
+                    for ar in ars]
+        return [ExportForm.of("decoder", "decoder/fixed", ar=ar, ctx=ctx, rmsnorm=norm) for ar in ars]
     if stage == "embed":
         return [ExportForm.of("embed", seq=opts["embed_seq"])]
     return [ExportForm.of(stage)]
@@ -130,11 +166,17 @@ def register_options(register):
                help="decoder prefill chunk (AR-N)"),
         Option(NAME, "engine", str, stages=("decoder",), choices=ENGINES, default="host", flag="--decoder-engine",
                help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie)"),
+        Option(NAME, "rmsnorm", str, stages=("decoder",), choices=RMSNORMS, default="safe",
+               help="decoder RMSNorm: safe (rows scaled by their max |x| before squaring: no fp16 overflow on"
+                    " massive activations) or plain (overflows in fp16 once |x| > 256)"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph; longer inputs run in chunks"),
         Option(NAME, "native_outputs", bool, default=False,
                help="qnn-net-run --use_native_output_files: quantized outputs arrive quantized (phone)"),
         Option(NAME, "timeout", float, default=600.0, minimum=1, help="seconds for one stage run (phone, Genie)"),
+        Option(NAME, "toolchain", str, choices=TOOLCHAINS, default="onnxruntime", flag="--toolchain",
+               help="what compiles the context binaries: onnxruntime-qnn (QNN 2.51, default) or sdk, the QAIRT"
+                    " SDK's own tools (binaries for that SDK's QNN version, e.g. an older phone runtime)"),
         *phone_options(NAME),
     ):
         register(o)
@@ -157,7 +199,8 @@ def doctor():
         return checks
     ok, detail = ep.htp_backend_loads()
     checks.append(Check("HTP backend (libQnnHtp.so)", ok, detail))
-    root = Sdk.find(None).root
+    found_sdk = Sdk.find(None)
+    root = found_sdk.root
     if root:
         tools = ["bin/x86_64-linux-clang/qnn-net-run", "bin/x86_64-linux-clang/qnn-context-binary-generator",
                  "bin/aarch64-android/qnn-net-run", "lib/aarch64-android/libQnnHtp.so"]
@@ -165,6 +208,12 @@ def doctor():
         missing = [t for t in tools if t not in found]
         checks.append(Check("QNN SDK tools", not missing,
                             f"{root}: found {len(found)}/{len(tools)}" + (f", missing {', '.join(missing)}" if missing else "")))
+        sdk_v = found_sdk.version()
+        ok = sdk_v is not None and not newer_than(v["qnn"], sdk_v)
+        checks.append(Check("QNN SDK version (phone runtime)", ok,
+                            f"QAIRT {sdk_v or 'unknown'}; onnxruntime-qnn builds QNN {v['qnn']} binaries"
+                            + ("" if ok else ": older phone runtime, use toolchain sdk or --compiler qaihub"
+                               " with qairt_version")))
     else:
         checks.append(Check("QNN SDK tools", False, "QAIRT_SDK_ROOT / QNN_SDK_ROOT not set (needed for --target android)"))
     try:
@@ -180,11 +229,50 @@ def doctor():
 
 
 @hookimpl
+def preflight(backend, stage, model, options):
+    """Before any export or compile: the SDK's compile tools (toolchain sdk), and on a phone the SDK's runtime
+    files and a QNN version no older than the binary the compiler will make."""
+    if not mine(backend, NAME):
+        return
+    opts = stage_options(stage, options)
+    o = dict(options or {})
+    if opts["toolchain"] == "sdk" and str(o.get("compiler") or NAME) == NAME:
+        sdk = Sdk.find(opts.get("sdk_root"))
+        sdk.require_compile_tools('for toolchain = "sdk"')
+        if not sdk.version():
+            raise BackendError(f"cannot read the QNN version of the SDK at {sdk.root} (no sdk.yaml): binaries made"
+                               " with toolchain = \"sdk\" must record it; use a complete QAIRT SDK")
+    if opts["target"] == "android":
+        from .netrun import check_runtime, device_files, phone_sdk
+
+        sdk = phone_sdk(o.get("sdk_root"))
+        device_files(sdk.root, socs.soc(opts["soc"]).arch)
+        built = binary_version(opts, options)
+        compiler = str(o.get("compiler") or NAME)
+        if built:
+            check_runtime({"qnn_version": built, "compiler": compiler if compiler != NAME else
+                           ("qnn_htp with the SDK's tools" if opts["toolchain"] == "sdk" else "onnxruntime-qnn")},
+                          sdk, stage)
+
+
+@hookimpl
 def compile(backend, request):
     if not mine(backend, NAME):
         return None
     return compile_stage(request.stage, request.model, request.source, request.options, Path(request.out_dir),
                          context=request.context)
+
+
+def _compile_binary(src: Path, out_dir: Path, name: str, soc, precision: str, options: dict, work: Path,
+                    feeds, what: str) -> tuple[dict, dict]:
+    """(manifest fields, extra) from onnxruntime-qnn, or from the SDK's own tools with toolchain = "sdk"."""
+    if options.get("toolchain") == "sdk":
+        from .sdk_compile import compile_onnx_sdk
+
+        info = compile_onnx_sdk(src, out_dir, name, soc, precision, Sdk.find(options.get("sdk_root")), work,
+                                calibration=feeds, what=what)
+        return info, {"toolchain": info.pop("toolchain")}
+    return ep.compile_onnx(src, out_dir, name, soc, what), {}
 
 
 def compile_stage(stage, model, source, options, out_dir: Path, context=None) -> dict:
@@ -199,19 +287,25 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
     extra: dict = {}
     work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-quant-"))
     try:
+        feeds = None
         if precision != "fp16":
             t0 = time.perf_counter()
             feeds, label = quant.calibration_samples(stage, model, options.get("calibration_images"), source=source,
                                                       context=context)
-            qdq = work / f"{name}.qdq.onnx"
-            facts = quant.quantize_qdq(src, qdq, feeds, precision, work)
-            extra = {"quantization": {**facts, "calibration": label,
-                                      "quantize_s": round(time.perf_counter() - t0, 3)}}
-            src = qdq
-        info = ep.compile_onnx(src, out_dir, name, soc, what)
+            if options.get("toolchain") == "sdk":  # the SDK's converter quantizes from the samples itself
+                extra = {"quantization": {"calibration": label, "samples": len(feeds), "by": "qnn-onnx-converter"}}
+            else:
+                qdq = work / f"{name}.qdq.onnx"
+                facts = quant.quantize_qdq(src, qdq, feeds, precision, work)
+                extra = {"quantization": {**facts, "calibration": label,
+                                          "quantize_s": round(time.perf_counter() - t0, 3)}}
+                src = qdq
+        info, more = _compile_binary(src, out_dir, name, soc, precision, options, work, feeds, what)
+        extra.update(more)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    io_q = extra.get("quantization", {}).get("io_quant", {})
+    io_q = extra.get("quantization", {}).get("io_quant", {}) or {
+        t["name"]: t["quant"] for t in (*info["inputs"], *info["outputs"]) if "quant" in t}
     for t in (*info["inputs"], *info["outputs"]):
         if t["name"] in io_q:
             t["quant"] = io_q[t["name"]]
@@ -264,7 +358,7 @@ class ChunkedEmbed(StageHandle):
 class DecoderHandle(DecoderHandleBase):
     def __init__(self, decoder, artifacts, load_s):
         self.decoder = decoder
-        self.artifacts = tuple(artifacts)
+        self.artifacts = list(artifacts)
         self.load_s = load_s
 
     @property
@@ -292,6 +386,21 @@ def load_stage(backend, stage, ctx):
     for art in arts:
         ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
         ep.check_binary(art.manifest, art.file(), soc, f"{stage} ({art.path.name})")
+    if str(ctx.options.get("compiler") or NAME) == NAME:  # another compiler's binary for this stage goes unused: say so
+        import json
+        import sys
+
+        srcs = {a.manifest.get("key", {}).get("source") for a in arts}
+        for mf in sorted(ctx.store.artifacts_dir.glob("*/manifest.json")):
+            try:
+                k = json.loads(mf.read_text()).get("key") or {}
+            except (OSError, ValueError):
+                continue
+            if (k.get("backend") == NAME and k.get("compiler") not in (None, NAME) and k.get("source") in srcs
+                    and (k.get("options") or {}).get("precision") == opts["precision"]):
+                print(f"qnn_htp: {stage} runs {arts[0].path.name} (compiled here); {k['compiler']} compiled"
+                      f" {mf.parent.name} for it too: add --compiler {k['compiler']} to run that one", file=sys.stderr)
+                break
     if stage == "decoder" and opts["engine"] == "genie":
         from .genie_engine import GenieHtpHandle
 
@@ -311,10 +420,11 @@ def load_stage(backend, stage, ctx):
     if opts["target"] == "android":
         from vlmrun_qualcomm.adb import Adb
 
-        from .netrun import NetRunStage, sdk_root
+        from .netrun import NetRunStage, check_runtime, phone_sdk
 
         o = dict(ctx.options)
-        sdk = sdk_root(o.get("sdk_root"))
+        sdk = phone_sdk(o.get("sdk_root"))
+        check_runtime(art.manifest, sdk, f"{stage} ({art.path.name})")  # before adb is even asked for a device
         adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
         runner = NetRunStage(art, stage, sdk=sdk, adb=adb, native_outputs=bool(o.get("native_outputs")),
                              timeout=float(o.get("timeout") or 300))
