@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
 import click
 
+from . import procs
 from .cli_options import layout_overrides, model_options, registry, stage_option_flags
 from .errors import VlmrunError
 from .stages import STAGES
@@ -230,8 +229,11 @@ def plugins(show_options, as_json, debug):
 @click.option("--image-size", type=int, default=1024, show_default=True, help="Multiple of 64.")
 @click.option("--full-size", is_flag=True, help="FastVLM-0.5B dimensions (random weights, about 2 GB).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--massive-activations", is_flag=True,
+              help="Plant real LLMs' residual outliers (a few channels at several hundred to a few thousand on the"
+                   " first token and on delimiters): what makes fp16 NPU decoders overflow.")
 @click.option("--debug", is_flag=True, hidden=True)
-def make_tiny(out_dir, image_size, full_size, seed, debug):
+def make_tiny(out_dir, image_size, full_size, seed, massive_activations, debug):
     """Build a random-weight FastVLM checkpoint with the real architecture (native transformers layout)."""
     from .errors import UsageError
     from .progress import step
@@ -240,22 +242,9 @@ def make_tiny(out_dir, image_size, full_size, seed, debug):
     if image_size % 64 or image_size < 64:
         raise UsageError(f"--image-size must be a positive multiple of 64, got {image_size}")
     with step(f"building {'full-size' if full_size else 'tiny'} FastVLM in {out_dir}"):
-        build(out_dir, image_size=image_size, full_size=full_size, seed=seed)
+        build(out_dir, image_size=image_size, full_size=full_size, seed=seed,
+              massive_activations=massive_activations)
     click.echo(str(out_dir))
-
-
-@contextlib.contextmanager
-def _native_stdout_to_stderr():
-    """Point file descriptor 1 at stderr while the block runs (what native code prints stays off stdout)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 @cli.command()
@@ -266,7 +255,7 @@ def doctor(debug):
     for name, record in reg.plugins.items():
         plugin = reg.pm.get_plugin(name)
         impl = getattr(plugin, "doctor", None)
-        with _native_stdout_to_stderr():  # native libraries a check loads may print banners on fd 1
+        with procs.stdout_to_stderr():  # native libraries a check loads may print banners on fd 1
             checks = impl() if impl else []
         click.echo(f"{name} {record.version}")
         for check in checks:
@@ -279,11 +268,13 @@ from .cli_compile import compile_command  # noqa: E402  (subcommands living in t
 from .cli_diff import diff_command  # noqa: E402
 from .cli_profile import profile_command  # noqa: E402
 from .cli_store import store_group  # noqa: E402
+from .cli_eval import eval_command  # noqa: E402
 
 cli.add_command(compile_command, "compile")
 cli.add_command(diff_command, "diff")
 cli.add_command(profile_command, "profile")
 cli.add_command(store_group, "store")
+cli.add_command(eval_command, "eval")
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -104,3 +105,18 @@ def run(argv: Sequence[str], *, timeout: float, what: str, cwd: str | os.PathLik
         raise BackendError(f"{what} timed out after {timeout:g} s (killed){'; ' + hint if hint else ''}")
     return subprocess.CompletedProcess(list(argv), w.proc.returncode, b"".join(chunks).decode("utf-8", "replace"),
                                        b"".join(err_box).decode("utf-8", "replace"))
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Point file descriptor 1 at stderr while the block runs: native libraries that print banners on stdout
+    (runtimes loading their backends) would otherwise corrupt ``--json`` output and anything that parses it."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

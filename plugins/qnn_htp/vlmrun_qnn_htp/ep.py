@@ -8,10 +8,7 @@ finds which nodes were left to the CPU so the error can name them.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun.errors import BackendError
+from vlmrun.procs import stdout_to_stderr  # QNN prints a banner on stdout (callers use it too)
 
 from vlmrun_qualcomm.manifest import describe_ctx_onnx
 from vlmrun_qualcomm.socs import Soc
@@ -52,20 +50,6 @@ def versions() -> dict[str, str]:
 
 def qnn_version() -> str:
     return versions()["qnn"]
-
-
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """Send file descriptor 1 to stderr while QNN libraries load: they print a banner on stdout, which
-    would corrupt ``--json`` output and anything else that parses vlmrun's stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _ensure_registered():
