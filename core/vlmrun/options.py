@@ -46,6 +46,8 @@ class Option:
     :param default: what the backend uses when the option is not given (shown in help; not filled in).
     :param flag: a command-line flag for it (``--precision``); several backends may declare the same flag.
     :param minimum: the smallest allowed value of a number.
+    :param keyed: the value changes what this plugin compiles: when it compiles for another backend
+        (``--compiler``), the stage's value keys the compiled artifact (a device, a toolchain version).
     """
 
     backend: str
@@ -58,6 +60,7 @@ class Option:
     help: str = ""
     flag: str | None = None
     minimum: float | None = None
+    keyed: bool = False
 
     def applies_to(self, stage: str) -> bool:
         return self.stages is None or stage in self.stages

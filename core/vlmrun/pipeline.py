@@ -65,6 +65,12 @@ class StageContext:
             "options": dict(options),
             "versions": self._versions("compile"),
         }
+        if compiler != self.backend:  # the compiler's own options that change its output key the artifact too
+            declared = self.registry.options.by_backend.get(compiler, {})
+            keyed = {k: v for k, v in sorted(self.options.items())
+                     if k in declared and getattr(declared[k], "keyed", False) and k not in options}
+            if keyed:
+                key["compiler_options"] = keyed
 
         name = self.store.path_for(key).name
 
