@@ -10,15 +10,36 @@ emulator, outputs as an h5 dataset, a profile). Faults are switched on through a
 * ``errors = {"GET jobs": n}``: the next n matching requests answer HTTP 500
 * ``drops = {"GET jobs": n}``: the next n matching requests get their connection closed with no answer
 * ``download_name = "../../x"``: the file name the server gives a target model download
+* ``slow = {"GET jobs/": seconds}``: matching requests are answered only after that delay
+* ``job_seconds = s``: every job stays in progress for at least ``s`` seconds
+* :meth:`FakeHub.restart`: the server goes down and comes back on the same port having forgotten every job,
+  model and dataset (as a hub that deleted or expired them, or another account's ids);
+  :meth:`FakeHub.stop_serving`: the port closes (a hub killed mid-wait); :func:`closed_port_url`: a URL nothing
+  listens on
 
-``seen_tokens`` records the Authorization tokens received; ``log`` the requests (method, path).
+``seen_tokens`` records the Authorization tokens received; ``log`` the requests (method, path);
+``compile_options`` / ``inference_options`` the options string of each job submitted. A compile job whose
+options pin ``--qairt_version X`` records X as the target model's QAIRT/QNN SDK version (the binary itself is
+built by the local onnxruntime-qnn).
+
+Start one by hand (``scripts/fake-hub --help``): it writes a client.ini for the ``qai-hub`` client and prints
+the environment to point vlmrun at it.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import itertools
+import os
+import random
+import re
+import secrets
 import shutil
+import signal
+import socket
+import string
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +56,8 @@ DEVICES = [
                                       "hexagon:v79", "os:android"], 69),
     ("Snapdragon 8 Gen 3 QRD", "14", ["chipset:qualcomm-snapdragon-8gen3", "framework:qnn", "framework:onnx",
                                       "hexagon:v75", "os:android"], 57),
+    ("Samsung Galaxy S25 (Family)", "15", ["chipset:qualcomm-snapdragon-8-elite", "framework:qnn",
+                                           "framework:onnx", "hexagon:v79", "os:android", "vendor:samsung"], 69),
 ]
 DTYPES = {"float32": pb.TENSOR_DTYPE_FLOAT32, "float16": pb.TENSOR_DTYPE_FLOAT16, "int32": pb.TENSOR_DTYPE_INT32,
           "int64": pb.TENSOR_DTYPE_INT64, "uint8": pb.TENSOR_DTYPE_UINT8, "int8": pb.TENSOR_DTYPE_INT8,
@@ -46,36 +69,95 @@ def _ts(pbts, t=None):
     pbts.seconds = int(t)
 
 
+def closed_port_url() -> str:
+    """``http://127.0.0.1:<port>`` where nothing listens (the port was just bound and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def write_client_ini(path: Path, token: str, url: str) -> Path:
+    """A ``qai-hub`` client configuration pointing at ``url`` (QAIHUB_CLIENT_INI names it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"[api]\napi_token = {token}\napi_url = {url}\nweb_url = {url}/web/\nverbose = False\n")
+    return path
+
+
+def _qairt(options: str) -> str | None:
+    m = re.search(r"--qairt_version[ =](\S+)", options or "")
+    if not m:
+        return None
+    v = m.group(1)
+    return v + ".0" if re.fullmatch(r"\d+\.\d+", v) else v
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+            return  # the client gave up on a slow answer or a dropped connection: expected here
+        super().handle_error(request, client_address)
+
+
 class FakeHub:
-    def __init__(self, token: str):
+    def __init__(self, token: str, port: int = 0):
         self.token = token
         self.root = Path(tempfile.mkdtemp(prefix="fake-hub-"))
-        self.ids = itertools.count(1)
         self.lock = threading.RLock()
-        self.models: dict[str, dict] = {}
-        self.datasets: dict[str, dict] = {}
-        self.jobs: dict[str, dict] = {}
-        self.files: dict[str, tuple[Path, str]] = {}
+        self._forget()
         self.fail_compile: str | None = None
         self.never_finish = False
         self.errors: dict[str, int] = {}
         self.drops: dict[str, int] = {}
+        self.slow: dict[str, float] = {}
+        self.job_seconds = 0.0  # a job stays in progress at least this long
         self.download_name: str | None = None
         self.seen_tokens: set[str] = set()
         self.log: list[tuple[str, str]] = []
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
+        self.compile_options: list[str] = []
+        self.inference_options: list[str] = []
+        self.server = self._serve(port)
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def _forget(self):
+        # ids carry a per-run tag, as a real hub's never repeat: a restarted fake hub does not reuse them
+        self.tag = "".join(random.choice(string.ascii_lowercase) for _ in range(3))
+        self.ids = itertools.count(1)
+        self.models: dict[str, dict] = {}
+        self.datasets: dict[str, dict] = {}
+        self.jobs: dict[str, dict] = {}
+        self.files: dict[str, bytes] = {}
+
+    def _serve(self, port: int) -> ThreadingHTTPServer:
+        server = _Server(("127.0.0.1", port), self._handler())
+        server.daemon_threads = True
+        self.thread = threading.Thread(target=server.serve_forever, daemon=True)
+        return server
 
     def start(self) -> "FakeHub":
         self.thread.start()
         return self
 
+    def stop_serving(self):
+        """Close the port (requests are refused from now on); :meth:`restart` opens it again."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def restart(self, forget: bool = True) -> "FakeHub":
+        """Go down and come back on the same port; ``forget``: without any job, model or dataset."""
+        self.stop_serving()
+        with self.lock:
+            if forget:
+                self._forget()
+        self.server = self._serve(self.port)
+        return self.start()
+
     def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.stop_serving()
         shutil.rmtree(self.root, ignore_errors=True)
 
     def count(self, method: str, path: str) -> int:
@@ -83,7 +165,7 @@ class FakeHub:
         return sum(1 for m, p in self.log if m == method and p.strip("/") == path.strip("/"))
 
     def new_id(self, kind: str) -> str:
-        return f"{kind}{next(self.ids):05d}"
+        return f"{kind}{self.tag}{next(self.ids):04d}"
 
     # -- compile / inference workers ------------------------------------------------------------------------
     def _compile(self, job_id: str):
@@ -112,10 +194,12 @@ class FakeHub:
             info = ep.compile_onnx(onnx_path, out, "hub", soc)
             binary = out / info["files"][1]
             tid = job["target"]
+            sdk = _qairt(job["options"]) or info["ep_sdk_version"].lstrip("v")
             self.models[tid] = {"name": f"{job['name']}.bin", "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY,
                                 "data": binary.read_bytes(), "is_directory": False, "ctx": out / "hub_ctx.onnx",
                                 "inputs": info["inputs"], "outputs": info["outputs"], "producer": job_id,
-                                "meta": {pb.MODEL_METADATA_KEY_QNN_SDK_VERSION: info["ep_sdk_version"].lstrip("v"),
+                                "meta": {pb.MODEL_METADATA_KEY_QNN_SDK_VERSION: sdk,
+                                         pb.MODEL_METADATA_KEY_QAIRT_SDK_VERSION: sdk,
                                          pb.MODEL_METADATA_KEY_QNN_MODEL_GRAPH_NAMES: ",".join(info["graphs"]),
                                          pb.MODEL_METADATA_KEY_QNN_CONTEXT_BIN_SOC_MODEL: str(dev[3]),
                                          pb.MODEL_METADATA_KEY_QNN_CONTEXT_BIN_HEXAGON_VERSION: soc.arch.lstrip("v")}}
@@ -155,11 +239,27 @@ class FakeHub:
             did = self.new_id("d")
             self.datasets[did] = {"name": "outputs.h5", "data": buf.getvalue()}
             job["output_dataset"] = did
-            job["profile"] = {"execution_time": us, "load_time": int(sess.load_s * 1e6)}
+            peak = sum(int(np.asarray(v[0]).nbytes) for v in outs.values()) + len(model["data"])
+            job["profile"] = {"execution_time": us, "load_time": int(sess.load_s * 1e6), "peak_memory": peak}
             job["result_state"] = pb.JOB_STATE_DONE
         except Exception as exc:
             job["result_state"] = pb.JOB_STATE_FAILED
             job["reason"] = " ".join(str(exc).split())[:300]
+
+    def web_page(self, rel: str) -> str:
+        """The plain-text page behind a job or model link (``<url>/web/jobs/<id>/``)."""
+        parts = [p for p in rel.split("/") if p]
+        with self.lock:
+            if parts[1:2] == ["jobs"] and len(parts) > 2 and parts[2] in self.jobs:
+                j = self.jobs[parts[2]]
+                state = pb.JobState.Name(j.get("result_state", pb.JOB_STATE_OPTIMIZING_MODEL
+                                                if j["kind"] == "compile" else pb.JOB_STATE_RUNNING_INFERENCE))
+                return (f"fake AI Hub {j['kind']} job {j['id']}: {state}\ndevice: {j['device']}\n"
+                        f"options: {j.get('options', '')}\n" + (f"reason: {j['reason']}\n" if j.get("reason") else ""))
+            if parts[1:2] == ["models"] and len(parts) > 2 and parts[2] in self.models:
+                m = self.models[parts[2]]
+                return f"fake AI Hub model {parts[2]}: {m['name']} ({len(m['data'])} bytes)\n"
+        return f"fake AI Hub: no such page /{rel} (it forgets everything when it restarts)\n"
 
     # -- protobuf views --------------------------------------------------------------------------------------
     def model_pb(self, mid: str) -> pb.Model:
@@ -178,7 +278,7 @@ class FakeHub:
 
     def state_of(self, job: dict) -> int:
         job["polls"] += 1
-        if self.never_finish or job.get("hold"):
+        if self.never_finish or job.get("hold") or time.time() - job.get("created", 0) < self.job_seconds:
             return pb.JOB_STATE_OPTIMIZING_MODEL if job["kind"] == "compile" else pb.JOB_STATE_PROVISIONING_DEVICE
         if job["polls"] == 1:
             return pb.JOB_STATE_OPTIMIZING_MODEL if job["kind"] == "compile" else pb.JOB_STATE_RUNNING_INFERENCE
@@ -269,8 +369,13 @@ class FakeHub:
                 api = path.startswith("/api/v1/")
                 rel = path[len("/api/v1/"):] if api else path
                 hub.log.append((method, rel))
+                delay = next((t for prefix, t in list(hub.slow.items()) if f"{method} {rel}".startswith(prefix)), 0)
+                if delay:
+                    time.sleep(delay)
                 if self._fault(method, rel):
                     return
+                if method == "GET" and rel.startswith("web/"):
+                    return self._send(200, hub.web_page(rel).encode(), "text/plain; charset=utf-8")
                 if api and auth != f"token {hub.token}":
                     return self._send(401, b'{"detail": "bad token"}', "application/json")
                 try:
@@ -341,11 +446,15 @@ class FakeHub:
                         j = pb.Job()
                         j.ParseFromString(body)
                         jid = hub.new_id("j")
+                        created = time.time()
                         if j.HasField("compile_job"):
                             cj = j.compile_job
                             dev = cj.devices.devices[0].name if cj.devices.devices else cj.device.name
+                            hub.models[cj.model.model_id]  # an unknown model is a 404, as on the hub
+                            hub.compile_options.append(cj.options)
                             hub.jobs[jid] = {"id": jid, "kind": "compile", "model_id": cj.model.model_id,
-                                             "device": dev, "options": cj.options, "name": cj.name, "polls": 0}
+                                             "device": dev, "options": cj.options, "name": cj.name, "polls": 0,
+                                             "created": created}
                             tid = hub.new_id("m")
                             hub.models[tid] = {"name": f"{cj.name}.bin", "data": b"", "is_directory": False,
                                                "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY, "producer": jid}
@@ -355,9 +464,12 @@ class FakeHub:
                                 hub.fail_compile = None
                         else:
                             ij = j.inference_job
+                            hub.models[ij.model.model_id]
+                            hub.inference_options.append(ij.options)
                             hub.jobs[jid] = {"id": jid, "kind": "inference", "model_id": ij.model.model_id,
                                              "device": ij.device.name, "dataset_id": ij.dataset.dataset_id,
-                                             "profiling": ij.is_profiling_on, "name": ij.name, "polls": 0}
+                                             "profiling": ij.is_profiling_on, "name": ij.name, "polls": 0,
+                                             "created": created}
                         r = pb.CreateUpdateResponse(id=jid)
                         _ts(r.creation_time)
                         return self._send(200, r)
@@ -371,9 +483,12 @@ class FakeHub:
                         p = job.get("profile")
                         if p:
                             d = r.inference_job_result.detail
-                            d.major_version, d.minor_version = 1, 0
+                            d.major_version, d.minor_version = 1, 2
                             d.execution_time, d.cold_load_time = p["execution_time"], p["load_time"]
                             d.warm_load_time = p["load_time"]
+                            d.after_execution_peak_memory = p["peak_memory"]
+                            d.after_cold_load_peak_memory = d.after_warm_load_peak_memory = p["peak_memory"]
+                            d.all_execution_times.append(p["execution_time"])
                         return self._send(200, r)
                     if parts == ["datasets"] and method == "POST":
                         d = pb.Dataset()
@@ -417,3 +532,58 @@ class FakeHub:
                 self.handle_one("PATCH")
 
         return Handler
+
+
+def main(argv=None) -> int:
+    """Run a fake hub by hand: ``scripts/fake-hub [--port N] [--ini PATH] [--slow SECONDS]``."""
+    ap = argparse.ArgumentParser(
+        prog="fake-hub", description="A local stand-in for Qualcomm AI Hub (127.0.0.1) that the real qai-hub client"
+        " talks to: compiles on the HTP emulator (onnxruntime-qnn), runs inference jobs there. For trying"
+        " `--compiler qaihub` and `--vision qaihub` without an account.")
+    ap.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
+    ap.add_argument("--token", default=None, help="API token it accepts (default: a random one)")
+    ap.add_argument("--ini", type=Path, default=None,
+                    help="client.ini to write for the qai-hub client (default: <temp dir>/client.ini)")
+    ap.add_argument("--slow", type=float, default=0.0, help="answer every API request after this many seconds")
+    ap.add_argument("--job-seconds", type=float, default=0.0,
+                    help="keep every job in progress at least this long (to try Ctrl-C and re-attaching)")
+    args = ap.parse_args(argv)
+    token = args.token or "fakehub-" + secrets.token_hex(12)
+    hub = FakeHub(token, args.port)
+    if args.slow:
+        hub.slow = {"": args.slow}
+    hub.job_seconds = args.job_seconds
+    ini = write_client_ini(args.ini or hub.root / "client.ini", token, hub.url)
+    hub.start()
+    restart = threading.Event()
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, lambda *_: restart.set())
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)  # also when started in the background (which ignores SIGINT)
+    print(f"fake AI Hub listening on {hub.url} (pid {os.getpid()})\n"
+          f"  export QAIHUB_CLIENT_INI={ini} NO_PROXY=127.0.0.1 no_proxy=127.0.0.1\n"
+          "  vlmrun compile --compiler qaihub --backend qnn_htp --stage vision --image-size 256\n"
+          "  vlmrun --vision qaihub --image-size 256 --image photo.jpg --prompt 'Describe the image.'\n"
+          "  vlmrun doctor\n"
+          "Jobs are polled every 10 s by the client. Ctrl-C (or kill <pid>) stops it; `kill -USR1 <pid>` restarts it"
+          " without its jobs and models (as if the hub had forgotten them).", flush=True)
+    try:
+        while True:
+            if restart.wait(0.5):
+                restart.clear()
+                hub.restart(forget=True)
+                print("fake AI Hub restarted: every job, model and dataset forgotten", flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        hub.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

@@ -1,31 +1,41 @@
 """vlmrun plugin ``qaihub``: compile FastVLM stages on Qualcomm AI Hub, run and profile them on hosted devices.
 
-* As a compiler (``--compiler qaihub``, e.g. with ``--backend qnn_htp``): uploads the stage's ONNX (a directory
-  with its external data when it has some), submits a compile job for ``--target_runtime qnn_context_binary``
-  (precision flags, calibration data for int8), waits showing the job state and its web link, downloads the
-  context binary into the artifact store and writes the EP-context wrapper and a manifest in qnn_htp's format,
-  so qnn_htp loads it like its own.
+* As a compiler (``--compiler qaihub``, e.g. with ``--backend qnn_htp``): resolves the device on the hub and
+  checks its SoC against ``soc`` (before any upload), uploads the stage's ONNX (a directory with its external
+  data when it has some), submits a compile job for ``--target_runtime qnn_context_binary`` (precision flags,
+  calibration data for int8, ``--qairt_version`` when pinned), waits showing the job state and its web link,
+  downloads the context binary into the artifact store and writes the EP-context wrapper and a manifest in
+  qnn_htp's format, so qnn_htp loads it like its own. The manifest records where it came from:
+  ``hub_compile_job``, ``hub_url`` (the job's page), ``hub_target_model``, ``hub_device``.
 * As a backend (``--vision qaihub`` ...): the stage is compiled the same way and every ``run_stage`` is an
-  inference job with ``profile=True`` on the hosted device; the handle keeps the device's latency figures
-  (``handle.last_profile``). ``vlmrun profile --backend qaihub --stage vision --device ...`` prints them.
+  inference job with ``profile=True`` on the hosted device; the handle reports the device's own figures in
+  ``handle.last_profile`` (``inference_ms`` is the stage's device time; see :func:`profile_figures`).
+  ``vlmrun profile --backend qaihub --stage vision --device ...`` prints them.
 
-Per-stage options:
+Per-stage options (``vlmrun plugins --options``):
 
-================= ==============================================================================================
-``device``        AI Hub device name (default from ``soc``: SM8750 -> "Snapdragon 8 Elite QRD"), or
-                  ``chipset:...`` / other ``key:value`` attributes. ``$VLMRUN_QAIHUB_DEVICE`` is the fallback.
-``precision``     ``fp16`` (default), ``int8`` or ``a16w8`` (hub-side quantization with calibration data)
-``hub_options``   extra compile options appended verbatim
-``timeout``       seconds to wait for a job (default 3 h); the job keeps running on the hub after a timeout
-``retries``       network retries per call (default 4, exponential backoff)
-================= ==============================================================================================
+=================== ============================================================================================
+``device``          AI Hub device name (default from ``soc``: SM8750 -> "Snapdragon 8 Elite QRD"), or
+                    ``chipset:...`` / other ``key:value`` attributes. ``$VLMRUN_QAIHUB_DEVICE`` is the fallback.
+``precision``       ``fp16`` (default), ``int8`` or ``a16w8`` (hub-side quantization with calibration data)
+``qairt_version``   pin the hub's QAIRT version (``--qairt_version``), e.g. ``2.45``; also ``latest``, ``default``
+``hub_options``     extra compile options appended verbatim
+``job_timeout``     seconds to wait for one job (default 3 h; ``$VLMRUN_QAIHUB_TIMEOUT``); the job keeps running
+``network_timeout`` seconds one hub operation keeps retrying a hub that does not answer (default 30)
+=================== ============================================================================================
 
-Jobs are recorded in ``<store>/qaihub-jobs.json`` under the artifact's key: a rerun after Ctrl-C or a timeout
-re-attaches to the running job instead of uploading and compiling again; ``--rebuild`` submits a new job.
+The device, the QAIRT version, the hub options and the calibration sample count key the compiled artifact, so
+changing any of them compiles again. Jobs are recorded in a ledger in the artifact's state directory
+(``<store>/state/<artifact>/qaihub-jobs.json``), keyed by the hub (api_url), the device and the options: a rerun
+after Ctrl-C, a timeout or a lost connection re-attaches to the job instead of uploading and submitting again
+(inference jobs too, for the same inputs); ``--rebuild`` never re-attaches; a job the hub no longer knows is
+dropped from the ledger and submitted again.
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import os
 import re
 import shutil
@@ -33,16 +43,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 from vlmrun import hookimpl
-from vlmrun.errors import BackendError, UsageError
+from vlmrun.errors import BackendError, UsageError, VlmrunError
 from vlmrun.handles import StageHandle
 from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import ExportForm
 
 from . import hub as hubmod
+from .hub import HubAuthError, HubJobTimeout, HubNotFound, HubUnreachable
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
@@ -54,17 +66,29 @@ PRECISIONS = ("fp16", "int8", "a16w8")
 DEFAULT_DEVICE = "Snapdragon 8 Elite QRD"
 DEFAULT_EMBED_SEQ = 32
 ENV_DEVICE = "VLMRUN_QAIHUB_DEVICE"
-# the loading stage's own options (timeout, retries, ...) for the compile hook, which gets only keyed options
+ENV_TIMEOUT = "VLMRUN_QAIHUB_TIMEOUT"
+DOCTOR_NETWORK_TIMEOUT_S = 5.0
+QAIRT_VERSION = re.compile(r"^(\d+\.\d+(\.\d+)*|latest|default)$")
+REATTACH = "rerun the same command to re-attach to it"
+REBUILD_NOTE = "--rebuild never re-attaches: a rerun with --rebuild submits a new job"
 
 QUANT_FLAGS = {"int8": "--quantize_full_type int8", "a16w8": "--quantize_full_type w8a16"}
 
 
 # -- options ---------------------------------------------------------------------------------------------------
+def _option(*args, keyed: bool = False, **kwargs) -> Option:
+    """An Option; ``keyed``: its value changes what the hub compiles, so it keys the artifact when qaihub compiles
+    for another backend (a core that does not know ``keyed`` yet gets the option without it)."""
+    if keyed and "keyed" in attrs.fields_dict(Option):
+        kwargs["keyed"] = True
+    return Option(*args, **kwargs)
+
+
 def device_of(options) -> str:
     o = dict(options or {})
     dev = o.get("hub_device") or o.get("device") or os.environ.get(ENV_DEVICE)
     if dev:
-        return str(dev)
+        return str(dev).strip()
     soc = socs.soc(o.get("soc"))
     if soc.hub_device is None:
         raise UsageError(f"no AI Hub device is known for {soc.name}; name one with the device option"
@@ -72,31 +96,117 @@ def device_of(options) -> str:
     return soc.hub_device
 
 
-def make_device(name: str):
+def _attributes(spec: str) -> list[str] | None:
+    """``chipset:...,os:android`` -> attribute list; a device name -> None."""
+    if re.match(r"^[a-z_]+:", spec):
+        return [a.strip() for a in spec.split(",") if a.strip()]
+    return None
+
+
+def make_device(spec: str):
     import qai_hub
 
-    if re.match(r"^[a-z_]+:", name):
-        return qai_hub.Device(attributes=[a.strip() for a in name.split(",")])
-    return qai_hub.Device(name)
+    attrs_ = _attributes(spec)
+    return qai_hub.Device(attributes=attrs_) if attrs_ else qai_hub.Device(spec)
+
+
+def qairt_version_of(options) -> str | None:
+    v = str(dict(options or {}).get("qairt_version") or "").strip()
+    if not v:
+        return None
+    if not QAIRT_VERSION.match(v):
+        raise UsageError(f"qairt_version '{v}' is not a QAIRT version such as 2.45 (or latest, default)")
+    return v
 
 
 def hub_for(options) -> hubmod.Hub:
     o = dict(options or {})
-    timeout = o.get("timeout") or os.environ.get("VLMRUN_QAIHUB_TIMEOUT")
-    retries = o.get("retries", os.environ.get("VLMRUN_QAIHUB_RETRIES", hubmod.DEFAULT_RETRIES))
-    return hubmod.Hub(retries=int(retries), timeout=float(timeout) if timeout else None,
+    timeout = o.get("job_timeout") or os.environ.get(ENV_TIMEOUT)
+    return hubmod.Hub(network_timeout=float(o["network_timeout"]) if o.get("network_timeout") else None,
+                      timeout=float(timeout) if timeout else None,
                       poll=float(o["poll_interval"]) if o.get("poll_interval") else None)
 
 
-def compile_options(precision: str, extra: str = "") -> str:
+def compile_options(precision: str, extra: str = "", qairt: str | None = None) -> str:
     if precision not in PRECISIONS:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     opts = ["--target_runtime qnn_context_binary"]
     if precision in QUANT_FLAGS:
         opts.append(QUANT_FLAGS[precision])
+    if qairt:
+        opts.append(f"--qairt_version {qairt}")
     if extra:
         opts.append(str(extra).strip())
     return " ".join(opts)
+
+
+# -- devices ---------------------------------------------------------------------------------------------------
+@attrs.frozen
+class HubDevice:
+    """A device as the hub describes it, with the SoC vlmrun knows it by (None: not in the SoC table)."""
+
+    spec: str  # what was asked for (a name or attributes)
+    name: str  # the (first) matching device
+    chipset: str | None
+    arch: str | None  # HTP architecture from the hexagon attribute, e.g. "v79"
+    soc: socs.Soc | None
+
+
+def _attr(device, key: str) -> str | None:
+    return next((a.split(":", 1)[1] for a in device.attributes if a.startswith(key + ":")), None)
+
+
+def resolve_device(hub: hubmod.Hub, spec: str) -> HubDevice:
+    """Find ``spec`` among the hub's devices and tell its SoC; a UsageError (one line) when the hub has none."""
+    devices = hub.devices()
+    wanted = _attributes(spec)
+    if wanted:
+        found = [d for d in devices if all(a in d.attributes for a in wanted)]
+    else:
+        found = [d for d in devices if d.name == spec]
+    if not found:
+        names = sorted({d.name for d in devices})
+        close = difflib.get_close_matches(spec, names, n=3, cutoff=0.5)
+        hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+                else f"it offers {len(names)} devices, e.g. {', '.join(repr(n) for n in names[:3])}")
+        raise UsageError(f"Qualcomm AI Hub ({hub.api_url}) has no device {spec!r}; {hint}"
+                         " (`qai-hub list-devices` lists them)")
+    d = found[0]
+    chipset, hexagon = _attr(d, "chipset"), _attr(d, "hexagon")
+    arch = f"v{hexagon.lstrip('vV')}" if hexagon else None
+    soc = None
+    by_name = {x.name: x for x in devices}
+    for s in socs.SOCS.values():  # the SoC whose reference device has the same chipset
+        ref = by_name.get(s.hub_device or "")
+        if chipset and ref is not None and _attr(ref, "chipset") == chipset:
+            soc = s
+            break
+    if soc is None and arch:  # else the only SoC with that HTP architecture
+        same = [s for s in socs.SOCS.values() if s.arch == arch]
+        soc = same[0] if len(same) == 1 else None
+    return HubDevice(spec, d.name, chipset, arch, soc)
+
+
+def check_device_soc(dev: HubDevice, want: socs.Soc | None) -> None:
+    """A UsageError when ``dev`` cannot run a binary for ``want`` (checked before anything is uploaded)."""
+    if want is None:
+        return
+    if dev.soc is not None and dev.soc.name != want.name:
+        ref = f' (e.g. "{want.hub_device}")' if want.hub_device else ""
+        raise UsageError(f"AI Hub device {dev.spec!r} has a {dev.soc.marketing} ({dev.soc.name}, {dev.soc.arch}) but"
+                         f" the binary is for {want.name} ({want.marketing}); add --soc {dev.soc.name}, or choose a"
+                         f" {want.name} device{ref}")
+    if dev.soc is None and dev.arch and dev.arch != want.arch:
+        raise UsageError(f"AI Hub device {dev.spec!r} (chipset {dev.chipset or '?'}) has an HTP {dev.arch} but the"
+                         f" binary is for {want.name} ({want.arch}); choose a device with that SoC or change --soc")
+
+
+def expected_soc(options: dict, target: str) -> socs.Soc | None:
+    """The SoC the binary must be for: qnn_htp's ``soc`` (default SM8750); for hosted runs the device's own
+    unless ``soc`` was given."""
+    if target == NAME and not options.get("soc"):
+        return None
+    return socs.soc(options.get("soc"))
 
 
 # -- hooks -----------------------------------------------------------------------------------------------------
@@ -109,6 +219,7 @@ def describe():
 
 @hookimpl
 def doctor():
+    """The client, its configuration, and whether the hub answers and accepts the token (one quick request)."""
     checks = []
     try:
         import qai_hub
@@ -121,42 +232,62 @@ def doctor():
         checks.append(Check("AI Hub configuration", False,
                             f"{path} not found (qai-hub configure --api_token ..., or QAIHUB_CLIENT_INI)"))
         return checks
+    hub = hubmod.Hub(network_timeout=DOCTOR_NETWORK_TIMEOUT_S, out=open(os.devnull, "w"))
     try:
-        import configparser
-
-        cp = configparser.ConfigParser()
-        cp.read(path)
-        api = cp["api"]
-        has_token = bool(api.get("api_token", "").strip())
-        detail = f"{path}: api_url {api.get('api_url', '?')}, token {'set' if has_token else 'MISSING'}"
-        checks.append(Check("AI Hub configuration", has_token and bool(api.get("api_url")), detail))
-    except Exception as exc:
-        checks.append(Check("AI Hub configuration", False, f"{path}: {hubmod.one_line(exc)}"))
+        try:
+            api_url = hub.api_url
+        except VlmrunError as exc:
+            checks.append(Check("AI Hub configuration", False, str(exc)))
+            return checks
+        checks.append(Check("AI Hub configuration", True, f"{path}: api_url {api_url}, token set"))
+        try:
+            devices = hub.devices()
+        except HubAuthError:
+            checks.append(Check("AI Hub token", False, f"rejected by {api_url} (HTTP 401): check api_token in {path}"))
+        except HubUnreachable as exc:
+            checks.append(Check("AI Hub connection", False, str(exc)))
+        except VlmrunError as exc:
+            checks.append(Check("AI Hub connection", False, str(exc)))
+        else:
+            names = {d.name for d in devices}
+            default = socs.soc(None).hub_device
+            checks.append(Check("AI Hub connection", True,
+                                f"{api_url} answered, token accepted, {len(names)} devices"
+                                f" (default {default!r} {'listed' if default in names else 'NOT listed'})"))
+    finally:
+        hub.out.close()
     return checks
 
 
 @hookimpl
 def register_options(register):
     for o in (
-        Option(NAME, "device", str, flag="--device",
-               help='AI Hub device name (e.g. "Snapdragon 8 Elite QRD") or "chipset:..." attributes'
-                    f" [default: from soc; env {ENV_DEVICE}]"),
-        Option(NAME, "hub_device", str, flag="--hub-device",
-               help="AI Hub device when qaihub compiles for another backend (--compiler qaihub) [default: from soc]"),
+        _option(NAME, "device", str, flag="--device", keyed=True,
+                help='AI Hub device name (e.g. "Snapdragon 8 Elite QRD") or "chipset:..." attributes'
+                     f" [default: from soc; env {ENV_DEVICE}]"),
+        _option(NAME, "hub_device", str, flag="--hub-device", keyed=True,
+                help="AI Hub device when qaihub compiles for another backend (--compiler qaihub) [default: from soc]"),
         Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
                help="target Snapdragon SoC (picks the hub's reference device)"),
         Option(NAME, "precision", str, choices=PRECISIONS, default="fp16", flag="--precision",
                help="numeric precision (hub-side quantization with calibration data)"),
         Option(NAME, "calibration_images", Path, flag="--calibration-images",
                help="folder of images to calibrate int8 (default: seeded random data)"),
-        Option(NAME, "calibration_samples", int, default=8, minimum=1, help="calibration samples per input"),
+        _option(NAME, "calibration_samples", int, default=8, minimum=1, keyed=True,
+                help="calibration samples per input"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph"),
-        Option(NAME, "hub_options", str, help="extra AI Hub compile options, appended verbatim"),
-        Option(NAME, "timeout", float, minimum=0.01, flag="--timeout",
-               help="seconds to wait for one hub job [default: 3 h; env VLMRUN_QAIHUB_TIMEOUT]"),
-        Option(NAME, "retries", int, default=hubmod.DEFAULT_RETRIES, minimum=0, help="network retries per call"),
-        Option(NAME, "poll_interval", float, minimum=0.01, help="seconds between job status polls"),
+        _option(NAME, "qairt_version", str, flag="--qairt-version", keyed=True,
+                help="QAIRT version the hub compiles (and runs) with, e.g. 2.45 (hub option --qairt_version;"
+                     " also latest, default) [default: the hub's]"),
+        _option(NAME, "hub_options", str, keyed=True, help="extra AI Hub compile options, appended verbatim"),
+        Option(NAME, "job_timeout", float, minimum=0.01, flag="--job-timeout",
+               help="seconds to wait for one AI Hub job; it keeps running on the hub after a timeout and a rerun"
+                    f" re-attaches [default: 10800; env {ENV_TIMEOUT}]"),
+        Option(NAME, "network_timeout", float, minimum=0.1, flag="--network-timeout",
+               help="seconds one AI Hub request keeps retrying a hub that does not answer (refused, unresolvable,"
+                    f" timing out, HTTP 5xx) [default: {hubmod.DEFAULT_NETWORK_TIMEOUT_S:g}]"),
+        Option(NAME, "poll_interval", float, minimum=0.01, help="seconds between job status polls [default: 10]"),
     ):
         register(o)
 
@@ -174,7 +305,7 @@ def compile(backend, request):
             merged["hub_device"] = device
     return compile_on_hub(hub_for(merged), request.stage, request.model, request.source, merged,
                           Path(request.out_dir), request.target, artifact=request.artifact,
-                          rebuild=bool(request.rebuild), state_dir=request.context.state_dir())
+                          rebuild=bool(request.rebuild), state_dir=Path(request.context.state_dir()))
 
 
 def _upload_dir(source, work: Path) -> Path:
@@ -239,67 +370,112 @@ def _spec_list(io_spec) -> tuple[list[dict], str | None]:
     return out, graph
 
 
+def _forgotten(hub: hubmod.Hub, kind: str, job_id: str, exc: BaseException) -> None:
+    hub.say(f"AI Hub no longer knows {kind} job {job_id} ({str(exc).rsplit(': ', 1)[-1]}); it was deleted, expired,"
+            " belongs to another account, or the hub restarted: dropped from the ledger, submitting a new job")
+
+
 def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir: Path, target: str, *,
                    artifact: str, state_dir: Path, rebuild: bool = False) -> dict:
-    import qai_hub
-    from qai_hub.client import ModelMetadataKey
-
+    """Compile ``source`` on the hub into ``out_dir`` (see the module docstring); returns the manifest."""
     precision = str(options.get("precision") or "fp16").lower()
-    hub_opts = compile_options(precision, str(options.get("hub_options") or ""))
-    device = device_of(options)
-    form = source.manifest.get("form", stage)
-    name = "".join(c if c.isalnum() else "_" for c in form).strip("_") or stage
-    src_io = onnx_io(source.file())
+    qairt = qairt_version_of(options)
+    hub_opts = compile_options(precision, str(options.get("hub_options") or ""), qairt)
+    spec = device_of(options)
+    want = expected_soc(options, target)
+    dev = resolve_device(hub, spec)  # an unknown device or a SoC mismatch stops here, before any upload
+    check_device_soc(dev, want)
     ledger = hubmod.Ledger(state_dir)
-    key = f"{artifact}|{device}|{hub_opts}"
-    client = hub.client
+    key = f"compile|{hub.api_url}|{spec}|{hub_opts}"
+    rerun = REBUILD_NOTE if rebuild else REATTACH
     t0 = time.perf_counter()
 
     entry = ledger.get(key) or {}
-    if rebuild and entry.get("state") != "submitted":
-        entry = {}  # --rebuild: a new upload and job; a job an interrupted run left running is still re-attached
+    if rebuild and entry:
+        if entry.get("job_id") and entry.get("state") == "submitted":
+            hub.say(f"AI Hub: --rebuild: not re-attaching to compile job {entry['job_id']} ({entry.get('url', '')});"
+                    " submitting a new one")
+        ledger.drop(key)
+        entry = {}
     job = None
-    if entry.get("state") == "submitted" and entry.get("job_id"):
-        hub.say(f"AI Hub: re-attaching to compile job {entry['job_id']} submitted earlier for this artifact")
-        job = hub.call(f"lookup of compile job {entry['job_id']}", client.get_job, entry["job_id"])
-    if job is None:
-        hub_model = None
-        if entry.get("state") == "uploaded" and entry.get("model_id"):
-            try:
-                hub_model = hub.call(f"lookup of model {entry['model_id']}", client.get_model, entry["model_id"])
-            except BackendError:
-                hub_model = None
-        if hub_model is None:
-            work = Path(tempfile.mkdtemp(prefix="vlmrun-qaihub-up-"))
-            try:
-                path = _upload_dir(source, work)
-                hub.say(f"AI Hub: uploading {stage} ({form}) from {source.path.name}")
-                hub_model = hub.call("model upload", client.upload_model, str(path),
-                                     name=f"vlmrun-{stage}-{source.path.name}")
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            ledger.update(key, state="uploaded", model_id=hub_model.model_id, stage=stage, device=device)
-        specs = {}
-        for t in src_io["inputs"]:
-            if all(isinstance(d, int) and d > 0 for d in t["shape"]):
-                specs[t["name"]] = (tuple(t["shape"]), t["dtype"])
-        calib = calibration_data(stage, model, src_io["inputs"], options) if precision != "fp16" else None
-        job = hub.call("compile job submission", client.submit_compile_job, hub_model, make_device(device),
-                       name=f"vlmrun {stage} {form} {precision}", input_specs=specs or None, options=hub_opts,
-                       calibration_data=calib, retry=False)
-        ledger.update(key, state="submitted", job_id=job.job_id, model_id=hub_model.model_id, url=job.url,
-                      stage=stage, device=device, options=hub_opts)
-        hub.say(f"AI Hub: compile job {job.job_id} submitted for {device} ({hub_opts}) {job.url}")
+    if entry.get("state") in ("submitted", "done") and entry.get("job_id"):
+        what = "re-attaching to" if entry["state"] == "submitted" else "downloading the result of"
+        hub.say(f"AI Hub: {what} compile job {entry['job_id']} submitted earlier for this artifact")
+        try:
+            job = hub.call(f"lookup of compile job {entry['job_id']}", hub.client.get_job, entry["job_id"])
+        except HubNotFound as exc:
+            _forgotten(hub, "compile", entry["job_id"], exc)
+            ledger.drop(key)
+            entry = {}
+    attached = job is not None
+    while True:
+        if job is None:
+            job = _submit_compile(hub, ledger, key, entry, stage, model, source, options, precision, hub_opts, dev)
+        try:
+            manifest = _finish_compile(hub, job, dev, want, stage, source, options, precision, hub_opts, qairt,
+                                       out_dir, target, rerun)
+        except HubNotFound as exc:
+            ledger.drop(key)
+            if not attached:
+                raise
+            _forgotten(hub, "compile", job.job_id, exc)
+            attached, job, entry = False, None, {}
+            continue
+        except (HubUnreachable, HubJobTimeout):
+            raise  # the job may still be running: the ledger keeps it for a rerun
+        except VlmrunError:
+            ledger.drop(key)  # a failed job, a binary for the wrong SoC, ...: the next run submits a new job
+            raise
+        ledger.update(key, state="done")
+        manifest["compile_s"] = round(time.perf_counter() - t0, 3)
+        return manifest
 
-    try:
-        hub.wait(job, "compile")
-    except BackendError as exc:
-        if " failed: " in str(exc):
-            ledger.drop(key)  # a failed job is not re-attached to: the next run submits a new one
-        raise
+
+def _submit_compile(hub, ledger, key, entry, stage, model, source, options, precision, hub_opts, dev):
+    client = hub.client
+    form = source.manifest.get("form", stage)
+    hub_model = None
+    if entry.get("state") == "uploaded" and entry.get("model_id"):
+        try:
+            hub_model = hub.call(f"lookup of model {entry['model_id']}", client.get_model, entry["model_id"])
+        except HubNotFound:
+            hub_model = None
+    if hub_model is None:
+        work = Path(tempfile.mkdtemp(prefix="vlmrun-qaihub-up-"))
+        try:
+            path = _upload_dir(source, work)
+            hub.say(f"AI Hub: uploading {stage} ({form}) from {source.path.name}")
+            hub_model = hub.call("model upload", client.upload_model, str(path),
+                                 name=f"vlmrun-{stage}-{source.path.name}")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        ledger.update(key, state="uploaded", model_id=hub_model.model_id, stage=stage, device=dev.spec)
+    specs = {}
+    src_io = onnx_io(source.file())
+    for t in src_io["inputs"]:
+        if all(isinstance(d, int) and d > 0 for d in t["shape"]):
+            specs[t["name"]] = (tuple(t["shape"]), t["dtype"])
+    calib = calibration_data(stage, model, src_io["inputs"], options) if precision != "fp16" else None
+    job = hub.call("compile job submission", client.submit_compile_job, hub_model, make_device(dev.spec),
+                   name=f"vlmrun {stage} {form} {precision}", input_specs=specs or None, options=hub_opts,
+                   calibration_data=calib, retry=False, idempotent=False)
+    ledger.update(key, state="submitted", job_id=job.job_id, model_id=hub_model.model_id,
+                  url=hubmod.redact(job.url), stage=stage, device=dev.spec, options=hub_opts, api_url=hub.api_url)
+    hub.say(f"AI Hub: compile job {job.job_id} submitted for {dev.name} ({hub_opts}) {hubmod.redact(job.url)}")
+    return job
+
+
+def _finish_compile(hub, job, dev, want, stage, source, options, precision, hub_opts, qairt, out_dir, target,
+                    rerun) -> dict:
+    import qai_hub
+    from qai_hub.client import ModelMetadataKey
+
+    form = source.manifest.get("form", stage)
+    name = "".join(c if c.isalnum() else "_" for c in form).strip("_") or stage
+    src_io = onnx_io(source.file())
+    hub.wait(job, "compile", rerun=rerun)
     target_model = hub.call(f"target model of job {job.job_id}", job.get_target_model)
     if target_model is None:
-        ledger.drop(key)
         raise BackendError(f"AI Hub compile job {job.job_id} finished without a target model ({job.url})")
     in_spec, graph = _spec_list(hub.call("target model inputs", lambda: target_model.input_spec))
     out_spec, _ = _spec_list(hub.call("target model outputs", lambda: target_model.output_spec))
@@ -307,23 +483,20 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
     bin_name = f"{name}_ctx_qnn.bin"
     _, got_name = hubmod.download_model_into(hub, target_model, out_dir, bin_name)
 
-    qnn = meta.get(ModelMetadataKey.QNN_SDK_VERSION) or meta.get(ModelMetadataKey.QAIRT_SDK_VERSION)
+    qnn = meta.get(ModelMetadataKey.QAIRT_SDK_VERSION) or meta.get(ModelMetadataKey.QNN_SDK_VERSION)
+    if not qnn and qairt and qairt[0].isdigit():
+        qnn = qairt  # the hub did not say: the version it was asked for
     graphs = [g for g in (meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_GRAPH_NAMES) or "").replace(";", ",").split(",")
               if g.strip()]
     soc_model = meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_SOC_MODEL)
-    soc_name = str(options.get("soc") or "").upper() or None
     soc_model_n = int(soc_model) if soc_model and str(soc_model).isdigit() else None
-    arch = None
-    hub_soc = socs.by_soc_model(soc_model_n)
-    if hub_soc is not None:
-        arch = hub_soc.arch
-        if soc_name and soc_name != hub_soc.name:
-            raise BackendError(f"AI Hub device '{device}' built the binary for {hub_soc.name}/{arch} but {soc_name}"
-                               f" was asked for; choose a device with that SoC (option device)")
-        soc_name = soc_name or hub_soc.name
-    if soc_name in socs.SOCS:
-        soc_model_n = soc_model_n or socs.SOCS[soc_name].soc_model
-        arch = arch or socs.SOCS[soc_name].arch
+    built_for = socs.by_soc_model(soc_model_n) or dev.soc
+    if want is not None and built_for is not None and built_for.name != want.name:
+        raise BackendError(f"AI Hub device {dev.name!r} built the binary for {built_for.name}/{built_for.arch} but"
+                           f" {want.name} was asked for; choose a device with that SoC (--device) or --soc"
+                           f" {built_for.name}")
+    soc = want or built_for
+    arch = soc.arch if soc else None
     hexagon = meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_HEXAGON_VERSION)
     if hexagon and not arch:
         arch = f"v{str(hexagon).lstrip('vV')}"
@@ -334,38 +507,96 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
     ctx_name = f"{name}_ctx.onnx"
     sdk = f"v{str(qnn).lstrip('vV')}" if qnn else None
     write_ctx_onnx(out_dir / ctx_name, bin_name, inputs, outputs, graph_name=graph_name, sdk_version=sdk)
-    ledger.update(key, state="done")
     manifest = ContextManifest(
         files=[ctx_name, bin_name], graphs=graphs or [graph_name], inputs=inputs, outputs=outputs,
         stage=stage, precision=precision, compiler=NAME, target=target,
         qnn_version=str(qnn).lstrip("vV") if qnn else None, ep_sdk_version=sdk,
-        soc=soc_name, soc_model=soc_model_n, arch=arch, source_form=form,
-        compile_s=round(time.perf_counter() - t0, 3),
+        soc=soc.name if soc else None, soc_model=soc_model_n or (soc.soc_model if soc else None), arch=arch,
+        source_form=form,
         binary_bytes={bin_name: (out_dir / bin_name).stat().st_size},
-        extra={"hub": {
-            "compile_job": job.job_id,
-            "target_model": target_model.model_id,
-            "device": device,
-            "options": hub_opts,
-            "url": hubmod.redact(job.url),
-            "downloaded_as": got_name,
-            "client": str(getattr(qai_hub, "__version__", "?")),
-        }},
+        extra={
+            # where the binary came from (scalars: `vlmrun compile` shows them)
+            "hub_compile_job": job.job_id,
+            "hub_url": hubmod.redact(job.url),
+            "hub_target_model": target_model.model_id,
+            "hub_device": dev.name,
+            "hub": {
+                "api_url": hub.api_url,
+                "device_spec": dev.spec,
+                "chipset": dev.chipset,
+                "options": hub_opts,
+                "qairt_version": qairt,
+                "downloaded_as": got_name,
+                "client": str(getattr(qai_hub, "__version__", "?")),
+            },
+        },
     )
     return manifest.to_dict()
 
 
 # -- hosted devices --------------------------------------------------------------------------------------------
-class HostedStage(StageHandle):
-    """A stage compiled on AI Hub; each run is an inference job (profile=True) on the hosted device."""
+_US = ("estimated_inference_time", "first_load_time", "warm_load_time", "compile_time")
+_RENAME = {
+    "estimated_inference_time": "inference_each_ms",
+    "estimated_inference_peak_memory": "inference_peak_memory_bytes",
+    "first_load_time": "load_cold_ms",
+    "first_load_peak_memory": "load_cold_peak_memory_bytes",
+    "warm_load_time": "load_warm_ms",
+    "warm_load_peak_memory": "load_warm_peak_memory_bytes",
+    "compile_time": "device_compile_ms",
+    "compile_peak_memory": "device_compile_peak_memory_bytes",
+}
 
-    def __init__(self, hub: hubmod.Hub, artifact, stage: str, device: str, embed_seq: int | None = None):
+
+def profile_figures(summary: dict, inferences: int) -> dict:
+    """The client's ``execution_summary`` (times in microseconds, memory in bytes, unit-less keys) with units in
+    the key names: ``*_ms`` milliseconds, ``*_bytes`` bytes. ``inference_ms`` is the device time of the whole
+    stage run (``inference_each_ms`` x ``inferences``); missing metrics are left out."""
+    out: dict = {}
+    for k, v in summary.items():
+        if v is None:
+            continue
+        if k in _RENAME:
+            out[_RENAME[k]] = round(v / 1000.0, 3) if k in _US else int(v)
+        elif k.startswith("all_") and k.endswith("_times") and isinstance(v, (list, tuple)):
+            out[f"{k[4:-6]}_runs_ms"] = [round(t / 1000.0, 3) for t in v]
+        elif k.endswith("_range") and isinstance(v, (list, tuple)):
+            out[f"{k[: -len('_range')]}_range_bytes"] = [int(x) for x in v]
+    if "inference_each_ms" in out:
+        out["inferences"] = int(inferences)
+        out["inference_ms"] = round(out["inference_each_ms"] * inferences, 3)
+    return out
+
+
+def _digest(batches: dict[str, list[np.ndarray]]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(batches):
+        for a in batches[name]:
+            h.update(f"{name}|{a.dtype}|{a.shape}|".encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:24]
+
+
+class HostedStage(StageHandle):
+    """A stage compiled on AI Hub; each run is an inference job (profile=True) on the hosted device, recorded in
+    the artifact's job ledger so that an interrupted run's job is re-attached by a rerun with the same inputs.
+
+    ``last_profile`` (after a run): ``job_id``, ``url``, ``device``, ``target_model``, and the device's figures
+    with units in their names (:func:`profile_figures`): ``inference_ms`` (the stage on the device),
+    ``inference_each_ms``, ``inferences``, ``inference_peak_memory_bytes``, ``load_cold_ms``, ``load_warm_ms``,
+    ``*_peak_memory_bytes``, ``*_runs_ms``, ``*_range_bytes``, and ``job_wall_ms`` (submission to results, queue
+    and polling included)."""
+
+    def __init__(self, hub: hubmod.Hub, artifact, stage: str, device: str, embed_seq: int | None = None,
+                 state_dir: Path | None = None, qairt: str | None = None):
         self.hub = hub
         self.artifact = artifact
         self.artifacts = (artifact,)
         self.stage = stage
         self.device = device
         self.embed_seq = embed_seq
+        self.qairt = qairt
+        self.ledger = hubmod.Ledger(state_dir) if state_dir else None
         self.load_s = 0.0
         self.last_profile: dict = {}
         self.last_job: str | None = None
@@ -377,41 +608,90 @@ class HostedStage(StageHandle):
     def _hub_model(self):
         if self._model is None:
             client = self.hub.client
-            mid = self.artifact.manifest.get("hub", {}).get("target_model")
+            m = self.artifact.manifest
+            mid = m.get("hub_target_model") or (m.get("hub") or {}).get("target_model")
             if mid:
                 try:
                     self._model = self.hub.call(f"lookup of model {mid}", client.get_model, mid)
-                except BackendError:
+                except HubNotFound:  # the hub forgot it (or another account): upload the binary we have
                     self._model = None
-            if self._model is None:  # the hub forgot it (or another account): upload the binary we have
-                bin_path = next(self.artifact.path / f for f in self.artifact.manifest["files"] if f.endswith(".bin"))
+            if self._model is None:
+                bin_path = next(self.artifact.path / f for f in m["files"] if f.endswith(".bin"))
+                self.hub.say(f"AI Hub: uploading the stored context binary {bin_path.name}"
+                             + (f" (the hub no longer has model {mid})" if mid else ""))
                 self._model = self.hub.call("context binary upload", client.upload_model, str(bin_path))
         return self._model
 
+    def _submit(self, feeds):
+        job = self.hub.call("inference job submission", self.hub.client.submit_inference_job, self._hub_model(),
+                            make_device(self.device), inputs=feeds, profile=True, name=f"vlmrun {self.stage}",
+                            options=f"--qairt_version {self.qairt}" if self.qairt else "",
+                            retry=False, idempotent=False)
+        self.hub.say(f"AI Hub: inference job {job.job_id} submitted on {self.device} {hubmod.redact(job.url)}")
+        return job
+
     def run_batches(self, batches: dict[str, list[np.ndarray]]) -> dict[str, list[np.ndarray]]:
-        client = self.hub.client
         feeds = {}
         for name, arrs in batches.items():
             dtype = self.inputs.get(name, (None, None))[1]
             feeds[name] = [np.ascontiguousarray(a, dtype=dtype) if dtype else np.ascontiguousarray(a) for a in arrs]
-        job = self.hub.call("inference job submission", client.submit_inference_job, self._hub_model(),
-                            make_device(self.device), inputs=feeds, profile=True,
-                            name=f"vlmrun {self.stage}", retry=False)
-        self.last_job = job.job_id
-        self.hub.say(f"AI Hub: inference job {job.job_id} submitted on {self.device} {job.url}")
-        self.hub.wait(job, "inference")
-        outs = self.hub.call(f"outputs of job {job.job_id}", job.download_output_data)
+        n = max((len(v) for v in feeds.values()), default=1)
+        key = f"inference|{self.hub.api_url}|{self.device}|{self.qairt or ''}|{_digest(feeds)}"
+        ledger = self.ledger
+        t0 = time.perf_counter()
+        entry = (ledger.get(key) if ledger else None) or {}
+        job = None
+        if entry.get("job_id"):
+            self.hub.say(f"AI Hub: re-attaching to inference job {entry['job_id']} submitted earlier for these inputs")
+            try:
+                job = self.hub.call(f"lookup of inference job {entry['job_id']}", self.hub.client.get_job,
+                                    entry["job_id"])
+            except HubNotFound as exc:
+                _forgotten(self.hub, "inference", entry["job_id"], exc)
+                ledger.drop(key)
+        attached = job is not None
+        while True:
+            if job is None:
+                job = self._submit(feeds)
+                if ledger:
+                    ledger.update(key, state="submitted", job_id=job.job_id, url=hubmod.redact(job.url),
+                                  kind="inference", stage=self.stage, device=self.device)
+            self.last_job = job.job_id
+            try:
+                self.hub.wait(job, "inference", rerun=REATTACH if ledger else "a rerun submits a new job")
+                outs = self.hub.call(f"outputs of job {job.job_id}", job.download_output_data)
+                prof = self.hub.call(f"profile of job {job.job_id}", job.download_profile) or {}
+            except HubNotFound as exc:
+                if ledger:
+                    ledger.drop(key)
+                if not attached:
+                    raise
+                _forgotten(self.hub, "inference", job.job_id, exc)
+                attached, job = False, None
+                continue
+            except (HubUnreachable, HubJobTimeout):
+                raise
+            except VlmrunError:
+                if ledger:
+                    ledger.drop(key)
+                raise
+            break
+        if ledger:
+            ledger.drop(key)
         if not outs:
             raise BackendError(f"AI Hub inference job {job.job_id} returned no outputs ({job.url})")
-        prof = self.hub.call(f"profile of job {job.job_id}", job.download_profile) or {}
-        summary = dict(prof.get("execution_summary") or {})
-        self.last_profile = {"job_id": job.job_id, "device": self.device, "url": job.url,
-                             **{k: v for k, v in summary.items() if not isinstance(v, (list, tuple)) or k.startswith("all_")}}
+        m = self.artifact.manifest
+        self.last_profile = {
+            "job_id": job.job_id, "url": hubmod.redact(job.url), "device": self.device,
+            "target_model": getattr(self._model, "model_id", None) or m.get("hub_target_model"),
+            **profile_figures(dict(prof.get("execution_summary") or {}), n),
+            "job_wall_ms": round((time.perf_counter() - t0) * 1e3, 1),
+        }
         names = list(outs)
         if set(self.output_names) <= set(names):
-            return {n: outs[n] for n in self.output_names}
+            return {k: outs[k] for k in self.output_names}
         if len(names) == len(self.output_names):  # the hub renamed them: keep the order
-            return dict(zip(self.output_names, (outs[n] for n in names)))
+            return dict(zip(self.output_names, (outs[k] for k in names)))
         raise BackendError(f"AI Hub job {job.job_id} returned outputs {names}, expected {self.output_names}")
 
     def run(self, inputs: dict) -> dict:
@@ -444,16 +724,20 @@ def load_stage(backend, stage, ctx):
         raise UsageError(f"qaihub runs {', '.join(HOSTED_STAGES)} on hosted devices, not '{stage}'")
     o = dict(ctx.options)
     precision = str(o.get("precision") or "fp16").lower()
+    qairt = qairt_version_of(o)
     compile_options(precision)  # validates
     device = device_of(o)
     form = forms(stage, o)
     src = ctx.exported(form)
     key_opts = {"precision": precision, "device": device, "hub_options": str(o.get("hub_options") or ""),
-                "soc": o.get("soc"), "calibration_images": o.get("calibration_images")}
+                "soc": o.get("soc"), "calibration_images": o.get("calibration_images"), "qairt_version": qairt,
+                "calibration_samples": o.get("calibration_samples") if precision != "fp16" else None}
     key_opts = {k: v for k, v in key_opts.items() if v}
     art = ctx.compiled(src, key_opts, f"{form.label()}-{precision}-{device.replace(' ', '_')}")
     hub = hub_for(o)
-    return HostedStage(hub, art, stage, device, form.get("seq") if stage == "embed" else None)
+    state_dir = Path(ctx.store.root) / "state" / art.path.name  # the artifact's state directory (its job ledger)
+    return HostedStage(hub, art, stage, device, form.get("seq") if stage == "embed" else None,
+                       state_dir=state_dir, qairt=qairt)
 
 
 @hookimpl

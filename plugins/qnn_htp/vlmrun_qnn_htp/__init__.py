@@ -396,8 +396,9 @@ def load_stage(backend, stage, ctx):
                 k = json.loads(mf.read_text()).get("key") or {}
             except (OSError, ValueError):
                 continue
-            if (k.get("backend") == NAME and k.get("compiler") not in (None, NAME) and k.get("source") in srcs
-                    and (k.get("options") or {}).get("precision") == opts["precision"]):
+            ko = k.get("options") or {}
+            same = (ko.get("precision"), ko.get("soc")) == (opts["precision"], opts["soc"])
+            if k.get("backend") == NAME and k.get("compiler") not in (None, NAME) and k.get("source") in srcs and same:
                 print(f"qnn_htp: {stage} runs {arts[0].path.name} (compiled here); {k['compiler']} compiled"
                       f" {mf.parent.name} for it too: add --compiler {k['compiler']} to run that one", file=sys.stderr)
                 break
