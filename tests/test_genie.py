@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vlmrun import GenerationSettings, Pipeline, genie
-from vlmrun.errors import BackendError, UsageError
+from vlmrun import GenerationSettings, Pipeline
+from vlmrun_qualcomm import genie
+from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import Layout, StageAssignment
 from vlmrun.sampling import Sampler, SamplingSettings
 from vlmrun.stages import STAGES, DecodeRequest
@@ -157,6 +158,17 @@ def test_genie_on_htp_equals_host_loop_over_same_binaries(genie_htp_pipe, ref_ge
 
 
 # -- genie-t2t-run runner ----------------------------------------------------------------------------------------
+def fake_libs(d: Path, skip=()) -> Path:
+    """A directory with the four Genie CPU libraries (dummies the stand-in looks up in LD_LIBRARY_PATH)."""
+    from vlmrun_qualcomm.sdk import GENIE_CPU_LIBS
+
+    d.mkdir(parents=True, exist_ok=True)
+    for lib in GENIE_CPU_LIBS:
+        if lib not in skip:
+            (d / lib).write_bytes(b"\x7fELF stand-in")
+    return d
+
+
 def test_t2t_flag_rules(tmp_path):
     with pytest.raises(UsageError, match="-t .* needs -e"):
         genie.t2t_argv("g", "c.json", prompt="hi", lut="l.raw")
@@ -177,6 +189,7 @@ def t2t_files(tmp_path, tiny_model):
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     genie.write_embeddings(tmp_path / "e.raw", np.ones((1, 3, facts.hidden), np.float32))
     genie.write_lut(tmp_path / "l.raw", np.zeros((facts.vocab, facts.hidden), np.float32))
+    fake_libs(tmp_path / "lib")
     return tmp_path
 
 
@@ -185,16 +198,21 @@ def _argv(d: Path):
                           lut=str(d / "l.raw"), output_type="text", profile=str(d / "prof.json"))
 
 
+def _run(d: Path, argv=None, **kw):
+    kw.setdefault("timeout", 30)
+    return genie.run_t2t(argv or _argv(d), env={"LD_LIBRARY_PATH": str(d / "lib")}, **kw)
+
+
 def test_t2t_parses_text_and_profile(t2t_files, monkeypatch):
     monkeypatch.setenv("STANDIN_GENIE_TEXT", "two cats on a mat")
-    res = genie.run_t2t(_argv(t2t_files), timeout=30, profile=t2t_files / "prof.json")
+    res = _run(t2t_files, profile=t2t_files / "prof.json")
     assert res.text == "two cats on a mat"
     assert res.timings == {"genie_init_ms": 120.0, "genie_query_ms": 900.0, "prompt_tokens": 3.0,
                            "prompt_tokens_per_s": 250.5, "ttft_ms": 345.678, "new_tokens": 5.0, "tokens_per_s": 12.25}
 
 
 @pytest.mark.parametrize("mode, match", [
-    ("exit", r"exited with status 1: ERROR: Failed to create the dialog"),
+    ("exit", r"exited with status 1: Failed to create the dialog\.$"),
     ("errline", r"reported an error: ERROR: QnnGenAiTransformer: failed to read model bin"),
     ("noend", r"without \[END\]"),
     ("hang", r"timed out after 2 s"),
@@ -203,7 +221,7 @@ def test_t2t_faults_are_clear_errors(t2t_files, monkeypatch, mode, match):
     monkeypatch.setenv("STANDIN_GENIE_MODE", mode)
     t0 = time.perf_counter()
     with pytest.raises(BackendError, match=match) as err:
-        genie.run_t2t(_argv(t2t_files), timeout=2, profile=t2t_files / "prof.json")
+        _run(t2t_files, timeout=2, profile=t2t_files / "prof.json")
     assert "\n" not in str(err.value) and time.perf_counter() - t0 < 20
 
 
@@ -211,25 +229,90 @@ def test_t2t_tool_refuses_existing_profile_and_bad_embedding_size(t2t_files):
     argv = _argv(t2t_files)
     (t2t_files / "prof.json").write_text("{}")  # the tool itself refuses it too
     with pytest.raises(BackendError, match="already exists"):
-        genie.run_t2t(argv, timeout=30)
+        _run(t2t_files, argv)
     (t2t_files / "e.raw").write_bytes(b"\0" * 12)
     with pytest.raises(BackendError, match="not a multiple"):
-        genie.run_t2t(argv[:-2], timeout=30)
+        _run(t2t_files, argv[:-2])
+
+
+# -- issue 11: what a real genie-t2t-run does ---------------------------------------------------------------------
+@pytest.mark.parametrize("text", [
+    "Error: the image shows a warning sign",
+    "Failed to find a cat. Exception handling is hard.\nERROR 404 is a page",
+])
+def test_generated_text_that_looks_like_an_error_is_text(t2t_files, monkeypatch, text):
+    """Errors come from stderr and the exit status; the model's own words are never scanned."""
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", text)
+    assert _run(t2t_files).text == text
+    out = f"Using libGenie.so version 1.21.0\n\n[BEGIN]: {text}[END]\n\n"
+    assert genie.parse_t2t_output(out, "", 0) == text
+    with pytest.raises(BackendError, match=r"exited with status 1: Failed to create the dialog\.$"):
+        genie.parse_t2t_output(out, "Failed to create the dialog.\n", 1)
+    assert genie.parse_t2t_output(out, "Failed to free the dialog.\n", 0) == text  # clean-up noise is not a fault
+
+
+def test_t2t_missing_genie_cpu_library_fails_like_the_real_tool(t2t_files):
+    for missing in ("libQnnGenAiTransformerModel.so", "libQnnGenAiTransformerCpuOpPkg.so"):
+        fake_libs(t2t_files / f"lib-{missing}", skip=(missing,))
+        with pytest.raises(BackendError, match=r"exited with status 1: Failed to create the dialog\.$"):
+            genie.run_t2t(_argv(t2t_files), timeout=30, env={"LD_LIBRARY_PATH": str(t2t_files / f"lib-{missing}")})
+    # on a phone genie-t2t-run and libGenie.so also link the NDK's libc++_shared.so
+    with pytest.raises(BackendError, match=r'CANNOT LINK EXECUTABLE .*"libc\+\+_shared\.so" not found'):
+        genie.run_t2t(_argv(t2t_files), timeout=30, env={"LD_LIBRARY_PATH": str(t2t_files / "lib"),
+                                                         "STANDIN_ON_DEVICE": "1"})
+
+
+def test_context_limit_is_checked_first_and_its_exit_is_one_line(t2t_files, tiny_model, monkeypatch):
+    with pytest.raises(InputError) as err:
+        genie.check_context(120, 16, 128)
+    assert str(err.value) == ("the prompt (120 tokens) plus 16 new tokens do not fit the Genie context of 128 tokens;"
+                              " lower --max-new-tokens to 8 or raise the decoder's context_length")
+    genie.check_context(120, 8, 128)
+    # the real tool: prompt 126 rows, context 128: token 3 needs 126 + 2 positions > 128 -> exit 1
+    facts = genie.GenieModel.from_model(tiny_model)
+    genie.write_embeddings(t2t_files / "e.raw", np.ones((1, 126, facts.hidden), np.float32))
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", "one two three four")
+    with pytest.raises(genie.ContextLimitError) as err:
+        _run(t2t_files)
+    assert "\n" not in str(err.value) and "context limit" in str(err.value)
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", "one two")  # 126 + 2 - 1 <= 128: fits
+    assert _run(t2t_files).text == "one two"
+    # libGenie reports the same condition as a status; both paths raise ContextLimitError
+    with pytest.raises(genie.ContextLimitError, match="GENIE_STATUS_WARNING_CONTEXT_EXCEEDED"):
+        genie.check_query_status(None, 3, "GenieDialog_embeddingTokenQuery")
 
 
 # -- genie_cpu ---------------------------------------------------------------------------------------------------
-def fake_sdk(root: Path, *, composer=True, t2t=True, android=False) -> Path:
+NDK_ENVS = ("ANDROID_NDK_ROOT", "ANDROID_NDK_HOME", "ANDROID_NDK")
+
+
+def fake_sdk(root: Path, *, composer=True, t2t=True, android=False, libs=True, skip=(),
+             version="2.42.0.251225") -> Path:
+    """A QAIRT SDK layout whose tools are the stand-ins: sdk.yaml, lib/python/qti/aisw (what the Python tools
+    import), genie-t2t-run and the four Genie CPU libraries per architecture, the composer."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sdk.yaml").write_text(f"name: qairt\nversion: {version}\n")
+    for pkg in ("qti", "qti/aisw", "qti/aisw/genai", "qti/aisw/converters"):
+        (root / "lib" / "python" / pkg).mkdir(parents=True, exist_ok=True)
+        (root / "lib" / "python" / pkg / "__init__.py").write_text("")
     for arch in ["x86_64-linux-clang"] + (["aarch64-android"] if android else []):
         (root / "bin" / arch).mkdir(parents=True, exist_ok=True)
         (root / "lib" / arch).mkdir(parents=True, exist_ok=True)
         if t2t:
             (root / "bin" / arch / "genie-t2t-run").symlink_to(STANDINS / "genie-t2t-run")
-        if android:
-            for lib in ("libGenie.so", "libQnnGenAiTransformer.so"):
-                (root / "lib" / arch / lib).write_bytes(b"\x7fELF stand-in")
+        if libs:
+            fake_libs(root / "lib" / arch, skip)
     if composer:
         (root / "bin" / "x86_64-linux-clang" / "qnn-genai-transformer-composer").symlink_to(
             STANDINS / "qnn-genai-transformer-composer")
+    return root
+
+
+def fake_ndk(root: Path) -> Path:
+    from vlmrun_qualcomm.sdk import NDK_LIBCXX
+
+    (root / NDK_LIBCXX).parent.mkdir(parents=True, exist_ok=True)
+    (root / NDK_LIBCXX).write_bytes(b"\x7fELF stand-in libc++_shared")
     return root
 
 
@@ -248,6 +331,11 @@ def test_genie_cpu_missing_sdk_fails_before_any_work(tiny_model, tmp_path, monke
     monkeypatch.setenv("QAIRT_SDK_ROOT", str(sdk))
     with pytest.raises(BackendError, match=rf"looked in {sdk} \(\$QAIRT_SDK_ROOT\)"):
         Pipeline.build(tiny_model, layout("genie_cpu"), store=store)
+    # Genie opens the model library and the op package too: a missing one is named before any work
+    sdk2 = fake_sdk(tmp_path / "sdk2", skip=("libQnnGenAiTransformerModel.so",))
+    monkeypatch.setenv("QAIRT_SDK_ROOT", str(sdk2))
+    with pytest.raises(BackendError, match=r"needs the QAIRT SDK's libQnnGenAiTransformerModel\.so \(x86_64"):
+        Pipeline.build(tiny_model, layout("genie_cpu", runner="t2t"), store=store)
     assert store.builds == []  # preflight stopped it before any export or compile
 
 
@@ -255,6 +343,8 @@ def test_genie_cpu_missing_sdk_fails_before_any_work(tiny_model, tmp_path, monke
 def cpu_env(tmp_path, monkeypatch):
     sdk = fake_sdk(tmp_path / "sdk")
     monkeypatch.setenv("QAIRT_SDK_ROOT", str(sdk))
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setenv("STANDIN_GENIE_LOG", str(tmp_path / "t2t.json"))
     monkeypatch.setenv("STANDIN_COMPOSER_LOG", str(tmp_path / "composer.json"))
     return tmp_path
@@ -263,7 +353,8 @@ def cpu_env(tmp_path, monkeypatch):
 def test_genie_cpu_end_to_end_through_standins(cpu_env, tiny_model, store, ref_gen, image_path, monkeypatch):
     text = "a red square"
     monkeypatch.setenv("STANDIN_GENIE_TEXT", text)
-    pipe = Pipeline.build(tiny_model, layout("genie_cpu", quantize="z8", context_length=256), store=store, rebuild=True)
+    pipe = Pipeline.build(tiny_model, layout("genie_cpu", quantize="z8", context_length=256, runner="t2t"),
+                          store=store, rebuild=True)
     handle = pipe.handles["decoder"]
     assert handle.mode == "t2t" and handle.context_length == 256
     composer = json.loads((cpu_env / "composer.json").read_text())
@@ -288,6 +379,7 @@ def test_genie_cpu_end_to_end_through_standins(cpu_env, tiny_model, store, ref_g
     assert np.array_equal(emb, ref_gen.tensors["inputs_embeds"][0])
     argv = seen["argv"]
     assert argv[argv.index("--embedding_query_output_type") + 1] == "text" and "-t" in argv and "-p" not in argv
+    assert seen["ld_library_path"].split(os.pathsep)[0] == str(cpu_env / "sdk" / "lib" / "x86_64-linux-clang")
     cfg = seen["config"]
     assert cfg["engine"]["backend"]["type"] == "QnnGenAiTransformer" and cfg["max-num-tokens"] == 8
     assert cfg["context"]["size"] == 256 and cfg["context"]["n-embd"] == tiny_model.hidden_size
@@ -295,8 +387,81 @@ def test_genie_cpu_end_to_end_through_standins(cpu_env, tiny_model, store, ref_g
     assert handle.last_timings["prompt_tokens"] == emb.shape[0]
 
 
+def test_composer_gets_config_file_and_sdk_environment(cpu_env, tiny_model, store):
+    pipe = Pipeline.build(tiny_model, layout("genie_cpu", context_length=192, runner="t2t"), store=store,
+                          rebuild=True)
+    log = json.loads((cpu_env / "composer.json").read_text())
+    argv, sdk = log["argv"], cpu_env / "sdk"
+    assert argv[argv.index("--config_file") + 1].endswith("composer_config.json")
+    assert "--dump_lut" in argv and "--export_tokenizer_json" in argv and "--quantize" not in argv
+    assert log["env"]["QNN_SDK_ROOT"] == str(sdk)
+    assert log["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(sdk / "lib" / "python")
+    arch, tc = log["config_file"], tiny_model.text_config
+    assert (arch["size.vocabulary"], arch["size.embedding"], arch["size.feedforward"], arch["size.context"]) == (
+        tc["vocab_size"], tc["hidden_size"], tc["intermediate_size"], 192)
+    assert (arch["architecture.num_decoders"], arch["architecture.num_heads"], arch["architecture.num_kv_heads"]) == (
+        tc["num_hidden_layers"], tc["num_attention_heads"], tc["num_key_value_heads"])
+    assert arch["operation.rope_scaling"] == tiny_model.rope_theta
+    assert arch["operation.rope_num_rotations"] == tiny_model.head_dim
+    assert arch["tensor.attention_q_bias"] == {"name": "self_attn.q_proj.bias"}  # Qwen2's q/k/v biases
+    art = pipe.handles["decoder"].artifact
+    assert art.manifest["lut"]["from"] == "--dump_lut" and art.manifest["composer_argv"][0] == (
+        "qnn-genai-transformer-composer")
+    assert (art.path / "tokenizer.json").read_bytes() == (tiny_model.path / "tokenizer.json").read_bytes()
+
+
+def test_composer_standin_enforces_the_sdk_environment_and_config_file(cpu_env, tiny_model, tmp_path):
+    import subprocess
+
+    from vlmrun_genie_cpu.compose import write_qwen2_dir
+    from vlmrun_qualcomm.sdk import Sdk
+
+    qwen, _ = write_qwen2_dir(tiny_model, tmp_path / "qwen2")
+    exe = STANDINS / "qnn-genai-transformer-composer"
+    base = ["--model", str(qwen), "--outfile", str(tmp_path / "m.bin")]
+    bare = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QNN_SDK_ROOT")}
+    res = subprocess.run([str(exe), *base], env=bare, capture_output=True, text=True)
+    assert res.returncode == 1 and "No module named 'qti'" in res.stderr
+    sdk_env = Sdk.find(cpu_env / "sdk").env()
+    res = subprocess.run([str(exe), *base], env=sdk_env, capture_output=True, text=True)
+    assert res.returncode == 1 and "describe it with --config_file" in res.stderr
+
+
+def test_genie_cpu_context_limit_before_start_and_after(cpu_env, tiny_model, store, image_path, monkeypatch):
+    pipe = Pipeline.build(tiny_model, layout("genie_cpu", context_length=256, runner="t2t"), store=store)
+    handle = pipe.handles["decoder"]
+    prepared = pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=2)).run()
+    emb = prepared.tensors["inputs_embeds"]
+    P = emb.shape[1]
+    (cpu_env / "t2t.json").unlink()
+    too_many = DecodeRequest(emb, 256 - P + 1, Sampler(), frozenset(), pipe.embed_tokens, 256)
+    with pytest.raises(InputError, match=rf"the prompt \({P} tokens\) plus {257 - P} new tokens do not fit the Genie"
+                                         r" context of 256 tokens; lower --max-new-tokens to"):
+        list(handle.generate(too_many))
+    assert not (cpu_env / "t2t.json").exists()  # genie-t2t-run never started
+    # Genie reaching the context anyway (its count is its own): genie-t2t-run exits 1, the user gets one line
+    real_config = handle.config
+    monkeypatch.setattr(handle, "config", lambda req, mb, tok: {
+        "dialog": {**real_config(req, mb, tok)["dialog"],
+                   "context": {**real_config(req, mb, tok)["dialog"]["context"], "size": P + 1}}})
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", "one two three four five")
+    with pytest.raises(genie.ContextLimitError) as err:
+        pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=5)).run()
+    assert str(err.value) == (f"Genie (t2t) stopped at its context limit of 256 tokens (prompt {P} tokens, up to 5"
+                              " new): raise the decoder's context_length or lower --max-new-tokens")
+
+
+def test_genie_cpu_generated_error_text_reaches_the_user_as_text(cpu_env, tiny_model, store, image_path,
+                                                                 monkeypatch):
+    text = "Error: Failed to see anything. Exception: it is dark"
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", text)
+    pipe = Pipeline.build(tiny_model, layout("genie_cpu", context_length=256, runner="t2t"), store=store)
+    gen = pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=100)).run()
+    assert gen.text == text and gen.stopped_by == "max_new_tokens"
+
+
 def test_genie_cpu_t2t_fault_reaches_the_user(cpu_env, tiny_model, store, image_path, monkeypatch):
-    pipe = Pipeline.build(tiny_model, layout("genie_cpu", context_length=256, timeout=3), store=store)
+    pipe = Pipeline.build(tiny_model, layout("genie_cpu", context_length=256, timeout=3, runner="t2t"), store=store)
     monkeypatch.setenv("STANDIN_GENIE_MODE", "hang")
     with pytest.raises(BackendError, match="timed out after 3 s"):
         pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=4)).run()
@@ -309,17 +474,39 @@ def test_genie_cpu_composer_failure(cpu_env, tiny_model, store, monkeypatch):
 
 
 def test_genie_cpu_over_adb(tmp_path, tiny_model, store, image_path, monkeypatch):
+    from vlmrun_genie_cpu.runner import DEVICE_FILES
+
     sdk = fake_sdk(tmp_path / "sdk", android=True)
+    for env in NDK_ENVS:
+        monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("QAIRT_SDK_ROOT", str(sdk))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setenv("VLMRUN_ADB", str(STANDINS / "adb"))
     monkeypatch.setenv("STANDIN_ADB_ROOT", str(tmp_path / "device"))
+    monkeypatch.setenv("STANDIN_ADB_LOG", str(tmp_path / "adb.log"))
     monkeypatch.setenv("STANDIN_GENIE_TEXT", "on the phone")
-    pipe = Pipeline.build(tiny_model, layout("genie_cpu", target="android", context_length=256), store=store)
+    lay = layout("genie_cpu", target="android", context_length=256)
+    # without the NDK's libc++_shared.so genie-t2t-run cannot start on a phone: named before any work
+    with pytest.raises(BackendError, match=r"libc\+\+_shared\.so \(from the Android NDK: set ANDROID_NDK_ROOT\)"
+                                           r" \(aarch64-android\)"):
+        Pipeline.build(tiny_model, lay, store=store)
+    assert not (tmp_path / "adb.log").exists()
+    monkeypatch.setenv("ANDROID_NDK_ROOT", str(fake_ndk(tmp_path / "ndk")))
+    pipe = Pipeline.build(tiny_model, lay, store=store)
     gen = pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=6)).run()
     assert gen.text == "on the phone"
     remote = tmp_path / "device" / "data/local/tmp/vlmrun/genie"
     assert (remote / "model.bin").is_file() and (remote / "embed_lut_f32.raw").is_file()
+    assert DEVICE_FILES == ("genie-t2t-run", "libGenie.so", "libQnnGenAiTransformer.so",
+                            "libQnnGenAiTransformerModel.so", "libQnnGenAiTransformerCpuOpPkg.so", "libc++_shared.so")
+    pushed = {Path(p).name for p in pipe.handles["decoder"].adb.pushed}
+    assert set(DEVICE_FILES) <= pushed and all((remote / n).is_file() for n in DEVICE_FILES)
     assert pipe.handles["decoder"].last_timings["ttft_ms"] == 345.678
+    # a missing Genie CPU library of the phone's SDK is named before any work
+    sdk2 = fake_sdk(tmp_path / "sdk2", android=True, skip=("libQnnGenAiTransformerCpuOpPkg.so",))
+    monkeypatch.setenv("QAIRT_SDK_ROOT", str(sdk2))
+    with pytest.raises(BackendError, match=r"libQnnGenAiTransformerCpuOpPkg\.so \(aarch64-android\)"):
+        Pipeline.build(tiny_model, lay, store=store)
 
 
 def test_compile_cli_quantize(cpu_env):

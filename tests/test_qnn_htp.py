@@ -87,11 +87,13 @@ def int8_pipe(tiny_model, store, calib_dir, registry):
 
 # -- compile, manifest, store ------------------------------------------------------------------------------
 def test_every_stage_compiles_for_sm8750_with_manifest(htp_pipe):
-    arts = [htp_pipe.handles[s].artifact for s in ("vision", "projector", "embed")] + htp_pipe.handles["decoder"].artifacts
+    arts = [htp_pipe.handles[s].artifact for s in ("vision", "projector", "embed")] + list(
+        htp_pipe.handles["decoder"].artifacts)
     assert len(arts) == 5  # decoder: AR-32 and AR-1
     for art in arts:
         m = art.manifest
         assert m["qnn_version"] == "2.51.0" and m["ep_sdk_version"].startswith("v2.51")
+        assert "toolchain" not in m  # onnxruntime-qnn compiles by default, never the SDK's tools
         assert (m["soc"], m["soc_model"], m["arch"], m["precision"], m["fallback"]) == ("SM8750", 69, "v79", "fp16", "disabled")
         assert m["graphs"] and all(g for g in m["graphs"])
         bins = [f for f in m["files"] if f.endswith(".bin")]
@@ -279,20 +281,48 @@ def test_cli_compile_all_npu_int8(htp_pipe, cache_dir):
 
 
 # -- adb + qnn-net-run (stand-ins) --------------------------------------------------------------------------
-@pytest.fixture
-def device(tmp_path, monkeypatch):
-    """A fake SDK (qnn-net-run = the stand-in) and a fake phone behind the adb stand-in."""
-    sdk = tmp_path / "qairt"
-    exe = sdk / "bin" / "aarch64-android" / "qnn-net-run"
-    exe.parent.mkdir(parents=True)
-    # the "device" libs are dummies: keep the host's loader away from them (the real libs come with onnxruntime-qnn)
-    exe.write_text(f"#!/bin/sh\nexec env -u LD_LIBRARY_PATH -u ADSP_LIBRARY_PATH {sys.executable}"
-                   f" {STANDINS / 'qnn-net-run'} \"$@\"\n")
-    exe.chmod(0o755)
+MATCHING_QAIRT = "2.51.0.251216"  # the QNN of onnxruntime-qnn 2.7.0, whose binaries qnn_htp makes by default
+OLD_QAIRT = "2.42.0.251225"  # the SDK of the FastVLM hand-off
+
+
+def standin_tool(path: Path, tool: str) -> None:
+    """``path`` runs the stand-in ``tool`` with this interpreter (onnxruntime-qnn), the host's loader kept away from
+    the fake SDK's dummy libraries (the real libs come with onnxruntime-qnn)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\nexec env -u LD_LIBRARY_PATH -u ADSP_LIBRARY_PATH {sys.executable}"
+                    f" {STANDINS / tool} \"$@\"\n")
+    path.chmod(0o755)
+
+
+def fake_qairt(sdk: Path, version: str | None = MATCHING_QAIRT, compile_tools: bool = False, skip=()) -> Path:
+    """A QAIRT SDK layout: sdk.yaml, the phone runtime (qnn-net-run = the stand-in, dummy libraries whose
+    libQnnHtp.so carries the version as the real one carries its build id), optionally the host compile tools."""
+    standin_tool(sdk / "bin" / "aarch64-android" / "qnn-net-run", "qnn-net-run")
+    if version:
+        (sdk / "sdk.yaml").write_text(f"name: qairt\nversion: {version}\n")
     for lib in ("lib/aarch64-android/libQnnHtp.so", "lib/aarch64-android/libQnnHtpV79Stub.so",
                 "lib/aarch64-android/libQnnSystem.so", "lib/hexagon-v79/unsigned/libQnnHtpV79Skel.so"):
         (sdk / lib).parent.mkdir(parents=True, exist_ok=True)
-        (sdk / lib).write_bytes(b"\x7fELF stand-in " + lib.encode())
+        (sdk / lib).write_bytes(b"\x7fELF stand-in " + lib.encode() + f" QNN v{version or ''}".encode())
+    if compile_tools:
+        for tool in ("qnn-onnx-converter", "qnn-model-lib-generator", "qnn-context-binary-generator",
+                     "qnn-context-binary-utility"):
+            if tool not in skip:
+                standin_tool(sdk / "bin" / "x86_64-linux-clang" / tool, tool)
+        for lib in ("libQnnHtp.so", "libQnnHtpNetRunExtensions.so"):
+            (sdk / "lib" / "x86_64-linux-clang").mkdir(parents=True, exist_ok=True)
+            (sdk / "lib" / "x86_64-linux-clang" / lib).write_bytes(b"\x7fELF stand-in " + f"v{version}".encode())
+        for pkg in ("qti", "qti/aisw", "qti/aisw/converters"):
+            (sdk / "lib" / "python" / pkg).mkdir(parents=True, exist_ok=True)
+            (sdk / "lib" / "python" / pkg / "__init__.py").write_text("")
+    return sdk
+
+
+@pytest.fixture
+def device(tmp_path, monkeypatch):
+    """A fake SDK matching onnxruntime-qnn's QNN (qnn-net-run = the stand-in) and a fake phone behind the adb
+    stand-in."""
+    sdk = fake_qairt(tmp_path / "qairt")
     monkeypatch.setenv("STANDIN_ADB_ROOT", str(tmp_path / "phone"))
     monkeypatch.setenv("STANDIN_ADB_LOG", str(tmp_path / "adb.log"))
     monkeypatch.delenv("STANDIN_QNN_NET_RUN_MODE", raising=False)
@@ -423,3 +453,117 @@ def test_adb_device_selection_and_sdk_errors(device, monkeypatch):
         sdk_root(None)
     line = Adb.command_line(["ls", "/data/local/tmp/my dir"], cwd="/data/x y", env={"A": "b c"})
     assert line == "cd '/data/x y' && env A='b c' ls '/data/local/tmp/my dir'"
+
+
+# -- issue 11: the phone's QNN version, the SDK's own compile tools, qnn-net-run's real output names --------------
+def test_sdk_version_is_read_from_sdk_yaml_dir_name_or_library(tmp_path):
+    from vlmrun_qualcomm.sdk import Sdk, newer_than
+
+    a = fake_qairt(tmp_path / "a", OLD_QAIRT)
+    assert Sdk.find(a).version_info() == (OLD_QAIRT, str(a / "sdk.yaml"))
+    b = fake_qairt(tmp_path / "qairt" / "2.45.0.250101", version=None)
+    assert Sdk.find(b).version() == "2.45.0.250101"  # the SDK unpacks as qairt/<version>
+    c = fake_qairt(tmp_path / "c", version=None)
+    (c / "lib/aarch64-android/libQnnHtp.so").write_bytes(b"\x7fELF\0\0build v2.47.0.250903123456_1 \0")
+    assert Sdk.find(c).version_info() == ("2.47.0.250903123456", str(c / "lib/aarch64-android/libQnnHtp.so"))
+    assert Sdk.find(tmp_path / "none").version() is None
+    assert newer_than("2.51.0", OLD_QAIRT) and not newer_than("2.51.0", MATCHING_QAIRT)
+    assert not newer_than("2.42.0", "2.51.0.1") and not newer_than(None, OLD_QAIRT)
+
+
+def test_binary_newer_than_the_phone_sdk_is_refused_before_any_push(htp_pipe, tiny_model, store, device, registry,
+                                                                    prepared, tmp_path, monkeypatch):
+    from vlmrun_qualcomm.adb import Adb
+    from vlmrun_qnn_htp import netrun
+
+    old = fake_qairt(tmp_path / "old", OLD_QAIRT)
+    with pytest.raises(BackendError) as err:  # preflight: known before compiling (onnxruntime-qnn makes QNN 2.51)
+        android_pipe(tiny_model, store, dict(device, sdk_root=str(old)), registry)
+    msg = str(err.value)
+    assert "\n" not in msg and "built with QNN 2.51.0 (compiled by onnxruntime-qnn)" in msg
+    assert f"QAIRT {OLD_QAIRT}" in msg and 'qairt_version = "2.42"' in msg and "--toolchain sdk" in msg
+    assert not device["log"].exists()  # adb was not even asked for a device
+    art = htp_pipe.handles["vision"].artifact
+    adb = Adb.connect(None, device["adb"])
+    with pytest.raises(BackendError, match=r"vision .*: the context binary was built with QNN 2\.51\.0"):
+        netrun.NetRunStage(art, "vision", sdk=netrun.phone_sdk(old), adb=adb)
+    assert adb.pushed == [] and "push" not in device["log"].read_text()
+    # the stand-in is the real contract: with vlmrun's check out of the way the phone refuses the binary itself
+    monkeypatch.setattr(netrun, "check_runtime", lambda *a, **k: None)
+    stage = netrun.NetRunStage(art, "vision", sdk=netrun.phone_sdk(old), adb=adb)
+    with pytest.raises(BackendError, match=r"exited with code 1 .*QNN_CONTEXT_ERROR_INVALID_ARGUMENT, 5000"):
+        stage.run({"pixel_values": prepared.pixel_values})
+    # a matching SDK (the fixture's) is accepted and runs
+    pipe = android_pipe(tiny_model, store, device, registry)
+    assert pipe.run_stage("vision", {"pixel_values": prepared.pixel_values})["image_features"].shape[0] == 1
+
+
+def test_sdk_toolchain_makes_binaries_for_an_older_phone(htp_pipe, tiny_model, store, device, registry, prepared,
+                                                       tmp_path):
+    old = fake_qairt(tmp_path / "old", OLD_QAIRT, compile_tools=True)
+    pipe = android_pipe(tiny_model, store, dict(device, sdk_root=str(old)), registry, toolchain="sdk")
+    art = pipe.handles["vision"].artifact
+    m = art.manifest
+    assert m["qnn_version"] == OLD_QAIRT and m["ep_sdk_version"] == f"v{OLD_QAIRT}" and m["compiler"] == "qnn_htp"
+    tools = [argv[0] for argv in m["toolchain"]["argv"]]
+    assert tools == ["qnn-onnx-converter", "qnn-model-lib-generator", "qnn-context-binary-generator",
+                     "qnn-context-binary-utility"]
+    conv, libgen, ctxgen, _ = m["toolchain"]["argv"]
+    assert "--preserve_io" in conv and conv[conv.index("--float_bitwidth") + 1] == "16"
+    assert libgen[libgen.index("-t") + 1] == "x86_64-linux-clang"
+    assert ctxgen[ctxgen.index("--backend") + 1] == "libQnnHtp.so" and "--config_file" in ctxgen
+    pv = {"pixel_values": prepared.pixel_values}
+    remote = pipe.run_stage("vision", pv)["image_features"]  # QAIRT 2.42 runtime on the phone accepts it
+    local = htp_pipe.run_stage("vision", pv)["image_features"]
+    np.testing.assert_allclose(remote, local, rtol=0, atol=1e-5)
+    # the same binary also loads locally (onnxruntime-qnn's QNN 2.51 is newer than 2.42)
+    from vlmrun_qnn_htp import ep
+    from vlmrun_qualcomm import socs
+
+    ep.check_binary(m, art.file(), socs.soc("SM8750"), "vision")
+
+
+def test_sdk_toolchain_missing_tool_is_named_before_any_work(tiny_model, store, device, registry, tmp_path):
+    old = fake_qairt(tmp_path / "old", OLD_QAIRT, compile_tools=True, skip=("qnn-model-lib-generator",))
+    before = len(store.builds)
+    with pytest.raises(BackendError) as err:
+        android_pipe(tiny_model, store, dict(device, sdk_root=str(old)), registry, toolchain="sdk")
+    assert str(err.value) == (f"the QNN SDK lacks qnn-model-lib-generator (x86_64-linux-clang), needed for toolchain ="
+                              f" \"sdk\"; looked in {old} (the sdk_root option)")
+    assert len(store.builds) == before and not device["log"].exists()
+
+
+def test_native_outputs_are_found_under_their_real_names(int8_pipe, htp_pipe, tiny_model, store, device, prepared,
+                                                         calib_dir, registry, monkeypatch):
+    """qnn-net-run writes a quantized native output as <name>_native.raw, a float32 one as <name>.raw, and puts each
+    graph's results in <graph>/Result_0 when the context holds several graphs."""
+    import types
+
+    from vlmrun_qualcomm.adb import Adb
+    from vlmrun_qnn_htp import netrun
+
+    q = int8_pipe.handles["vision"].artifact.manifest["io_quant"]["image_features"]
+    monkeypatch.setenv("STANDIN_NATIVE_QUANT", json.dumps({"image_features": q}))
+    pipe = android_pipe(tiny_model, store, device, registry, precision="int8", calibration_images=str(calib_dir),
+                        native_outputs=True)
+    handle = pipe.handles["vision"]
+    raw = handle.run({"pixel_values": prepared.pixel_values})["image_features"]
+    assert isinstance(raw, QuantizedTensor) and raw.data.dtype == np.uint8
+    outs = sorted(p.name for p in (Path(device["log"]).parent / "phone").rglob("Result_0/*.raw"))
+    assert outs == ["image_features_native.raw"]
+    # a float32 output stays <name>.raw with native files asked for; several graphs -> one folder per graph
+    monkeypatch.delenv("STANDIN_NATIVE_QUANT")
+    art = htp_pipe.handles["projector"].artifact
+    graph = art.manifest["graphs"][0]
+    monkeypatch.setenv("STANDIN_QNN_GRAPHS", f"{graph},prompt_ar128_cl512")
+    two = types.SimpleNamespace(manifest={**art.manifest, "graphs": [graph, "prompt_ar128_cl512"]}, path=art.path,
+                                file=art.file)
+    stage = netrun.NetRunStage(two, "projector", sdk=netrun.phone_sdk(device["sdk_root"]),
+                               adb=Adb.connect(None, device["adb"]), native_outputs=True)
+    feats = htp_pipe.run_stage("vision", {"pixel_values": prepared.pixel_values})["image_features"]
+    out = stage.run({"image_features": feats})["image_embeds"]
+    np.testing.assert_allclose(out, htp_pipe.run_stage("projector", {"image_features": feats})["image_embeds"],
+                               rtol=0, atol=1e-5)
+    out_dir = Path(device["log"]).parent / "phone" / "data/local/tmp/vlmrun" / art.path.name / "run" / "out"
+    assert {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*.raw")} == {
+        f"{graph}/Result_0/image_embeds.raw", "prompt_ar128_cl512/Result_0/image_embeds.raw"}

@@ -8,10 +8,13 @@ phone over adb with ``target = "android"``. Genie's profile becomes ``handle.las
 
 Per-stage options: ``quantize`` (none, z8, q4), ``context_length`` (default 1024), ``sdk_root`` (else
 ``$QAIRT_SDK_ROOT`` / ``$QNN_SDK_ROOT``), ``runner`` (auto, libgenie, t2t), ``target`` (local, android) with
-``device``, ``adb``, ``remote_dir``; ``timeout`` (s, default 600).
+``device``, ``adb``, ``remote_dir``, ``ndk_root`` (else ``$ANDROID_NDK_ROOT``: the phone needs the NDK's
+``libc++_shared.so``); ``timeout`` (s, default 600); ``composer_python``, ``compose_timeout``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from vlmrun import hookimpl
 from vlmrun.plugins import BackendInfo, Check, mine
@@ -37,7 +40,9 @@ def doctor():
         return [Check("QAIRT SDK", False, str(exc))]
     if found.root is None:
         return [Check("QAIRT SDK", False, "QAIRT_SDK_ROOT / QNN_SDK_ROOT not set: genie_cpu needs the SDK")]
-    checks = [Check("QAIRT SDK", True, str(found.root))]
+    version, where = found.version_info()
+    checks = [Check("QAIRT SDK", True, f"{found.root} (QNN {version or 'version unknown'}"
+                                       + (f", from {where})" if where else ")"))]
     for label, path in found.tools("local").items():
         checks.append(Check(label, path is not None, str(path) if path else f"not found under {found.root}"))
     for label, path in found.tools("android").items():
@@ -61,6 +66,11 @@ def register_options(register):
         Option(NAME, "remote_dir", str, default=REMOTE_DIR, help="working directory on the phone"),
         Option(NAME, "timeout", float, default=600.0, minimum=1, help="seconds for one generation"),
         Option(NAME, "compose_timeout", float, default=3600.0, minimum=1, help="seconds for the composer"),
+        Option(NAME, "composer_python", Path,
+               help="the Python that runs the SDK's composer (default: the composer's own #! line, i.e. python3 on"
+                    " PATH); it needs the SDK's Python dependencies"),
+        Option(NAME, "ndk_root", Path,
+               help="the Android NDK whose libc++_shared.so goes to the phone (default: $ANDROID_NDK_ROOT)"),
         *phone_options(NAME),
     ):
         register(o)
@@ -72,7 +82,9 @@ def compile(backend, request):
         return None
     from .compose import compile_decoder
 
-    return compile_decoder(request.model, request.source, dict(request.options), request.out_dir)
+    # the key options (quantize, context, SDK) decide the bytes; the stage's other options say how to run the tool
+    return compile_decoder(request.model, request.source, {**request.stage_options, **request.options},
+                           request.out_dir)
 
 
 @hookimpl

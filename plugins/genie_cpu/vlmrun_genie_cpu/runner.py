@@ -17,11 +17,14 @@ from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.stages import ExportForm
 
 from .compose import quantize_option
-from vlmrun_qualcomm.sdk import Sdk
+from vlmrun_qualcomm.sdk import GENIE_CPU_LIBS, LIBCXX, Sdk
 
 RUNNERS = ("auto", "libgenie", "t2t")
 DEFAULT_CONTEXT = 1024
 REMOTE_DIR = "/data/local/tmp/vlmrun/genie"
+#: what a phone needs beside the model files, in push order (genie-t2t-run links libGenie.so and the NDK's
+#: libc++_shared.so; Genie opens the QnnGenAiTransformer backend, its model library and its op package)
+DEVICE_FILES = ("genie-t2t-run", *GENIE_CPU_LIBS, LIBCXX)
 
 
 def decoder_options(options, model) -> dict:
@@ -35,20 +38,23 @@ def decoder_options(options, model) -> dict:
     ctx = int(o.get("context_length") or min(DEFAULT_CONTEXT, model.max_context))
     return {"quantize": quantize_option(o.get("quantize")), "context_length": ctx, "runner": runner,
             "target": target, "timeout": float(o.get("timeout") or 600), "sdk_root": o.get("sdk_root"),
-            "device": o.get("device"), "adb": o.get("adb"), "remote_dir": o.get("remote_dir") or REMOTE_DIR}
+            "device": o.get("device"), "adb": o.get("adb"), "remote_dir": o.get("remote_dir") or REMOTE_DIR,
+            "ndk_root": o.get("ndk_root"), "composer_python": o.get("composer_python")}
 
 
 def require_tools(options, model):
     """The SDK and the tools this decoder needs, or one error line naming what is missing and where we looked."""
     opts = decoder_options(options, model)
     sdk = Sdk.find(opts["sdk_root"])
-    return opts, sdk, sdk.require(opts["target"], opts["runner"])
+    return opts, sdk, sdk.require(opts["target"], opts["runner"], opts["ndk_root"])
 
 
 def load_decoder(ctx):
     opts, sdk, tools = require_tools(ctx.options, ctx.model)
     src = ctx.exported(ExportForm.of("embed", "embed/lut"))
-    key = {"quantize": opts["quantize"], "composer": str(tools["composer"].name)}
+    # the composer's architecture config states the context (size.context), so the model bin is keyed by it
+    key = {"quantize": opts["quantize"], "composer": str(tools["composer"].name), "context_length": opts["context_length"],
+           "sdk_version": sdk.version()}
     art = ctx.compiled(src, {**key, "sdk_root": str(sdk.root) if opts["sdk_root"] else None},
                        f"genai-transformer-{opts['quantize']}")
     adb = None
@@ -62,12 +68,13 @@ def load_decoder(ctx):
 class GenieCpuDecoder(DecoderHandle):
     def __init__(self, model, artifact, opts: dict, tools: dict, adb=None):
         self.model, self.artifact, self.opts, self.tools, self.adb = model, artifact, opts, tools, adb
+        self.artifacts = (artifact,)
         self.facts = genie.GenieModel.from_model(model)
         self.ctx = int(opts["context_length"])
         self.load_s = 0.0
         self.last_timings: dict = {}
         self.last_text = ""
-        in_proc = "libQnnGenAiTransformer.so" in tools and "libGenie.so" in tools
+        in_proc = all(n in tools for n in GENIE_CPU_LIBS)
         if opts["target"] == "android":
             self.mode = "adb"
         elif opts["runner"] == "t2t" or (opts["runner"] == "auto" and not in_proc):
@@ -87,10 +94,21 @@ class GenieCpuDecoder(DecoderHandle):
         )
 
     def generate(self, request) -> Iterator[int]:
-        if request.inputs_embeds.shape[1] >= self.ctx:
-            raise InputError(f"the prompt is {request.inputs_embeds.shape[1]} tokens but the Genie context holds"
+        prompt = int(request.inputs_embeds.shape[1])
+        if prompt >= self.ctx:
+            raise InputError(f"the prompt is {prompt} tokens but the Genie context holds"
                              f" {self.ctx}; raise the decoder's context_length")
+        genie.check_context(prompt, request.max_new_tokens, self.ctx)  # before Genie starts, on every path
         self.last_timings = {}
+        try:
+            yield from self._generate(request)
+        except genie.ContextLimitError:  # Genie reached the context after all: one line, with the numbers
+            raise genie.ContextLimitError(
+                f"Genie ({self.mode}) stopped at its context limit of {self.ctx} tokens (prompt {prompt} tokens, up to"
+                f" {request.max_new_tokens} new): raise the decoder's context_length or lower --max-new-tokens"
+            ) from None
+
+    def _generate(self, request) -> Iterator[int]:
         if self.mode == "libgenie":
             lib_dir = str(self.tools["libQnnGenAiTransformer.so"].parent)
             env = {"LD_LIBRARY_PATH": lib_dir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
@@ -125,10 +143,12 @@ class GenieCpuDecoder(DecoderHandle):
 
     def _run_adb(self, request) -> genie.T2TResult:
         adb, rd, t = self.adb, self.opts["remote_dir"], self.opts["timeout"]
+        missing = [n for n in DEVICE_FILES if n not in self.tools]
+        if missing:  # preflight names them first; never start a phone run without them
+            raise BackendError(f"genie_cpu on a phone needs {', '.join(missing)}; see vlmrun doctor")
         adb.mkdir(rd)
-        for name in ("genie-t2t-run", "libGenie.so", "libQnnGenAiTransformer.so"):
-            if name in self.tools:
-                adb.push(self.tools[name], f"{rd}/{name}", timeout=t)
+        for name in DEVICE_FILES:
+            adb.push(self.tools[name], f"{rd}/{name}", timeout=t)
         for name in ("model.bin", "embed_lut_f32.raw", "tokenizer.json"):
             adb.push(self.artifact.file(name), f"{rd}/{name}", timeout=t)
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-adb-"))

@@ -17,7 +17,11 @@ Dialog config (root ``"dialog"``, as ``genie-t2t-run`` and ``GenieDialogConfig_c
 ``genie-t2t-run`` contract (QAIRT ``genie-t2t-run``): ``-c CFG (-p P | --prompt_file F | -e EMB[,T,S,O] [-t LUT]
 | -tok F) [--embedding_query_output_type text|token] [--profile FILE] [--log LEVEL]``; ``-t`` needs ``-e``,
 ``-e`` excludes ``-p``/``--prompt_file``/``-tok``, the ``--profile`` file must not exist. It prints
-``[BEGIN]: <text>...[END]`` on stdout, errors on stderr and exits non-zero on failure.
+``[BEGIN]: <text>...[END]`` on stdout, its exceptions on stderr ("Failed to create the dialog.", ...) and exits 1
+on failure. Errors are read from stderr and the exit status only, never from the generated text. When the
+prompt plus the generated tokens reach the dialog context, Genie prints "Context Size was exceeded." and the tool
+"Failed to query with embedding." (exit 1); libGenie returns ``GENIE_STATUS_WARNING_CONTEXT_EXCEEDED``: both are
+a :class:`ContextLimitError`, and :func:`check_context` refuses such a query before it starts.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import attrs
 import numpy as np
 
 from vlmrun import procs
-from vlmrun.errors import BackendError, UsageError
+from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.sampling import SamplingSettings
 
 BACKENDS = ("QnnHtp", "QnnGenAiTransformer")
@@ -424,6 +428,15 @@ class GenieLibrary:
         return GenieDialog(self, config, profile)
 
 
+def check_query_status(genie: GenieLibrary, status: int, what: str) -> None:
+    """A query's status: the context limit (``GENIE_STATUS_WARNING_CONTEXT_EXCEEDED``, which genie-t2t-run turns
+    into exit 1) is a :class:`ContextLimitError`, as on the genie-t2t-run path; other failures as ``check``."""
+    if int(status) == 3:
+        raise ContextLimitError(f"Genie {what} stopped at the context limit ({status_name(status)}); raise the"
+                                " decoder's context_length or lower --max-new-tokens")
+    genie.check(status, what)
+
+
 class GenieDialog:
     """One Genie dialog (config + dialog + optional profile handle). Close it (or use ``with``)."""
 
@@ -584,7 +597,7 @@ class GenieDialog:
 
         cb = TokenCB(on_tokens)
         st = self.genie.lib.GenieDialog_tokenQuery(self._dlg, arr, len(tokens), SENTENCE_COMPLETE, cb, None)
-        self.genie.check(st, "GenieDialog_tokenQuery")
+        check_query_status(self.genie, st, "GenieDialog_tokenQuery")
         return out
 
     def _drain(self, run, q, done, what, keep, emb):
@@ -607,7 +620,7 @@ class GenieDialog:
         finally:
             worker.join()
             del keep, emb
-        self.genie.check(status, what)
+        check_query_status(self.genie, status, what)
         if self._t2e_errors:
             raise BackendError(f"Genie asked for the embedding of token {self._t2e_errors[0]}, which the LUT"
                                " does not have (or of the wrong width)")
@@ -672,34 +685,88 @@ def t2t_argv(
     return argv
 
 
-ERROR_LINE = re.compile(r"^\s*(ERROR\b|Error\b|error:|Failed to|Unknown option|.*doesn't exists|.*Exception)", re.M)
+#: an error line of genie-t2t-run or Genie on stderr (errors are never read from the generated text)
+ERROR_LINE = re.compile(r"^\s*(ERROR\b|Error\b|error:|Failed to|Unknown option|CANNOT LINK|.*doesn't exists"
+                        r"|.*Exception|.*error while loading shared libraries)", re.M)
+#: messages genie-t2t-run prints on stderr when it cleans up (not failures of the query)
+BENIGN_LINE = re.compile(r"^\s*Failed to free\b")
+#: Genie's ContextLimitException (qualla dialogs and the CPU engine): "Context Size was exceeded."
+CONTEXT_LIMIT = re.compile(r"Context Size was exceeded|context size exceeded|Context limit exceeded", re.I)
+
+
+class ContextLimitError(BackendError):
+    """Genie stopped because the prompt plus the generated tokens reached the dialog context
+    (``GENIE_STATUS_WARNING_CONTEXT_EXCEEDED`` from libGenie; exit 1 with "Failed to query with embedding." from
+    genie-t2t-run)."""
+
+
+def context_message(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
+    """One line for a prompt plus new tokens that do not fit a Genie context, saying what to change."""
+    room = int(context) - int(prompt_tokens)
+    fix = (f"lower --max-new-tokens to {room} or raise" if room > 0 else "shorten the prompt or raise")
+    return (f"the prompt ({int(prompt_tokens)} tokens) plus {int(max_new_tokens)} new tokens do not fit the Genie"
+            f" context of {int(context)} tokens; {fix} the decoder's context_length")
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """Refuse, before Genie starts, a query whose prompt plus ``max_new_tokens`` exceed ``context`` (Genie would
+    stop with "Context Size was exceeded." and genie-t2t-run exit 1)."""
+    if int(prompt_tokens) + int(max_new_tokens) > int(context):
+        raise InputError(context_message(prompt_tokens, max_new_tokens, context))
+
+
+def split_t2t_stdout(stdout: str) -> tuple[str | None, str, str]:
+    """genie-t2t-run's stdout as (generated text or None, what it printed outside the generation, state).
+
+    The text is what stands between ``[BEGIN]: `` and the last ``[END]``; state is ``end``, ``abort`` (an
+    ``[ABORT]`` after the text), ``cut`` (no ``[END]``) or ``none`` (no ``[BEGIN]:``)."""
+    stdout = stdout or ""
+    start = stdout.find("[BEGIN]:")
+    if start < 0:
+        return None, stdout, "none"
+    body = stdout[start + len("[BEGIN]:"):]
+    end = body.rfind("[END]")
+    if end >= 0:
+        text, outside, state = body[:end], stdout[:start] + body[end + len("[END]"):], "end"
+    else:
+        ab = body.rfind("[ABORT]")
+        text, outside, state = (body[:ab], stdout[:start], "abort") if ab >= 0 else (body, stdout[:start], "cut")
+    return (text[1:] if text.startswith(" ") else text), outside, state
+
+
+def _error_line(text: str) -> str | None:
+    for m in ERROR_LINE.finditer(text or ""):
+        line = (text[m.start():].splitlines() or [""])[0].strip()
+        if line and not BENIGN_LINE.match(line):
+            return line[:300]
+    return None
 
 
 def parse_t2t_output(stdout: str, stderr: str, returncode: int, what: str = "genie-t2t-run") -> str:
-    """The generated text between ``[BEGIN]:`` and ``[END]``; BackendError for a non-zero exit, an error line,
-    an ``[ABORT]`` or a missing ``[END]``."""
-    err_line = None
-    for stream in (stderr, stdout):
-        m = ERROR_LINE.search(stream or "")
-        if m:
-            err_line = (stream[m.start():].splitlines() or [""])[0].strip()
-            break
+    """The generated text between ``[BEGIN]:`` and ``[END]``.
+
+    Errors come from the exit status and stderr (genie-t2t-run prints its exceptions there), never from the
+    generated text: a model may well write "Error: ..." or "Failed to ...". A non-zero exit, an error line on
+    stderr, an ``[ABORT]`` or a missing ``[END]`` is a BackendError; the context limit is a
+    :class:`ContextLimitError`."""
+    text, outside, state = split_t2t_stdout(stdout)
+    err_line = _error_line(stderr)
+    if CONTEXT_LIMIT.search(stderr or ""):
+        raise ContextLimitError(f"{what} stopped at the Genie context limit (\"Context Size was exceeded.\");"
+                                " raise the decoder's context_length or lower --max-new-tokens")
     if returncode != 0:
-        detail = err_line or _last_error_line((stderr or "") + "\n" + (stdout or "")) or "no message"
+        detail = (err_line or _last_error_line(stderr or "") or _error_line(outside)
+                  or _last_error_line(outside) or "no message")
         raise BackendError(f"{what} exited with status {returncode}: {detail}")
     if err_line:
         raise BackendError(f"{what} reported an error: {err_line}")
-    if "[ABORT]" in (stdout or ""):
+    if state == "abort":
         raise BackendError(f"{what} aborted the query")
-    start = stdout.find("[BEGIN]:")
-    if start < 0:
+    if state == "none":
         raise BackendError(f"{what} printed no [BEGIN]: (no generation in its output)")
-    body = stdout[start + len("[BEGIN]:"):]
-    end = body.find("[END]")
-    if end < 0:
+    if state == "cut":
         raise BackendError(f"{what} output ended without [END] (the generation was cut off)")
-    text = body[:end]
-    return text[1:] if text.startswith(" ") else text
+    return text
 
 
 def run_t2t(argv: Sequence[str], *, timeout: float = 600.0, cwd: str | os.PathLike | None = None,
@@ -755,6 +822,9 @@ def _worker(argv: Sequence[str] | None = None) -> int:
                 Path(a.profile).write_text(json.dumps(dialog.profile()))
         out.write("DONE\n")
         return 0
+    except ContextLimitError as exc:
+        out.write(f"CONTEXT {exc}\n")
+        return 3
     except BackendError as exc:
         out.write(f"ERROR {exc}\n")
         return 3
@@ -777,7 +847,7 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
     argv = [sys.executable, "-m", "vlmrun_qualcomm.genie", "--lib", str(lib_path), "--config", str(cfg_path),
             "--embeddings", str(emb_path), "--lut", str(lut_npy), "--profile", str(prof)]
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}, **(env or {})}
-    done, error, err_box = False, None, []
+    done, error, err_box, limit = False, None, [], False
     try:
         with procs.watched(argv, timeout=timeout, what="the Genie worker", env=env) as w:
             err_reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
@@ -789,8 +859,8 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
                         yield int(rest)
                     elif word == "DONE":
                         done = True
-                    elif word == "ERROR":
-                        error = rest
+                    elif word in ("ERROR", "CONTEXT"):
+                        error, limit = rest, word == "CONTEXT"
             finally:
                 # the consumer stopped early: let Genie finish (it writes the profile), within the deadline
                 with contextlib.suppress(ValueError, OSError):
@@ -809,7 +879,7 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
     if timed_out and not done:
         raise BackendError(f"Genie timed out after {timeout:g} s (worker killed)")
     if error:
-        raise BackendError(error)
+        raise (ContextLimitError if limit else BackendError)(error)
     if not done or w.proc.returncode != 0:
         detail = _last_error_line("".join(err_box)) or "no message"
         raise BackendError(f"the Genie worker exited with status {w.proc.returncode}: {detail}")
