@@ -29,7 +29,7 @@ from typing import Any
 from vlmrun.atomic import atomic_directory
 from vlmrun.errors import BackendError, UsageError
 
-__all__ = ["make_tiny", "SPECIAL_TOKENS", "SYSTEM_PROMPT", "CHAT_TEMPLATE", "PATCH_SIZE"]
+__all__ = ["make_tiny", "build_model", "SPECIAL_TOKENS", "SYSTEM_PROMPT", "CHAT_TEMPLATE", "PATCH_SIZE"]
 
 #: Total stride of FastViTHD: one image token per 64 x 64 pixels.
 PATCH_SIZE = 64
@@ -112,6 +112,7 @@ def make_tiny(
     image_size: int = 1024,
     full_size: bool = False,
     seed: int = 0,
+    massive_activations: bool = False,
 ) -> pathlib.Path:
     """Build a random-weight FastVLM checkpoint with the real architecture in transformers' native layout.
 
@@ -120,7 +121,8 @@ def make_tiny(
     64) sets the processor's resize/crop and ``image_seq_length`` = (image_size / 64) ** 2. ``full_size`` gives
     the FastVLM-0.5B dimensions (FastViTHD with 3072-wide features, Qwen2-0.5B with 152000 vocabulary rows);
     otherwise a tiny model of the same architecture. The same arguments give a byte-identical
-    ``model.safetensors``.
+    ``model.safetensors``. ``massive_activations`` plants the residual-stream outliers of real LLMs (see
+    :func:`plant_massive_activations`).
 
     The checkpoint is built in a temporary sibling directory and renamed onto ``out_dir`` at the end, so an
     interrupted build never leaves a complete-looking directory. An existing ``out_dir`` is replaced only if it
@@ -146,7 +148,7 @@ def make_tiny(
         ) from err
 
     with atomic_directory(out, replace=True) as tmp:
-        _build(tmp, image_size=image_size, full_size=full_size, seed=seed)
+        _build(tmp, image_size=image_size, full_size=full_size, seed=seed, massive_activations=massive_activations)
         _set_default_permissions(tmp)
         _check_replaceable(out)  # it may have appeared while building
     return out
@@ -390,22 +392,122 @@ def _quantize_scale(x: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# massive activations
+
+#: Planted residual-stream values (3 channels) on the first token (``<|im_start|>``, ``<|endoftext|>``) and on
+#: delimiters (newline and period tokens, ``<|im_end|>``), each scaled by a seeded factor in [0.9, 1.1]. Real
+#: LLMs carry such outliers (Sun et al. 2024, "Massive Activations in Large Language Models"); fp16 squares
+#: overflow above 256.
+MASSIVE_FIRST = (2600.0, -1500.0, 700.0)
+MASSIVE_DELIMITER = (900.0, -550.0, 250.0)
+_FIRST_TOKENS = ("<|endoftext|>", "<|im_start|>")
+_DELIMITER_SYMBOLS = frozenset("Ċč.")  # byte-level BPE spells "\n" as "Ċ" and "\r" as "č"
+
+
+def plant_massive_activations(model, tokenizer, seed: int = 0) -> dict[str, Any]:
+    """Plant "massive activations" in a built model's weights (in place) and return where they are.
+
+    As in real LLMs, layer 0's MLP writes a few residual channels in the hundreds to thousands (see
+    :data:`MASSIVE_FIRST`, :data:`MASSIVE_DELIMITER`) on the first token and on delimiter tokens, and they ride the
+    residual stream through every later layer; other tokens are untouched. How: two hidden channels are reserved
+    as token-class markers (1.0 in the embedding rows of the first-token / delimiter tokens, 0 elsewhere, and
+    nothing else writes them before layer 0's MLP: layer 0's o_proj and the projector's output rows are zeroed;
+    the final norm ignores them, so they do not leak into the tied lm_head). One layer-0 MLP neuron per class
+    reads its marker (silu(g z) * g z) and writes the planted values through down_proj. ``g`` is calibrated on a
+    chat prompt so the median marker row reaches the nominal values (the others land within a factor of ~2).
+    Deterministic from ``seed`` (the layout comes from its own generator; the calibration gain is rounded to a
+    1/16-octave grid). The fp32 model stays sane: these rows act as attention sinks, as in real models.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + 17)
+    lm = model.model.language_model
+    hidden, inter = lm.config.hidden_size, lm.config.intermediate_size
+    vocab = tokenizer.get_vocab()
+    first_ids = sorted(vocab[t] for t in _FIRST_TOKENS if t in vocab)
+    delim_ids = sorted({i for t, i in vocab.items() if t and set(t) <= _DELIMITER_SYMBOLS} | {vocab["<|im_end|>"]})
+    n = len(MASSIVE_FIRST)
+    perm = torch.randperm(hidden, generator=gen).tolist()
+    markers, channels = perm[:2], perm[2 : 2 + n]
+    neurons = torch.randperm(inter, generator=gen)[:2].tolist()
+    jitter = (0.9 + 0.2 * torch.rand((2, n), generator=gen)).tolist()
+    layer, proj = lm.layers[0], model.model.multi_modal_projector.linear_2
+    emb, mlp = lm.embed_tokens.weight, layer.mlp
+    classes = list(zip(("first", "delimiter"), markers, neurons, (first_ids, delim_ids),
+                       (MASSIVE_FIRST, MASSIVE_DELIMITER), jitter))
+    with torch.no_grad():
+        for _, t, _, ids, _, _ in classes:
+            emb[:, t] = 0.0
+            emb[ids, t] = 1.0
+            layer.self_attn.o_proj.weight[t, :] = 0.0
+            proj.weight[t, :] = 0.0
+            proj.bias[t] = 0.0
+            lm.norm.weight[t] = 0.0
+        # what each marker reads at layer 0's MLP input on a chat prompt
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _CORPUS.splitlines()[0]}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
+        seen = {}
+        hook = layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.update(x=o[0]))
+        try:
+            lm(input_ids=ids)
+        finally:
+            hook.remove()
+        act = float(torch.nn.functional.silu(torch.tensor(10.0))) * 10.0  # silu(g z) * g z at the median z
+        for _, t, j, tids, values, jit in classes:
+            z = float(seen["x"][torch.isin(ids[0], torch.tensor(tids)), t].median())
+            g = _quantize_scale(10.0 / z)
+            for w in (mlp.gate_proj.weight, mlp.up_proj.weight):
+                w[j, :] = 0.0
+                w[j, t] = g
+            mlp.down_proj.weight[:, j] = 0.0
+            for c, v, f in zip(channels, values, jit):
+                mlp.down_proj.weight[c, j] = v * f / act
+    return {"channels": channels, "markers": markers, "first_token_ids": first_ids, "delimiter_ids": delim_ids}
+
+
+# --------------------------------------------------------------------------------------------------------------
 # build
 
 
-def _build(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed: int) -> None:
+def _build(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed: int, massive_activations: bool) -> None:
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        _build_quietly(tmp, image_size=image_size, full_size=full_size, seed=seed)
+        _build_quietly(tmp, image_size=image_size, full_size=full_size, seed=seed,
+                       massive_activations=massive_activations)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
 
 
-def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed: int) -> None:
+def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed: int,
+                   massive_activations: bool = False) -> None:
+    model, tokenizer = build_model(image_size=image_size, full_size=full_size, seed=seed)
+    if massive_activations:
+        plant_massive_activations(model, tokenizer, seed)
+    model.save_pretrained(tmp)
+    fastvlm_processor(tokenizer, image_size).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+
+
+def build_model(
+    *,
+    image_size: int,
+    full_size: bool = False,
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+):
+    """The random-weight FastVLM in memory (eval mode, float32) and its tokenizer: what :func:`make_tiny` saves.
+
+    ``text`` / ``vision`` override the tiny model's Qwen2 config and timm ``model_args`` (e.g. ``{"hidden_size":
+    128, "num_hidden_layers": 3}``, ``{"embed_dims": [16, 32, 64, 128, 256]}``; ``vision`` may also set
+    ``hidden_size``, the tower's feature width, which must be twice the last embed dim). The trained shapes model
+    (``scripts/train_tiny.py``) starts from here. Needs torch, timm and transformers.
+    """
     import torch
     from transformers import (
         FastVlmForConditionalGeneration,
@@ -419,18 +521,26 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
     endoftext_id, _, im_end_id, image_id = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     vocab_rows = 152000 if full_size else -(-n_tokens // 64) * 64
 
+    vision_kwargs = _full_vision_kwargs() if full_size else _tiny_vision_kwargs()
+    if vision:
+        vision = dict(vision)
+        if "hidden_size" in vision:
+            vision_kwargs["hidden_size"] = int(vision.pop("hidden_size"))
+        vision_kwargs["model_args"] = {**vision_kwargs["model_args"], **vision}
     vision_config = TimmWrapperConfig(
         architecture="fastvit_mci3",
         do_pooling=True,
         global_pool="avg",
         initializer_range=0.02,
-        **(_full_vision_kwargs() if full_size else _tiny_vision_kwargs()),
+        **vision_kwargs,
     )
+    text_kwargs = _text_kwargs(full_size, vocab_rows)
+    text_kwargs.update(text or {})
     text_config = Qwen2Config(
         bos_token_id=endoftext_id,
         eos_token_id=im_end_id,
         pad_token_id=endoftext_id,
-        **_text_kwargs(full_size, vocab_rows),
+        **text_kwargs,
     )
     config = fastvlm_config(vision_config, text_config, image_id, image_size, tie=True)
 
@@ -472,10 +582,7 @@ def _build_quietly(tmp: pathlib.Path, *, image_size: int, full_size: bool, seed:
     model.generation_config = GenerationConfig(
         bos_token_id=endoftext_id, eos_token_id=im_end_id, pad_token_id=endoftext_id
     )
-    model.save_pretrained(tmp)
-
-    fastvlm_processor(tokenizer, image_size).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    return model, tokenizer
 
 
 def fastvlm_image_processor(image_size: int):

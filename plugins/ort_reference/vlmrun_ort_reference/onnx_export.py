@@ -9,17 +9,25 @@ Graph forms (``ExportForm.kind``):
 ``decoder/kv``    growing KV cache (ONNX Runtime): inputs_embeds [1,T,H], attention_mask int64 [1,P+T],
                   position_ids int64 [1,T], past_key_i/past_value_i [1,KV,P,D]
                   -> logits [1,T,V], present_key_i/present_value_i [1,KV,P+T,D]
-``decoder/fixed`` fixed KV for NPUs, params ``ar`` (N) and ``ctx`` (C): inputs_embeds [1,N,H], attention_mask
-                  float32 additive [1,1,N,C] (0 or -65504), position_ids int32 [1,N], past_key_i/past_value_i
-                  [1,KV,C-N,D] -> logits [1,N,V], new_key_i/new_value_i [1,KV,N,D]
-``decoder/genie`` Genie's I/O layout (QnnHtp engine), params ``ar`` (N), ``ctx`` (C), ``input`` ("embeds" or
-                  "ids"): inputs_embeds [1,N,H] (or input_ids int32 [1,N]), attention_mask f32 additive [1,N,C],
-                  position_ids_cos/position_ids_sin [1,1,N,D/2], past_key_i_in [KV,1,D,C-N], past_value_i_in
-                  [KV,1,C-N,D] -> logits [1,N,V], past_key_i_out [KV,1,D,N], past_value_i_out [KV,1,N,D]
+``decoder/fixed`` fixed KV for NPUs, params ``ar`` (N), ``ctx`` (C) and ``rmsnorm``: inputs_embeds [1,N,H],
+                  attention_mask float32 additive [1,1,N,C] (0 or -65504), position_ids int32 [1,N],
+                  past_key_i/past_value_i [1,KV,C-N,D] -> logits [1,N,V], new_key_i/new_value_i [1,KV,N,D]
+``decoder/genie`` Genie's I/O layout (QnnHtp engine), params ``ar`` (N), ``ctx`` (C), ``rmsnorm``, ``input``
+                  ("embeds" or "ids"): inputs_embeds [1,N,H] (or input_ids int32 [1,N]), attention_mask f32
+                  additive [1,N,C], position_ids_cos/position_ids_sin [1,1,N,D/2], past_key_i_in [KV,1,D,C-N],
+                  past_value_i_in [KV,1,C-N,D] -> logits [1,N,V], past_key_i_out [KV,1,D,N], past_value_i_out
+                  [KV,1,N,D]
 
 The decoder is written out explicitly over the checkpoint's own Qwen2 modules (same weights, same math as
 transformers' eager attention) with a precomputed rotary cos/sin table looked up by position, which keeps the
 graph free of dynamic ``Range``-based rope and makes the fixed-KV form static.
+
+RMSNorm (param ``rmsnorm``; default ``safe`` for ``decoder/fixed`` and ``decoder/genie``, ``plain`` for
+``decoder/kv``): ``plain`` is transformers' Qwen2RMSNorm, ``x * rsqrt(mean(x^2) + eps)`` with fp32 casts. NPUs
+run those casts in fp16, where ``x^2`` overflows once |x| > 256 (65504 is fp16's largest value), and real Qwen2
+checkpoints carry "massive activations" (single residual channels in the hundreds to thousands on the first token
+and on delimiters). ``safe`` divides each row by its largest |x| before squaring (:func:`safe_rms_norm`): the
+same result in fp32 (to rounding), no overflow in fp16.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import numpy as np
 OPSET = 17
 EXTERNAL_DATA_THRESHOLD = 512 * 1024 * 1024  # bytes of ONNX above which weights go to a .data file
 MASK_MIN = -65504.0  # the fixed-KV mask value (fp16-representable, as NPUs want)
+RMSNORMS = ("safe", "plain")
 
 
 def _torch():
@@ -44,6 +53,40 @@ def _torch():
 
         raise BackendError(f"ONNX export needs torch ({exc}); pip install 'vlmrun-ort-reference[export]'") from None
     return torch, F
+
+
+def safe_rms_norm(x, weight, eps: float):
+    """Qwen2's RMSNorm ``weight * x / sqrt(mean(x^2) + eps)`` computed without squaring anything larger than 1.
+
+    ``x`` [.., H] gets one more channel holding ``sqrt(H * eps)``; ``s`` is the largest |value| of that row (so
+    ``s >= sqrt(H * eps) > 0``: an all-zero padding row gives 0, not NaN) and ``y = x / s``::
+
+        x / sqrt(mean(x^2) + eps) = y / sqrt((sum(y^2) + H * eps / s^2) / H)
+
+    exactly, so fp32 results equal the plain form's to rounding. In fp16 every square is at most 1 and the sum
+    at most H + 1, whatever the magnitude of ``x`` (plain: overflow once |x| > 256, and small rows underflow).
+    No reciprocal and no clamp, whose outputs quantize badly (the HTP's 16-bit Reciprocal of a small max
+    failed, and QDQ folds a Clip into its range): the form also compiles for int8 / a16w8.
+    """
+    torch, _ = _torch()
+    H = x.shape[-1]
+    pad = torch.full_like(x[..., :1], (H * max(float(eps), 1e-12)) ** 0.5)
+    xa = torch.cat([x, pad], dim=-1)
+    ya = xa / xa.abs().amax(dim=-1, keepdim=True)
+    return weight * (ya[..., :H] * torch.rsqrt((ya * ya).sum(dim=-1, keepdim=True) / H))
+
+
+def rms_norm_of(form):
+    """The RMSNorm the decoder ``form`` is exported with: ``norm(module, x)`` (see the module docstring)."""
+    default = "plain" if form.kind == "decoder/kv" else "safe"
+    kind = str(form.get("rmsnorm") or default)
+    if kind not in RMSNORMS:
+        from vlmrun.errors import UsageError
+
+        raise UsageError(f"{form.label()}: rmsnorm '{kind}' is not one of {', '.join(RMSNORMS)}")
+    if kind == "plain":
+        return lambda module, x: module(x)
+    return lambda module, x: safe_rms_norm(x, module.weight, module.variance_epsilon)
 
 
 def build_wrapper(model, form):
@@ -86,6 +129,7 @@ def _decoder_wrapper(model, fvlm, form):
     ctx = int(form.get("ctx") or 0)
     ar = int(form.get("ar") or 1)
     table_len = ctx if fixed else model.max_context
+    norm = rms_norm_of(form)
     with torch.no_grad():
         pos = torch.arange(table_len)[None]
         cos, sin = lm.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
@@ -119,7 +163,7 @@ def _decoder_wrapper(model, fvlm, form):
             outs = []
             for i, layer in enumerate(self.lm.layers):
                 attn = layer.self_attn
-                x = layer.input_layernorm(h)
+                x = norm(layer.input_layernorm, h)
                 q = attn.q_proj(x).view(1, T, nh, D).transpose(1, 2)
                 k = attn.k_proj(x).view(1, T, KV, D).transpose(1, 2)
                 v = attn.v_proj(x).view(1, T, KV, D).transpose(1, 2)
@@ -134,12 +178,12 @@ def _decoder_wrapper(model, fvlm, form):
                 probs = torch.softmax(scores.float(), dim=-1)
                 o = torch.matmul(probs, v_rep).transpose(1, 2).reshape(1, T, nh * D)
                 h = h + attn.o_proj(o)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + layer.mlp(norm(layer.post_attention_layernorm, h))
                 if fixed:
                     outs += [k, v]
                 else:
                     outs += [k_all, v_all]
-            logits = self.lm_head(self.lm.norm(h))
+            logits = self.lm_head(norm(self.lm.norm, h))
             return (logits, *outs)
 
     kv_in = [n for i in range(L) for n in (f"past_key_{i}", f"past_value_{i}")]
@@ -183,6 +227,7 @@ def _genie_decoder_wrapper(model, fvlm, form):
     ar = int(form.get("ar") or 1)
     by_ids = str(form.get("input") or "embeds") == "ids"
     half = D // 2
+    norm = rms_norm_of(form)
 
     class GenieDecoder(nn.Module):
         def __init__(self):
@@ -202,7 +247,7 @@ def _genie_decoder_wrapper(model, fvlm, form):
             outs = []
             for i, layer in enumerate(self.lm.layers):
                 attn = layer.self_attn
-                xn = layer.input_layernorm(h)
+                xn = norm(layer.input_layernorm, h)
                 q = rope(attn.q_proj(xn).view(1, T, nh, D).transpose(1, 2))  # [1,nh,T,D]
                 k = rope(attn.k_proj(xn).view(1, T, KV, D).transpose(1, 2))  # [1,KV,T,D]
                 v = attn.v_proj(xn).view(1, T, KV, D).transpose(1, 2)  # [1,KV,T,D]
@@ -215,9 +260,9 @@ def _genie_decoder_wrapper(model, fvlm, form):
                 probs = torch.softmax(scores.float(), dim=-1)
                 o = torch.matmul(probs, v_all).reshape(1, nh, T, D).transpose(1, 2).reshape(1, T, nh * D)
                 h = h + attn.o_proj(o)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + layer.mlp(norm(layer.post_attention_layernorm, h))
                 outs += [k_out, v_out]
-            logits = self.lm_head(self.lm.norm(h))
+            logits = self.lm_head(norm(self.lm.norm, h))
             return (logits, *outs)
 
     past_len = ctx - ar
@@ -237,6 +282,10 @@ def export_stage(model, form, out_dir: Path) -> dict | None:
     """Write ``form`` of ``model`` into ``out_dir``; return the manifest fields (see module docstring)."""
     if form.kind == "embed/lut":
         return export_lut(model, out_dir)
+    if form.kind == "decoder/parts":  # parts x (prompt, token) graphs in one artifact (decoder_parts.py)
+        from .decoder_parts import export_parts
+
+        return export_parts(model, form, out_dir)
     torch, _ = _torch()
     built = build_wrapper(model, form)
     if built is None:

@@ -1,0 +1,123 @@
+"""fp16 safety of the qnn_htp decoder with planted massive activations: the fp16-safe RMSNorm against the plain one.
+
+    .venv/bin/python benchmarks/fp16_safety.py [--full-size] [--image-size 256] [--no-massive-activations]
+        [--context-length N] [--prefill-ar N] [--engine host|genie] [--rmsnorm safe,plain] [--tokens 10]
+
+Builds (once, into the cache directory) a random FastVLM with ``make-tiny --massive-activations`` (tiny, or the
+FastVLM-0.5B dimensions with ``--full-size``), measures the residual stream of the torch model (max |x| per layer,
+the rows above fp16's squaring limit of 256), then compiles the decoder for qnn_htp at fp16 with each RMSNorm
+and runs it under teacher forcing (the demo prompt plus the reference's greedy tokens) on the local HTP (the
+v79 emulator here). Per RMSNorm: inf/NaN counts in the logits and in every KV output, logits SQNR / cosine / max
+|error| against the reference (ort_reference, fp32), top-1 agreement and KL. Prints one JSON object. Goal at full
+size: no inf/NaN anywhere and logits SQNR >= 30 dB with the safe RMSNorm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PROMPT = "Describe the image."
+
+
+def residual_stream(model, embeds, tokenizer, ids) -> dict:
+    """Max |x| of the residual stream after each decoder layer (torch, fp32) and the rows above 256."""
+    import numpy as np
+    import torch
+
+    lm = model.load_torch().model.language_model
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+             for layer in lm.layers]
+    try:
+        with torch.no_grad():
+            lm(inputs_embeds=torch.from_numpy(np.ascontiguousarray(embeds)))
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = np.stack([s[0].abs().amax(-1).numpy() for s in seen])[:, : len(ids)]  # [layers, prompt rows]
+    big = np.flatnonzero(rows[0] > 256)
+    toks = tokenizer.decode_batch([[int(i)] for i in ids], skip_special_tokens=False)
+    return {
+        "max_abs_per_layer": [round(float(v), 1) for v in rows.max(-1)],
+        "rows_above_256_after_layer_0": [{"row": int(i), "token": toks[i], "max_abs": round(float(rows[0, i]), 1)}
+                                         for i in big],
+        "other_rows_max_abs": round(float(np.delete(rows, big, axis=1).max()), 2),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full-size", action="store_true", help="FastVLM-0.5B dimensions (random weights, ~2 GB)")
+    ap.add_argument("--no-massive-activations", action="store_true", help="the model without planted outliers")
+    ap.add_argument("--image-size", type=int, default=256)
+    ap.add_argument("--context-length", type=int, default=None, help="default: the prompt + tokens, rounded up")
+    ap.add_argument("--prefill-ar", type=int, default=32)
+    ap.add_argument("--engine", choices=("host", "genie"), default="host", help="decoder/fixed or decoder/genie")
+    ap.add_argument("--rmsnorm", default="safe,plain", help="comma-separated RMSNorm forms to compare")
+    ap.add_argument("--tokens", type=int, default=10, help="reference greedy tokens appended (teacher forcing)")
+    ap.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "vlmrun-bench"))
+    args = ap.parse_args()
+
+    import numpy as np
+
+    from vlmrun import GenerationSettings, Pipeline, plugins
+    from vlmrun.demo_image import demo_image
+    from vlmrun.diff.metrics import logits_steps, tensor_metrics
+    from vlmrun.layouts import Layout, StageAssignment
+    from vlmrun.model import FastVLMModel
+    from vlmrun.stages import STAGES
+    from vlmrun.store import ArtifactStore
+    from vlmrun.tiny import make_tiny
+
+    massive = not args.no_massive_activations
+    name = f"fp16-{'full' if args.full_size else 'tiny'}-{args.image_size}-{'massive' if massive else 'plain'}"
+    model_dir = os.path.join(args.cache_dir, name)
+    t0 = time.perf_counter()
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        make_tiny(model_dir, image_size=args.image_size, full_size=args.full_size, massive_activations=massive)
+    build_s = time.perf_counter() - t0
+    store = ArtifactStore(args.cache_dir)
+    registry = plugins.load()
+    model = FastVLMModel.open(model_dir, store)
+    ref = Pipeline.build(model, "reference", store=store, registry=registry)
+    image = demo_image()
+    prepared = ref.prepare(image, PROMPT)
+    settings = GenerationSettings(max_new_tokens=args.tokens, ignore_eos=True)
+    tokens = ref.generate(image, PROMPT, settings).run().token_ids
+    embeds = np.concatenate([ref.embed_prompt(prepared), ref.embed_tokens(np.asarray(tokens))], axis=1)
+    l_ref = ref.run_stage("decoder", {"inputs_embeds": embeds})["logits"]
+    ctx = args.context_length or -(-(embeds.shape[1] + 1) // 64) * 64
+    result = {"model": name, "model_build_s": round(build_s, 1), "teacher_forced_rows": int(embeds.shape[1]),
+              "context_length": ctx, "prefill_ar": args.prefill_ar, "engine": args.engine,
+              "residual_stream": residual_stream(model, embeds, model.tokenizer, prepared.input_ids[0]),
+              "max_abs_reference_logit": round(float(np.abs(l_ref).max()), 4), "decoder_fp16": {}}
+    for norm in [n.strip() for n in args.rmsnorm.split(",") if n.strip()]:
+        stages = {s: StageAssignment("ort_reference") for s in STAGES}
+        stages["decoder"] = StageAssignment("qnn_htp", {"context_length": ctx, "prefill_ar": args.prefill_ar,
+                                                        "engine": args.engine, "rmsnorm": norm})
+        t0 = time.perf_counter()
+        pipe = Pipeline.build(model, Layout("fp16-safety", stages), store=store, registry=registry,
+                              stages=("decoder",))
+        build = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logits = pipe.run_stage("decoder", {"inputs_embeds": embeds})["logits"]
+        run = time.perf_counter() - t0
+        host = pipe.handles["decoder"].decoder  # the host loop's KV buffers after the teacher-forced pass
+        kv_bad = int(sum((~np.isfinite(t)).sum() for t in (*host.k, *host.v)))
+        m = tensor_metrics(l_ref, logits)
+        steps = logits_steps(l_ref, logits)
+        result["decoder_fp16"][norm] = {
+            "logits_nonfinite": int((~np.isfinite(logits)).sum()), "kv_nonfinite": kv_bad,
+            "sqnr_db": round(m["sqnr_db"], 2), "cosine": round(m["cosine"], 6), "max_abs_err": round(m["max_abs"], 4),
+            "top1_agreement": round(float(np.mean(steps["top1"])), 4), "kl_mean": float(np.mean(steps["kl"])),
+            "build_s": round(build, 1), "run_s": round(run, 1),
+        }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
