@@ -44,12 +44,19 @@ def _device_options(f):
               help="Save both captures (npz) to DIR/reference and DIR/device, and DIR/metrics.json.")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Write DIR/index.html (plots embedded) and DIR/metrics.json.")
+@click.option("--locate", "locate", is_flag=False, flag_value="auto", default=None, metavar="[auto|STAGE]",
+              help="Look inside a stage layer by layer (probe variants on both sides, the same inputs) and name the"
+                   " first layer that crosses the thresholds: auto (also the bare flag) = the likely culprit;"
+                   " or vision, projector, decoder.")
+@click.option("--what-if", "what_if", is_flag=False, flag_value="auto", default=None, metavar="[LAYER,...]",
+              help="With --locate on a quantized device stage: rebuild it with the located layer (or the LAYERs"
+                   " named) kept out of quantization and report what that recovers, with the layout lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as one JSON object instead of a table.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.pass_context
 def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, cache_dir, max_new_tokens,
-                 ignore_eos, precision, threshold_specs, thresholds_file, from_dirs, save_dir, report_dir, as_json,
-                 debug, **device_overrides):
+                 ignore_eos, precision, threshold_specs, thresholds_file, from_dirs, save_dir, report_dir, locate,
+                 what_if, as_json, debug, **device_overrides):
     """Compare a device layout with a reference stage by stage; name the first stage that breaks.
 
     \b
@@ -61,10 +68,19 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
       vlmrun diff --reference torch --device reference          # check the ONNX Runtime reference itself
       vlmrun diff --device-vision PLUGIN --precision fp16 --report out/
       vlmrun diff --from host/reference --from phone/device     # compare saved captures
+      vlmrun diff --device L.toml --locate --what-if             # which layer drifts, and does fp16 there fix it
     Exit status: 0 every threshold holds, 1 some threshold fails, 2 usage error.
     """
     from . import diff
     from .progress import step
+
+    if what_if is not None and locate is None:
+        locate = "auto"
+    if locate is not None and locate != "auto":
+        from .diff.locate import LOCATABLE
+
+        if locate not in LOCATABLE:
+            raise click.UsageError(f"--locate {locate}: choose auto or one of {', '.join(LOCATABLE)}")
 
     thresholds: dict[str, dict[str, float | None]] = {}
     for spec in threshold_specs:
@@ -88,6 +104,24 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
         progress=step,
     )
     result = result_run.result
+    located_note = None
+    if locate is not None:
+        from .diff import locate as loc_mod
+
+        stage, why = loc_mod.stage_to_locate(result, locate)
+        if stage is None:
+            located_note = f"--locate: {why}"
+        else:
+            missing = [s for s in ("reference", "device") if s not in result_run.pipelines]
+            if missing:
+                raise click.UsageError(f"--locate runs the stage's probes on both sides live; the {missing[0]} side"
+                                       " came from --from (give it as a layout instead)")
+            result_run.location = loc_mod.locate(result_run.pipelines["reference"], result_run.pipelines["device"],
+                                                 stage, result_run.reference, result.thresholds, progress=step)
+            if what_if is not None:
+                layers = None if what_if == "auto" else [x for x in what_if.replace(",", " ").split() if x]
+                result_run.location.what_if = loc_mod.what_if(result_run, result_run.location, layers,
+                                                              progress=step, image=image, prompt=prompt)
     if save_dir is not None:
         diff.save_run(result_run, save_dir)
         click.echo(f"captures saved to {save_dir} (compare again with --from {save_dir})", err=True)
@@ -95,9 +129,21 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
         page = diff.write_report(result_run, report_dir)
         click.echo(f"report: {page}", err=True)
     if as_json:
-        click.echo(json.dumps(result.to_json()))
+        data = result.to_json()
+        if locate is not None:
+            data["locate"] = (result_run.location.to_json() if result_run.location is not None
+                              else {"stage": None, "note": located_note})
+        from .diff.capture import jsonable
+
+        click.echo(json.dumps(jsonable(data)))
     else:
         click.echo(diff.format_table(result))
+        if result_run.location is not None:
+            from .diff.locate import format_location
+
+            click.echo(format_location(result_run.location))
+        elif located_note:
+            click.echo(located_note)
     if not result.passed:
         # an exception rather than ctx.exit(1): vlmrun.cli.main ignores the return value of cli.main(...,
         # standalone_mode=False), which is where click puts ctx.exit codes

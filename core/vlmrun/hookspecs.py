@@ -20,6 +20,8 @@ contracts). The order in which the core calls the hooks for one stage of one run
     run_stage(backend, stage, handle, inputs)   for every image/prompt (vision, projector, embed; and the
                                                 decoder under teacher forcing: logits for given embeddings)
     decode(backend, handle, request)            the generation loop of the decoder stage
+    load_probe(backend, stage, ctx)             optional: the stage's probe variant (``vlmrun diff --locate``)
+    run_probe(backend, stage, handle, inputs)   optional: run it, outputs at layer granularity
 
 Layout options reach a plugin only after the core checked them against what it declared in
 ``register_options`` (unknown keys, wrong types and values outside the choices are errors before any work).
@@ -150,6 +152,38 @@ def run_stage(backend, stage, handle, inputs):
                    ``logits`` [1, T, vocab] (a full causal forward from an empty cache: teacher forcing).
     :return: dict of output name -> ``numpy.ndarray`` or :class:`vlmrun.stages.QuantizedTensor` (the core
              dequantizes it at the stage boundary).
+    """
+
+
+@hookspec(firstresult=True)
+def load_probe(backend, stage, ctx):
+    """Load the *probe* variant of ``stage``: the same computation with its layer outputs as extra outputs
+    (optional; ``vlmrun diff --locate`` asks for it on both sides of a failing stage).
+
+    Build it like ``load_stage`` from the probe export form: ``ctx.exported(form.probe())`` for any form the
+    stage runs (``ExportForm.of("vision").probe()``, the decoder's prefill form ``.probe()``), compiled the same
+    way and with the same options as the normal form (``ctx.compiled``; it is cached in the store like any
+    artifact). The extra outputs must not change the main path: a quantizing compiler calibrates the probe form
+    on the same feeds as the normal one, so every tensor the two graphs share gets the same quantization.
+
+    :param backend: the backend name; return ``None`` if it is not yours or it has no probes (the core then says
+                    the stage cannot be located on this backend).
+    :param stage: ``vision``, ``projector`` or ``decoder`` (``embed`` is a table lookup with no layers).
+    :param ctx: a :class:`vlmrun.pipeline.StageContext`, as for ``load_stage``.
+    :return: a handle for ``run_probe``.
+    """
+
+
+@hookspec(firstresult=True)
+def run_probe(backend, stage, handle, inputs):
+    """Run a probe handle from ``load_probe`` once.
+
+    :param inputs: the stage's contract inputs (as ``run_stage``). For ``decoder``, ``inputs_embeds`` [1,T,H] is
+                   a whole teacher-forced sequence: run it as one causal forward from an empty cache (in chunks if
+                   the graphs are fixed-size), every row's layer outputs concatenated over the chunks.
+    :return: the stage's contract outputs, then one array per probe point keyed by its probe name, in network
+             order: the export manifest's ``probe_outputs`` pairs (:func:`vlmrun.stages.probe_outputs` maps a
+             graph's outputs to them). Arrays or :class:`vlmrun.stages.QuantizedTensor`.
     """
 
 

@@ -109,6 +109,8 @@ class ExportForm:
 
     ``kind`` names the form (``vision``, ``projector``, ``embed``, ``embed/lut``, ``decoder/kv``,
     ``decoder/fixed``); ``params`` are sorted ``(key, value)`` pairs (e.g. ``ar``, ``ctx``, ``seq``).
+    ``probe=True`` (:meth:`probe`) asks for the same graph with extra outputs at layer granularity (``vlmrun diff
+    --locate``); its manifest names them (``probe_outputs``, see :func:`probe_outputs`).
     """
 
     stage: str
@@ -125,6 +127,29 @@ class ExportForm:
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in self.params)
         return self.kind + (f"[{extra}]" if extra else "")
+
+    def probe(self) -> "ExportForm":
+        """This form with ``probe=True``: the same graph plus its layer outputs (see :func:`probe_outputs`)."""
+        return ExportForm(self.stage, self.kind, tuple(sorted({**dict(self.params), "probe": True}.items())))
+
+    @property
+    def is_probe(self) -> bool:
+        return bool(self.get("probe"))
+
+
+def probe_outputs(stage: str, manifest: Mapping[str, object], outputs: Mapping[str, object]) -> dict[str, object]:
+    """What ``run_probe`` returns, from a probe graph's outputs keyed by graph output names.
+
+    A probe form's export manifest lists ``probe_outputs``: ``[probe name, graph output name]`` pairs in network
+    order (``["vision.stage0", "probe_vision_stage0"]``; the last layer's pair names the stage's own output, e.g.
+    ``["vision.final_conv", "image_features"]``). The result holds the stage's contract outputs under their names,
+    then every probe under its probe name, in that order.
+    """
+    out = {spec.name: outputs[spec.name] for spec in CONTRACTS[stage].outputs if spec.name in outputs}
+    for name, graph_name in manifest.get("probe_outputs") or ():
+        if graph_name in outputs:
+            out[name] = outputs[graph_name]
+    return out
 
 
 @attrs.define

@@ -83,6 +83,8 @@ class DiffRun:
     device: Capture
     result: DiffResult
     timings: dict = attrs.field(factory=dict)
+    pipelines: dict = attrs.field(factory=dict)  # side -> the Pipeline that ran it live (for --locate)
+    location: object = None  # a locate.Location when --locate ran
 
 
 def _side(value):
@@ -154,6 +156,7 @@ def run(
     ref_cap, dev_cap = load_from(from_dirs)
     ref_side, dev_side = _side(reference), _side(device)
     timings: dict[str, float] = {}
+    pipelines: dict = {}
 
     if ref_cap is None or dev_cap is None:
         if ref_cap is not None:
@@ -185,8 +188,10 @@ def run(
         settings = GenerationSettings(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         # build the device side first: layout errors (unknown plugin, ...) surface before any long capture
         dev_pipe = _build_pipeline(dev_side, fvlm, store, registry, progress)
+        pipelines["device"] = dev_pipe
         if ref_cap is None:
             ref_pipe = _build_pipeline(ref_side, fvlm, store, registry, progress)
+            pipelines["reference"] = ref_pipe
             t = time.perf_counter()
             with progress(f"capturing the reference side ({_describe(ref_side)})"):
                 if ref_pipe is None:
@@ -216,5 +221,5 @@ def run(
     t = time.perf_counter()
     result = compare(ref_cap, dev_cap, table, precision)
     timings["compare_s"] = time.perf_counter() - t
-    return DiffRun(ref_cap, dev_cap, result, timings)
+    return DiffRun(ref_cap, dev_cap, result, timings, {k: v for k, v in pipelines.items() if v is not None})
 

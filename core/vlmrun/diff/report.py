@@ -83,8 +83,18 @@ def save_run(run_: DiffRun, directory: str | os.PathLike) -> Path:
     d = Path(directory)
     run_.reference.save(d / "reference")
     run_.device.save(d / "device")
-    (d / "metrics.json").write_text(json.dumps(run_.result.to_json(), indent=2) + "\n")
+    (d / "metrics.json").write_text(json.dumps(_data(run_), indent=2) + "\n")
     return d
+
+
+def _data(run_: DiffRun) -> dict:
+    """metrics.json: the result, plus the layer-by-layer location when --locate ran."""
+    from .capture import jsonable
+
+    data = run_.result.to_json()
+    if getattr(run_, "location", None) is not None:
+        data["locate"] = jsonable(run_.location.to_json())
+    return data
 
 
 def _png(fig) -> str:
@@ -166,7 +176,19 @@ def _plots(run_: DiffRun) -> dict[str, str]:
         ax.set_xlabel("error (device - reference)")
         ax.set_ylabel("count")
     figs["hist"] = _png(fig)
+    if getattr(run_, "location", None) is not None:  # --locate: the per-layer curve
+        from .locate import plot_location
+
+        figs["locate"] = _png(plot_location(run_.location, plt))
     return figs
+
+
+def _location_section(run_: DiffRun, figs: dict) -> str:
+    if getattr(run_, "location", None) is None:
+        return ""
+    from .locate import location_html
+
+    return location_html(run_.location, figs["locate"])
 
 
 def write_report(run_: DiffRun, directory: str | os.PathLike) -> Path:
@@ -176,7 +198,7 @@ def write_report(run_: DiffRun, directory: str | os.PathLike) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     result = run_.result
-    data = result.to_json()
+    data = _data(run_)
     figs = _plots(run_)
     esc = html.escape
     ref, dev = result.reference, result.device
@@ -223,6 +245,7 @@ model: <code>{esc(str(ref.get('model', '')))}</code> &nbsp; image: <code>{esc(st
 <h2>SQNR per stage</h2><img alt="SQNR per stage" src="data:image/png;base64,{figs['sqnr']}">
 <h2>Decoder per step</h2><img alt="per-step top-1 agreement and KL" src="data:image/png;base64,{figs['steps']}">
 <h2>Errors of the worst stage</h2><img alt="error histogram" src="data:image/png;base64,{figs['hist']}">
+{_location_section(run_, figs)}
 <h2>Tokens</h2>
 <p>reference: <code>{esc(tokens_text(run_.reference))}</code><br>
 device (free-running): <code>{esc(tokens_text(run_.device))}</code></p>

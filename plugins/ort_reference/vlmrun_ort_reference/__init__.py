@@ -128,6 +128,23 @@ def run_stage(backend, stage, handle, inputs):
 
 
 @hookimpl
+def load_probe(backend, stage, ctx):
+    """The stage's probe form (:mod:`vlmrun_ort_reference.probes`): its graph plus the layer outputs."""
+    if not mine(backend, NAME) or stage not in ("vision", "projector", "decoder"):
+        return None
+    from .probes import ProbeSession
+
+    return ProbeSession(ctx.exported(FORMS[stage].probe()), ctx.model, stage)
+
+
+@hookimpl
+def run_probe(backend, stage, handle, inputs):
+    if not mine(backend, NAME):
+        return None
+    return handle.run(dict(inputs))
+
+
+@hookimpl
 def decode(backend, handle, request):
     if not mine(backend, NAME):
         return None

@@ -130,6 +130,7 @@ def _decoder_wrapper(model, fvlm, form):
     ar = int(form.get("ar") or 1)
     table_len = ctx if fixed else model.max_context
     norm = rms_norm_of(form)
+    probe = bool(form.get("probe"))  # probes.py: the hidden state after every layer and the final norm as outputs
     with torch.no_grad():
         pos = torch.arange(table_len)[None]
         cos, sin = lm.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
@@ -160,7 +161,7 @@ def _decoder_wrapper(model, fvlm, form):
                 allowed = (k_pos[None, :] <= q_pos[:, None]) & (attention_mask[0][None, :] > 0)
                 mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
             h = inputs_embeds
-            outs = []
+            outs, hidden = [], []
             for i, layer in enumerate(self.lm.layers):
                 attn = layer.self_attn
                 x = norm(layer.input_layernorm, h)
@@ -179,12 +180,14 @@ def _decoder_wrapper(model, fvlm, form):
                 o = torch.matmul(probs, v_rep).transpose(1, 2).reshape(1, T, nh * D)
                 h = h + attn.o_proj(o)
                 h = h + layer.mlp(norm(layer.post_attention_layernorm, h))
+                hidden.append(h)
                 if fixed:
                     outs += [k, v]
                 else:
                     outs += [k_all, v_all]
-            logits = self.lm_head(norm(self.lm.norm, h))
-            return (logits, *outs)
+            normed = norm(self.lm.norm, h)
+            logits = self.lm_head(normed)
+            return (logits, *outs, *hidden, normed) if probe else (logits, *outs)
 
     kv_in = [n for i in range(L) for n in (f"past_key_{i}", f"past_value_{i}")]
     prefix = "new" if fixed else "present"
@@ -211,7 +214,14 @@ def _decoder_wrapper(model, fvlm, form):
         axes.update({n: {2: "past"} for n in kv_in})
         axes.update({n: {2: "total"} for n in kv_out})
     names_in = ["inputs_embeds", "attention_mask", "position_ids", *kv_in]
-    return Decoder(), ex, names_in, ["logits", *kv_out], axes
+    extra = []
+    if probe:
+        from .probes import decoder_probe_outputs
+
+        extra = [graph for _, graph in decoder_probe_outputs(L)]
+        if axes is not None:
+            axes.update({n: {1: "seq"} for n in extra})
+    return Decoder(), ex, names_in, ["logits", *kv_out, *extra], axes
 
 
 def _genie_decoder_wrapper(model, fvlm, form):
@@ -282,6 +292,10 @@ def export_stage(model, form, out_dir: Path) -> dict | None:
     """Write ``form`` of ``model`` into ``out_dir``; return the manifest fields (see module docstring)."""
     if form.kind == "embed/lut":
         return export_lut(model, out_dir)
+    if form.get("probe"):  # the same graph with its layer outputs (probes.py, vlmrun diff --locate)
+        from .probes import export_probe
+
+        return export_probe(model, form, out_dir)
     if form.kind == "decoder/parts":  # parts x (prompt, token) graphs in one artifact (decoder_parts.py)
         from .decoder_parts import export_parts
 

@@ -22,6 +22,9 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
                     squaring, so fp16 does not overflow on massive activations) or ``plain`` (transformers' form;
                     overflows in fp16 once |x| > 256, kept to show the failure)
 ``embed_seq``       static sequence length of the embed graph; longer inputs run in chunks (default 32)
+``keep_fp``         int8/a16w8: layers kept out of quantization (run in fp16), comma-separated: layer names as
+                    ``vlmrun diff --locate`` prints them (``vision.stage2``, ``decoder.layer1``) or node-name
+                    prefixes starting with ``/`` (:mod:`.probe`)
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
                     ``native_outputs``, ``timeout``
 ``toolchain``       ``onnxruntime`` (default: onnxruntime-qnn, QNN 2.51) or ``sdk``: the QAIRT SDK's own
@@ -98,6 +101,14 @@ def stage_options(stage: str, options) -> dict:
         out["rmsnorm"] = rmsnorm
     if stage == "embed":
         out["embed_seq"] = int(o.get("embed_seq") or DEFAULT_EMBED_SEQ)
+    from .probe import check_keep_fp, parse_keep_fp  # per-layer precision (vlmrun diff --what-if)
+
+    keep_fp = parse_keep_fp(o.get("keep_fp"))
+    check_keep_fp(stage, keep_fp, out["precision"])
+    if keep_fp:
+        if stage == "decoder" and str(o.get("decoder_form") or "fixed").lower() == "parts":
+            raise UsageError("keep_fp is not available for decoder_form = \"parts\" yet")
+        out["keep_fp"] = keep_fp
     target = str(o.get("target") or "local").lower()
     if target not in ("local", "android"):
         raise UsageError(f"target '{target}' is not one of local, android")
@@ -169,6 +180,9 @@ def register_options(register):
         Option(NAME, "rmsnorm", str, stages=("decoder",), choices=RMSNORMS, default="safe",
                help="decoder RMSNorm: safe (rows scaled by their max |x| before squaring: no fp16 overflow on"
                     " massive activations) or plain (overflows in fp16 once |x| > 256)"),
+        Option(NAME, "keep_fp", str, stages=("vision", "projector", "decoder"),
+               help="int8/a16w8: layers kept in fp16, comma-separated: names as vlmrun diff --locate prints them"
+                    " (vision.stage2, decoder.layer1) or node-name prefixes starting with /"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph; longer inputs run in chunks"),
         Option(NAME, "native_outputs", bool, default=False,
@@ -296,7 +310,7 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
                 extra = {"quantization": {"calibration": label, "samples": len(feeds), "by": "qnn-onnx-converter"}}
             else:
                 qdq = work / f"{name}.qdq.onnx"
-                facts = quant.quantize_qdq(src, qdq, feeds, precision, work)
+                facts = quant.quantize_qdq(src, qdq, feeds, precision, work, keep_fp=options.get("keep_fp"))
                 extra = {"quantization": {**facts, "calibration": label,
                                           "quantize_s": round(time.perf_counter() - t0, 3)}}
                 src = qdq
@@ -373,6 +387,10 @@ def _compiled(ctx, stage: str, opts: dict, form: ExportForm):
     key_opts = compile_key(opts)
     if opts.get("calibration_images"):
         key_opts["calibration_images"] = opts["calibration_images"]
+    if opts.get("keep_fp"):  # layers left in float: their boundaries in this form's graph (probe.py)
+        from .probe import keep_fp_key
+
+        key_opts["keep_fp"] = keep_fp_key(ctx, form, opts["keep_fp"])
     return ctx.compiled(src, key_opts, kind)
 
 
@@ -443,6 +461,24 @@ def run_stage(backend, stage, handle, inputs):
     if stage == "decoder":
         return {"logits": handle.decoder.forward_all(np.asarray(inputs["inputs_embeds"], np.float32))}
     return handle.run(dict(inputs))  # GenieHtpHandle.decoder is the host loop over the same Genie-layout graphs
+
+
+@hookimpl
+def load_probe(backend, stage, ctx):
+    """The stage's probe form compiled like the stage (:mod:`.probe`), for ``vlmrun diff --locate``."""
+    if not mine(backend, NAME):
+        return None
+    from .probe import load_probe as load
+
+    opts = stage_options(stage, ctx.options)
+    return load(ctx, stage, opts, socs.soc(opts["soc"]), lambda form: _compiled(ctx, stage, opts, form))
+
+
+@hookimpl
+def run_probe(backend, stage, handle, inputs):
+    if not mine(backend, NAME):
+        return None
+    return handle.run(dict(inputs))
 
 
 @hookimpl

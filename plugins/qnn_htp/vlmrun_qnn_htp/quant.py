@@ -197,8 +197,10 @@ class _Reader:
         pass
 
 
-def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path) -> dict:
-    """Write a QDQ model of ``src`` to ``dst``; return the quantization facts for the manifest."""
+def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path, keep_fp=None) -> dict:
+    """Write a QDQ model of ``src`` to ``dst``; return the quantization facts for the manifest.
+
+    ``keep_fp``: layers / node prefixes left in float (:func:`.probe.excluded_nodes`, option ``keep_fp``)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
@@ -221,9 +223,15 @@ def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: 
             o["quant_type"] = QuantType.QUInt16
         overrides.setdefault(name, [{}])[0].update(o)
     act = QuantType.QUInt16 if precision == "a16w8" else QuantType.QUInt8
+    excluded = []
+    if keep_fp:
+        from .probe import excluded_nodes
+
+        excluded = excluded_nodes(proto, keep_fp)
     config = get_qnn_qdq_config(
         str(model_in), _Reader(feeds), calibrate_method=CalibrationMethod.MinMax, activation_type=act,
         weight_type=QuantType.QInt8, per_channel=True, init_overrides=overrides or None,
+        nodes_to_exclude=excluded or None,
     )
     import logging
 
@@ -238,6 +246,8 @@ def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: 
              else act.name, "layernorm_gamma": "QUInt8 asymmetric", "io_quant": io_quant(dst)}
     if softmax_ranges:
         facts["softmax_input"] = f"calibrated max - {SOFTMAX_SPAN:g} .. max (the additive mask saturates)"
+    if keep_fp:
+        facts["kept_fp"] = {"layers": [e[0] for e in keep_fp], "nodes": len(excluded)}
     return facts
 
 

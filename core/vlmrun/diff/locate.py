@@ -1,0 +1,475 @@
+"""``vlmrun diff --locate``: which layer inside a failing stage drifts first, and ``--what-if``: what fixes it.
+
+A diff names the first stage that crosses its thresholds. Locating goes inside it: both sides load the stage's
+*probe* variant (the same graph with its layer outputs as extra outputs, through the optional ``load_probe`` /
+``run_probe`` hooks: export form ``.probe()``, compiled and cached like any artifact), run it on the same inputs
+(the reference side's stage inputs: its ``pixel_values``, its ``image_features``, its prompt embeddings plus
+the reference tokens, teacher-forced) and every layer output is compared::
+
+    vision      vision.stem, vision.stage0 .. vision.stage{n-1}, vision.final_conv (= image_features)
+    projector   projector.linear_1, projector.linear_2 (= image_embeds)
+    decoder     decoder.layer0 .. decoder.layer{L-1}, decoder.norm, decoder.lm_head (= logits)
+
+(the names come from the exporter). Both sides get identical inputs, so each layer's error is the stage's own.
+Per layer: SQNR, cosine (and max/mean abs, relative L2), checked against the stage's thresholds. The result
+names the **first layer** that crosses them, and the layer with the **largest drop**: the one that adds the most
+noise power relative to the signal (``10^(-SQNR/10)`` minus the previous layer's), so a first layer going from
+exact inputs to a small error does not dominate.
+
+``--what-if`` (a quantized device stage): the device side is built again with the located layer kept out of
+quantization (the stage option ``keep_fp``, which a backend that can keep layers in float declares) and the diff
+runs again; the result says how much of the stage's and the logits' error that recovers (the share of the noise
+power removed), and the layout-TOML lines that apply it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from ..errors import BackendError, UsageError
+from ..stages import CONTRACTS, QuantizedTensor
+from .compare import Check
+from .metrics import SQNR_CAP_DB, fmt, fmt_shape, tensor_metrics
+
+LOCATABLE = ("vision", "projector", "decoder")
+#: the diff checkpoint whose failure sends --locate auto to a stage
+STAGE_OF_CHECKPOINT = {"vision": "vision", "projector": "projector", "decoder": "decoder", "generation": "decoder"}
+#: the per-layer precision option a backend declares to take --what-if (comma-separated layer names)
+KEEP_OPTION = "keep_fp"
+LAYER_METRICS = ("sqnr_db", "cosine")
+NOISE_FLOOR = 1e-9  # relative noise power below which no layer is "the largest drop" (SQNR above 90 dB)
+
+
+@attrs.define
+class LayerPoint:
+    """One probe point: a layer's output compared between the sides."""
+
+    name: str
+    shape: tuple
+    metrics: dict
+    checks: list[Check] = attrs.field(factory=list)
+    drop_db: float | None = None  # SQNR of the previous point minus this one's
+    noise_added: float = 0.0  # relative noise power added by this layer (10^(-SQNR/10) minus the previous)
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks) and not self.note.startswith("shape")
+
+    def to_json(self) -> dict:
+        return {"layer": self.name, "shape": list(self.shape), "passed": self.passed, "metrics": self.metrics,
+                "drop_db": self.drop_db, "noise_added": self.noise_added, "note": self.note,
+                "checks": [attrs.asdict(c) for c in self.checks]}
+
+
+@attrs.define
+class WhatIf:
+    """The device side rebuilt with ``layers`` kept out of quantization, and what that recovered."""
+
+    stage: str
+    layers: list[str]
+    option: str  # the stage option's value that applies it
+    before: dict  # checkpoint -> metrics (the original device side)
+    after: dict
+    recovered: dict  # checkpoint -> share of the noise power removed (1 = all)
+    passed_before: bool
+    passed_after: bool
+    snippet: str
+    result: object = None  # the DiffResult of the rebuilt side
+    eval: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "layers": self.layers, "option": {KEEP_OPTION: self.option},
+                "before": self.before, "after": self.after, "recovered": self.recovered,
+                "passed_before": self.passed_before, "passed_after": self.passed_after,
+                "layout_toml": self.snippet, "eval": self.eval}
+
+
+@attrs.define
+class Location:
+    stage: str
+    reference: str
+    device: str
+    points: list[LayerPoint]
+    thresholds: dict
+    rows: int | None = None  # decoder: teacher-forced rows compared
+    notes: list[str] = attrs.field(factory=list)
+    what_if: WhatIf | None = None
+
+    @property
+    def first_failing(self) -> LayerPoint | None:
+        return next((p for p in self.points if not p.passed), None)
+
+    @property
+    def largest_drop(self) -> LayerPoint | None:
+        best = max(self.points, key=lambda p: p.noise_added, default=None)
+        return best if best is not None and best.noise_added > NOISE_FLOOR else None
+
+    @property
+    def located(self) -> str | None:
+        """The layer to look at: the first that crosses the thresholds (None when none does)."""
+        p = self.first_failing
+        return p.name if p is not None else None
+
+    def to_json(self) -> dict:
+        first, drop = self.first_failing, self.largest_drop
+        return {
+            "stage": self.stage, "reference": self.reference, "device": self.device,
+            "first_failing": first.name if first else None,
+            "largest_drop": drop.name if drop else None,
+            "thresholds": self.thresholds, "rows": self.rows, "notes": self.notes,
+            "layers": [p.to_json() for p in self.points],
+            "what_if": self.what_if.to_json() if self.what_if else None,
+        }
+
+
+# -- choosing the stage ------------------------------------------------------------------------------------------
+def stage_to_locate(result, asked: str) -> tuple[str | None, str]:
+    """(stage, why) for ``--locate asked`` (``auto``: the diff's culprit; or a stage name)."""
+    if asked != "auto":
+        if asked not in LOCATABLE:
+            raise UsageError(f"--locate {asked}: stages with layers are {', '.join(LOCATABLE)} (or auto)")
+        return asked, f"asked for {asked}"
+    culprit = result.culprit
+    if culprit is None:
+        return None, "every stage is within its thresholds: nothing to locate"
+    stage = STAGE_OF_CHECKPOINT.get(culprit)
+    if stage is None:
+        what = {"embed": "a table lookup", "splice": "host code", "preprocess": "host code"}.get(culprit, "")
+        return None, f"the culprit {culprit} has no layers to locate" + (f" ({what})" if what else "")
+    return stage, f"the likely culprit is {culprit}"
+
+
+# -- probes --------------------------------------------------------------------------------------------------------
+def load_probe(pipe, stage: str):
+    """The probe handle of ``stage`` on ``pipe``'s backend for it (the optional ``load_probe`` hook)."""
+    from ..pipeline import StageContext
+
+    a = pipe.layout.stages[stage]
+    ctx = StageContext(a.backend, stage, pipe.model, dict(a.options), pipe.store, pipe.registry, False,
+                       pipe.progress)
+    handle = pipe.registry.hook.load_probe(backend=a.backend, stage=stage, ctx=ctx)
+    if handle is None:
+        raise BackendError(f"backend '{a.backend}' has no probe for stage '{stage}' (it does not implement the"
+                           f" optional load_probe / run_probe hooks), so --locate cannot look inside it")
+    return handle
+
+
+def run_probe(pipe, stage: str, handle, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    backend = pipe.layout.backend(stage)
+    out = pipe.registry.hook.run_probe(backend=backend, stage=stage, handle=handle, inputs=dict(inputs))
+    if out is None:
+        raise BackendError(f"backend '{backend}' loaded a probe for '{stage}' but does not run it (run_probe)")
+    result = {}
+    for k, v in out.items():
+        if isinstance(v, QuantizedTensor):
+            v = v.dequantize()
+        result[k] = np.asarray(v)
+    for spec in CONTRACTS[stage].outputs:
+        if spec.name not in result:
+            raise BackendError(f"backend '{backend}' probe of '{stage}' returned no '{spec.name}'")
+    return result
+
+
+def probe_inputs(stage: str, ref_capture, embed_tokens) -> dict[str, np.ndarray]:
+    """The stage's inputs from the reference capture (the decoder: prompt + reference tokens, teacher-forced)."""
+    t = ref_capture.tensors
+    if stage == "vision":
+        return {"pixel_values": np.asarray(t["pixel_values"], np.float32)}
+    if stage == "projector":
+        return {"image_features": np.asarray(t["image_features"], np.float32)}
+    embeds = np.asarray(t["inputs_embeds"], np.float32)
+    forced = np.asarray(ref_capture.tokens, np.int64)
+    if forced.size:
+        embeds = np.concatenate([embeds, embed_tokens(forced).astype(np.float32)], axis=1)
+    return {"inputs_embeds": embeds}
+
+
+def compare_points(stage: str, ref: Mapping[str, np.ndarray], dev: Mapping[str, np.ndarray],
+                   thresholds: Mapping[str, float]) -> tuple[list[LayerPoint], list[str]]:
+    """Per-layer metrics of ``dev`` against ``ref`` (probe names in ``ref``'s order) and their checks."""
+    main = {s.name for s in CONTRACTS[stage].outputs}
+    names = [k for k in ref if k not in main]
+    notes = []
+    missing = [n for n in names if n not in dev]
+    if missing:
+        notes.append(f"the device probe lacks {', '.join(missing)} (compared: the layers both sides report)")
+    extra = [k for k in dev if k not in main and k not in ref]
+    if extra:
+        notes.append(f"the device probe reports layers the reference does not: {', '.join(extra)}")
+    points: list[LayerPoint] = []
+    prev_sqnr, prev_noise = SQNR_CAP_DB, 0.0
+    for name in names:
+        if name not in dev:
+            continue
+        r, d = ref[name], dev[name]
+        if r.shape != d.shape:
+            points.append(LayerPoint(name, tuple(d.shape), {}, note=f"shape {fmt_shape(r.shape)} vs"
+                                     f" {fmt_shape(d.shape)}"))
+            continue
+        m = tensor_metrics(r, d)
+        checks = []
+        for metric in LAYER_METRICS:
+            limit = thresholds.get(metric)
+            if limit is None:
+                continue
+            v = m[metric]
+            ok = v is not None and v >= limit  # NaN fails
+            checks.append(Check(metric, ">=", float(limit), v, bool(ok)))
+        sqnr = m["sqnr_db"]
+        noise = math.inf if sqnr is None or not math.isfinite(sqnr) else 10.0 ** (-sqnr / 10.0)
+        drop = None if not math.isfinite(noise) else prev_sqnr - sqnr
+        points.append(LayerPoint(name, tuple(d.shape), m, checks, drop, noise - prev_noise))
+        if math.isfinite(noise):
+            prev_sqnr, prev_noise = sqnr, noise
+    return points, notes
+
+
+def locate(ref_pipe, dev_pipe, stage: str, ref_capture, thresholds: Mapping[str, Mapping[str, float]],
+           progress=None) -> Location:
+    """Load ``stage``'s probe on both sides, run both on the reference side's inputs, compare every layer."""
+    from ..progress import no_progress
+
+    progress = progress or no_progress
+    if stage not in LOCATABLE:
+        raise UsageError(f"stage '{stage}' has no layers to locate; stages with layers are {', '.join(LOCATABLE)}")
+    inputs = probe_inputs(stage, ref_capture, ref_pipe.embed_tokens)
+    outs = {}
+    for side, pipe in (("reference", ref_pipe), ("device", dev_pipe)):
+        backend = pipe.layout.backend(stage)
+        with progress(f"probing {stage} layer by layer on the {side} side ({backend})"):
+            handle = load_probe(pipe, stage)
+            outs[side] = run_probe(pipe, stage, handle, inputs)
+    limits = {k: v for k, v in dict(thresholds.get(stage, {})).items() if k in LAYER_METRICS}
+    points, notes = compare_points(stage, outs["reference"], outs["device"], limits)
+    if not points:
+        raise BackendError(f"the probes of '{stage}' reported no layer outputs on both sides")
+    rows = inputs["inputs_embeds"].shape[1] if stage == "decoder" else None
+    return Location(stage, ref_pipe.layout.backend(stage), dev_pipe.layout.backend(stage), points, limits, rows,
+                    notes)
+
+
+# -- what-if --------------------------------------------------------------------------------------------------------
+def _noise(sqnr) -> float:
+    return math.inf if sqnr is None or not math.isfinite(sqnr) else 10.0 ** (-float(sqnr) / 10.0)
+
+
+def recovered_share(before_db, after_db) -> float | None:
+    """Share of the noise power removed going from ``before_db`` to ``after_db`` SQNR (1 = all, <0 = worse)."""
+    nb, na = _noise(before_db), _noise(after_db)
+    if not math.isfinite(nb) or nb <= 0:
+        return None
+    return 1.0 - na / nb if math.isfinite(na) else -math.inf
+
+
+def layout_snippet(stage: str, backend: str, options: Mapping[str, object]) -> str:
+    """Layout-TOML lines for ``stage`` with ``options``."""
+    lines = [f"[{stage}]", f'backend = "{backend}"']
+    for k, v in options.items():
+        if isinstance(v, bool):
+            val = "true" if v else "false"
+        elif isinstance(v, (int, float)):
+            val = str(v)
+        else:
+            val = '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{k} = {val}")
+    return "\n".join(lines)
+
+
+def what_if(run, location: Location, layers: Sequence[str] | None = None, progress=None, image=None,
+            prompt: str | None = None):
+    """Rebuild the device side with ``layers`` (default: the located layer) kept out of quantization, diff again.
+
+    ``run`` is the :class:`vlmrun.diff.DiffRun` whose device pipeline is rebuilt (``run.pipelines``).
+    """
+    from ..layouts import Layout, StageAssignment
+    from ..pipeline import GenerationSettings, Pipeline
+    from ..progress import no_progress
+    from .capture import capture_pipeline
+    from .compare import compare
+
+    progress = progress or no_progress
+    dev_pipe = run.pipelines.get("device")
+    if dev_pipe is None:
+        raise UsageError("--what-if rebuilds the device side: it needs a live device layout (not --from captures)")
+    stage = location.stage
+    layers = list(layers or [])
+    if not layers:
+        target = location.first_failing or location.largest_drop
+        if target is None:
+            raise UsageError(f"--what-if: no layer of {stage} was located (every layer is within its thresholds)")
+        layers = [target.name]
+    a = dev_pipe.layout.stages[stage]
+    declared = dev_pipe.registry.options.for_stage(a.backend, stage, str(a.options.get("compiler") or a.backend))
+    if KEEP_OPTION not in declared:
+        raise UsageError(f"--what-if: backend '{a.backend}' has no per-layer precision for {stage} (it declares no"
+                         f" '{KEEP_OPTION}' option)")
+    info = dev_pipe.registry.backend(a.backend)
+    precision = str(a.options.get("precision") or getattr(info, "precision", None) or "fp32")
+    if precision in ("fp32", "fp16"):
+        raise UsageError(f"--what-if: the device's {stage} runs at {precision}; keeping a layer at higher precision"
+                         " applies to quantized precisions (int8, a16w8, ...)")
+    existing = [x.strip() for x in str(a.options.get(KEEP_OPTION) or "").replace(",", " ").split() if x.strip()]
+    value = ",".join(dict.fromkeys([*existing, *layers]))
+    options = {**dict(a.options), KEEP_OPTION: value}
+    stages = {s: (StageAssignment(a.backend, options) if s == stage else dev_pipe.layout.stages[s])
+              for s in dev_pipe.layout.stages}
+    layout = Layout(f"{dev_pipe.layout.name}+{KEEP_OPTION}", stages)
+    with progress(f"what-if: rebuilding {stage} on {a.backend} with {', '.join(layers)} kept in float"):
+        pipe = Pipeline.build(dev_pipe.model, layout, store=dev_pipe.store, registry=dev_pipe.registry,
+                              progress=dev_pipe.progress)
+    ref = run.reference
+    settings = GenerationSettings(max_new_tokens=int(ref.meta.get("max_new_tokens") or max(len(ref.tokens), 1)),
+                                  ignore_eos=bool(ref.meta.get("ignore_eos")))
+    if image is None and ref.meta.get("image") not in (None, "", "<demo image>"):
+        image = ref.meta["image"]
+    if image is None:
+        from ..demo_image import demo_image
+
+        image = demo_image()
+    with progress("what-if: capturing the rebuilt device side, teacher-forced"):
+        cap = capture_pipeline(pipe, image, prompt if prompt is not None else ref.meta.get("prompt", ""),
+                               settings, ref.tokens, str(ref.meta.get("image", "")))
+    cap.meta["side"] = "device (what-if)"
+    result = compare(ref, cap, run.result.thresholds, run.result.precision)
+    boundary = {"vision": "image_features", "projector": "image_embeds", "decoder": "logits"}[stage]
+    keys = [(stage, boundary)] + ([("decoder", "logits")] if stage != "decoder" else [])
+    before, after, recovered = {}, {}, {}
+    for st, tensor in keys:
+        b, a2 = run.result.entry(st, tensor).metrics, result.entry(st, tensor).metrics
+        label = f"{st}.{tensor}"
+        pick = ("sqnr_db", "cosine", "top1_agreement", "kl_mean")
+        before[label] = {k: b.get(k) for k in pick if k in b}
+        after[label] = {k: a2.get(k) for k in pick if k in a2}
+        recovered[label] = recovered_share(b.get("sqnr_db"), a2.get("sqnr_db"))
+    snippet = layout_snippet(stage, a.backend, {k: v for k, v in options.items()
+                                                if k in ("precision", KEEP_OPTION) or k in a.options})
+    return WhatIf(stage, layers, value, before, after, recovered, run.result.passed, result.passed, snippet, result)
+
+
+# -- output ----------------------------------------------------------------------------------------------------------
+def format_location(loc: Location) -> str:
+    """The terminal table of a location: one row per layer, the curve as a bar, then the verdict."""
+    lines = ["", f"locate {loc.stage}: layer by layer, both sides on the reference side's inputs"
+             f" ({loc.reference} vs {loc.device}" + (f", {loc.rows} teacher-forced rows" if loc.rows else "") + ")"]
+    cols = ("layer", "shape", "sqnr_dB", "cosine", "drop_dB", "curve", "status")
+    rows = []
+    first, drop = loc.first_failing, loc.largest_drop
+    for p in loc.points:
+        m = p.metrics
+        s = m.get("sqnr_db")
+        bar = "" if s is None or not math.isfinite(s) else "#" * max(0, min(40, int(round(s / 5))))
+        if p.note:
+            status = "FAIL " + p.note
+        elif p.passed:
+            status = "ok"
+        else:
+            status = "FAIL " + ", ".join(c.describe() for c in p.checks if not c.ok)
+        mark = []
+        if p is first:
+            mark.append("<- first to cross")
+        if p is drop:
+            mark.append("<- largest drop")
+        cos = m.get("cosine")
+        rows.append((p.name, fmt_shape(p.shape), "-" if s is None else f"{s:.1f}",
+                     "-" if cos is None else f"{cos:.6f}", "-" if p.drop_db is None else f"{p.drop_db:+.1f}"
+                     if abs(p.drop_db) < 1e4 else "-", bar, status + ("  " + " ".join(mark) if mark else "")))
+    widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols) - 1)]
+    for r in [cols, *rows]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
+    for note in loc.notes:
+        lines.append(f"note: {note}")
+    limits = ", ".join(f"{k} >= {fmt(v)}" for k, v in loc.thresholds.items()) or "none"
+    if first is None:
+        lines.append(f"located: nothing (every layer of {loc.stage} is within {limits})")
+    else:
+        why = first.note or ", ".join(c.describe() for c in first.checks if not c.ok)
+        lines.append(f"located: {first.name} is the first layer of {loc.stage} to cross its thresholds ({why})")
+    if drop is not None:
+        k = loc.points.index(drop)
+        before = SQNR_CAP_DB if k == 0 else loc.points[k - 1].metrics.get("sqnr_db")
+        lines.append(f"largest drop: {drop.name} ({fmt(before)} -> {fmt(drop.metrics.get('sqnr_db'))} dB SQNR;"
+                     f" it adds {drop.noise_added:.2e} of relative noise power)")
+    if loc.what_if is not None:
+        lines.extend(format_what_if(loc.what_if))
+    return "\n".join(lines)
+
+
+def format_what_if(w: WhatIf) -> list[str]:
+    lines = ["", f"what-if: {', '.join(w.layers)} kept in float ({KEEP_OPTION} = \"{w.option}\"), {w.stage} rebuilt:"]
+    for label, b in w.before.items():
+        a = w.after.get(label, {})
+        rec = w.recovered.get(label)
+        parts = [f"SQNR {fmt(b.get('sqnr_db'))} -> {fmt(a.get('sqnr_db'))} dB",
+                 f"cosine {fmt(b.get('cosine'))} -> {fmt(a.get('cosine'))}"]
+        if "top1_agreement" in b:
+            parts.append(f"top-1 {fmt(b.get('top1_agreement'))} -> {fmt(a.get('top1_agreement'))}")
+        share = "-" if rec is None else (f"{100 * rec:.0f}%" if math.isfinite(rec) else "worse")
+        lines.append(f"  {label}: " + ", ".join(parts) + f"; noise power recovered: {share}")
+    if w.eval:
+        b, a = w.eval.get("before"), w.eval.get("after")
+        lines.append(f"  eval accuracy ({w.eval.get('items')} items): {fmt(b)} -> {fmt(a)}"
+                     f" (reference {fmt(w.eval.get('reference'))})")
+    lines.append(f"  thresholds: {'pass' if w.passed_before else 'FAIL'} -> {'pass' if w.passed_after else 'FAIL'}")
+    lines.append("  apply it in a layout file (--layout-file):")
+    lines.extend("    " + line for line in w.snippet.splitlines())
+    return lines
+
+
+def plot_location(loc: Location, plt) -> object:
+    """The per-layer curve (SQNR and cosine) as a matplotlib figure."""
+    names = [p.name for p in loc.points]
+    x = np.arange(len(names))
+    sqnr = [float(np.nan_to_num(p.metrics.get("sqnr_db", np.nan), nan=-SQNR_CAP_DB)) for p in loc.points]
+    cos = [float(np.nan_to_num(p.metrics.get("cosine", np.nan), nan=0.0)) for p in loc.points]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.8), sharex=True)
+    a1.plot(x, sqnr, "o-", color="#1565c0")
+    a2.plot(x, [max(1.0 - c, 1e-12) for c in cos], "s-", color="#6a1b9a")
+    if "sqnr_db" in loc.thresholds:
+        a1.axhline(loc.thresholds["sqnr_db"], color="black", linestyle="dashed", linewidth=1)
+    if "cosine" in loc.thresholds:
+        a2.axhline(max(1.0 - loc.thresholds["cosine"], 1e-12), color="black", linestyle="dashed", linewidth=1)
+    first, drop = loc.first_failing, loc.largest_drop
+    for p, color, label in ((first, "#c62828", "first to cross"), (drop, "#ef6c00", "largest drop")):
+        if p is not None:
+            k = loc.points.index(p)
+            a1.axvline(k, color=color, alpha=0.5, label=f"{label}: {p.name}")
+    if first is not None or drop is not None:
+        a1.legend(loc="lower left", fontsize=8)
+    a1.set_ylabel("SQNR (dB)")
+    a1.set_title(f"{loc.stage}, layer by layer ({loc.reference} vs {loc.device}; dashes: thresholds)")
+    a2.set_yscale("log")
+    a2.set_ylabel("1 - cosine")
+    a2.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    return fig
+
+
+def location_html(loc: Location, png: str) -> str:
+    """The report's section for a location (``png``: the curve, base64)."""
+    import html
+
+    esc = html.escape
+    first, drop = loc.first_failing, loc.largest_drop
+    verdict = (f"<p class='fail'>first layer to cross the thresholds: <b>{esc(first.name)}</b></p>" if first else
+               "<p class='pass'>located: nothing (every layer is within its thresholds)</p>")
+    if drop is not None:
+        verdict += f"<p>largest drop (relative noise power added): <b>{esc(drop.name)}</b></p>"
+    rows = []
+    for p in loc.points:
+        m = p.metrics
+        rows.append(f"<tr class='{'ok' if p.passed else 'bad'}'><td>{esc(p.name)}</td><td>{fmt_shape(p.shape)}</td>"
+                    f"<td>{fmt(m.get('sqnr_db'))}</td><td>{fmt(m.get('cosine'))}</td><td>{fmt(p.drop_db)}</td>"
+                    f"<td>{p.noise_added:.2e}</td><td>{esc(p.note)}</td></tr>")
+    extra = ""
+    if loc.what_if is not None:
+        w = loc.what_if
+        extra = (f"<h3>What if {esc(', '.join(w.layers))} stayed in float?</h3><pre>"
+                 + esc("\n".join(format_what_if(w)[1:])) + "</pre>")
+    return (f"<h2>Layer by layer: {esc(loc.stage)} (--locate)</h2>{verdict}"
+            f"<img alt='per-layer SQNR and cosine' src='data:image/png;base64,{png}'>"
+            "<table><tr><th>layer</th><th>shape</th><th>SQNR dB</th><th>cosine</th><th>drop dB</th>"
+            "<th>noise added</th><th>note</th></tr>" + "".join(rows) + "</table>" + extra)

@@ -1,0 +1,212 @@
+"""Probe forms: a stage's graph plus its layer outputs (``ExportForm.probe()``, for ``vlmrun diff --locate``).
+
+A probe form is the normal form of the stage (``vision``, ``projector``, ``decoder/kv``, ``decoder/fixed`` with
+the same parameters) with one extra graph output per layer boundary. The main path is the very same graph (the
+same torch modules traced the same way; an extra output only names a tensor the graph computes anyway), so the
+probe's own outputs equal the normal form's.
+
+=========== ===================================================================================================
+vision      ``vision.stem``, ``vision.stage0`` .. ``vision.stage{n-1}`` (the FastViT stages), then
+            ``vision.final_conv`` = the stage output ``image_features``
+projector   ``projector.linear_1``, then ``projector.linear_2`` = ``image_embeds``
+decoder     ``decoder.layer0`` .. ``decoder.layer{L-1}`` (the residual stream after each layer), ``decoder.norm``
+            (the final RMSNorm), then ``decoder.lm_head`` = ``logits``
+=========== ===================================================================================================
+
+The manifest records ``probe_outputs`` (``[probe name, graph output name]`` pairs in network order: the extra
+outputs are ``probe_<name with _ for .>``, the last layer's is the stage's own output) and ``probe_nodes`` (probe
+name -> the name of the graph node producing it). Node names are the same in the normal form's graph (the
+exporter names nodes by module scope and order, and the extra outputs add no node), so a layer's nodes in the
+normal graph are those between its producer node and the previous layer's (:func:`layer_nodes`): how a
+compiler keeps one layer out of quantization (qnn_htp's ``keep_fp``).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+#: the probe name of each stage's last layer, whose output is the stage's own output
+FINAL = {"vision": ("vision.final_conv", "image_features"), "projector": ("projector.linear_2", "image_embeds"),
+         "decoder": ("decoder.lm_head", "logits")}
+STAGES = tuple(FINAL)
+
+
+def graph_output(name: str) -> str:
+    """The graph output name of probe ``name`` (``vision.stage0`` -> ``probe_vision_stage0``)."""
+    return "probe_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def decoder_probe_outputs(num_layers: int) -> list[tuple[str, str]]:
+    """The decoder's extra outputs (after every layer, the final norm) as (probe name, graph output) pairs."""
+    names = [f"decoder.layer{i}" for i in range(num_layers)] + ["decoder.norm"]
+    return [(n, graph_output(n)) for n in names]
+
+
+def _points(fvlm, stage: str) -> list[tuple[str, object]]:
+    """(probe name, torch module whose output it is) for vision and projector."""
+    from vlmrun.errors import BackendError
+
+    if stage == "vision":
+        tm = getattr(fvlm.model.vision_tower, "timm_model", None)
+        if tm is None or not hasattr(tm, "stem") or not hasattr(tm, "stages"):
+            raise BackendError("probe: the vision tower is not a FastViT (no stem/stages); cannot probe its layers")
+        return [("vision.stem", tm.stem)] + [(f"vision.stage{i}", s) for i, s in enumerate(tm.stages)]
+    if stage == "projector":
+        proj = fvlm.model.multi_modal_projector
+        return [("projector.linear_1", proj.linear_1)]
+    raise BackendError(f"probe: stage '{stage}' has no layers to probe")
+
+
+def _hooked(module, points):
+    """``module`` whose forward also returns the outputs of ``points``' modules (forward hooks, traced).
+
+    The module itself with its ``forward`` replaced, not a wrapper around it: a wrapper would add a scope to every
+    node name, and node names must stay those of the normal graph (see the module docstring)."""
+    plain = module.forward
+
+    def forward(*args):
+        seen: dict[str, object] = {}
+        hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: seen.__setitem__(n, out)) for n, m in points]
+        try:
+            out = plain(*args)
+        finally:
+            for h in hooks:
+                h.remove()
+        outs = out if isinstance(out, tuple) else (out,)
+        return (*outs, *[seen[n] for n, _ in points])
+
+    module.forward = forward
+    return module
+
+
+def export_probe(model, form, out_dir: Path) -> dict | None:
+    """Write the probe form ``form`` (``form.is_probe``) into ``out_dir``; the manifest fields."""
+    from vlmrun.stages import ExportForm
+
+    from .onnx_export import EXTERNAL_DATA_THRESHOLD, OPSET, _torch, build_wrapper
+
+    if form.stage not in STAGES:
+        return None
+    torch, _ = _torch()
+    if form.stage == "decoder":
+        built = build_wrapper(model, form)  # _decoder_wrapper adds the probe outputs itself
+        if built is None:
+            return None
+        module, example, names_in, names_out, axes = built
+        pairs = decoder_probe_outputs(model.num_layers)
+    else:
+        base = ExportForm(form.stage, form.kind, tuple((k, v) for k, v in form.params if k != "probe"))
+        built = build_wrapper(model, base)
+        if built is None:
+            return None
+        inner, example, names_in, names_out, axes = built
+        points = _points(model.load_torch(), form.stage)
+        module = _hooked(inner, points)
+        pairs = [(n, graph_output(n)) for n, _ in points]
+        names_out = [*names_out, *[g for _, g in pairs]]
+        if axes is not None:
+            axes = dict(axes)
+    pairs.append(FINAL[form.stage])
+    module.eval()
+    path = out_dir / f"{form.stage}.onnx"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, example, str(path), input_names=names_in, output_names=names_out,
+                          dynamic_axes=axes, opset_version=OPSET, dynamo=False, do_constant_folding=True)
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    producers = {o: n.name for n in proto.graph.node for o in n.output}
+    nodes = {name: producers.get(graph) for name, graph in pairs}
+    files = [path.name]
+    if path.stat().st_size > EXTERNAL_DATA_THRESHOLD:
+        full = onnx.load(str(path))
+        data = path.name + ".data"
+        onnx.save_model(full, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+        files.append(data)
+    return {
+        "files": files,
+        "form": form.label(),
+        "inputs": names_in,
+        "outputs": names_out,
+        "probe_outputs": [list(p) for p in pairs],
+        "probe_nodes": nodes,
+        "opset": OPSET,
+        "torch": torch.__version__,
+    }
+
+
+# -- layers of a graph, for keeping them out of quantization -----------------------------------------------------
+def _ancestors(graph, tensor: str, producers: dict) -> set[str]:
+    """Names of the nodes ``tensor`` depends on (itself produced by one of them)."""
+    seen: set[str] = set()
+    stack = [tensor]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or node.name in seen:
+            continue
+        seen.add(node.name)
+        stack.extend(i for i in node.input if i)
+    return seen
+
+
+def layer_nodes(proto, probe_nodes: dict[str, str], order: list[str], layers: list[str]) -> dict[str, list[str]]:
+    """The node names of each of ``layers`` in ``proto`` (a normal or probe graph of the stage).
+
+    Layer ``k`` (``order[k]``) is every node its producer node depends on that layer ``k-1``'s producer does not
+    depend on (the first layer: everything its producer depends on). ``probe_nodes`` is the probe manifest's
+    ``probe_nodes``. A name missing from the graph raises ``KeyError``.
+    """
+    by_name = {n.name: n for n in proto.graph.node}
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    out: dict[str, list[str]] = {}
+    for layer in layers:
+        k = order.index(layer)
+        node = by_name[probe_nodes[layer]]
+        mine = _ancestors(proto.graph, node.output[0], producers)
+        if k > 0:
+            prev = by_name[probe_nodes[order[k - 1]]]
+            mine -= _ancestors(proto.graph, prev.output[0], producers)
+        out[layer] = sorted(mine)
+    return out
+
+
+# -- running on ONNX Runtime -------------------------------------------------------------------------------------
+class ProbeSession:
+    """A probe graph on ONNX Runtime (CPU): ``run(inputs)`` gives the contract outputs and every probe."""
+
+    def __init__(self, artifact, model, stage: str):
+        from . import Session
+
+        self.artifact = artifact
+        self.artifacts = (artifact,)
+        self.stage = stage
+        self.session = Session(artifact.file())
+        self.manifest = dict(artifact.manifest)
+        self.model = model
+
+    def run(self, inputs: dict) -> dict:
+        import numpy as np
+
+        from vlmrun.stages import probe_outputs
+
+        feeds = dict(inputs)
+        if self.stage == "decoder":  # decoder/kv: one causal forward from an empty cache
+            x = np.asarray(inputs["inputs_embeds"], np.float32)
+            T = x.shape[1]
+            m = self.model
+            feeds = {"inputs_embeds": x, "attention_mask": np.ones((1, T), np.int64),
+                     "position_ids": np.arange(T, dtype=np.int64)[None]}
+            empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)
+            feeds.update({n: empty for n in self.session.inputs if n.startswith("past_")})
+        return probe_outputs(self.stage, self.manifest, self.session.run(feeds))
+
+
+def manifest_pairs(manifest: dict) -> list[tuple[str, str]]:
+    return [tuple(p) for p in manifest.get("probe_outputs") or ()]
+
+
+def read_manifest(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,358 @@
+"""``vlmrun diff --locate`` / ``--what-if``: a backend that perturbs one chosen layer is located exactly, a clean run
+locates nothing, keeping the located layer out of the fault recovers the final metric, and a probe variant's own
+output equals the normal stage's (on ONNX Runtime and on the HTP emulator at int8, where the quantization of the
+main path is also compared tensor by tensor)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+
+from vlmrun import diff
+from vlmrun.diff import locate as loc
+
+N = 6  # generated tokens per side
+PROMPT = "What is in the picture?"
+
+# A test backend: ort_reference's probe graphs (ExportForm.probe()) with the output of one layer multiplied by
+# 1 + 4 * N(0, 1) (about -12 dB SQNR there; the random tiny model's later layers attenuate it, to 2-6 dB at the
+# stage output, enough to fail the stage at int8), which every later layer then carries. The perturbed graph serves
+# both its normal stage (main outputs only) and its probe. TARGET names the layer; a layer listed in the stage
+# option keep_fp is left alone (a "lossy layer" that higher precision fixes), which is what --what-if relies on.
+PERTURB_SRC = textwrap.dedent('''
+    import os
+    import tempfile
+
+    import numpy as np
+    from vlmrun import hookimpl
+    from vlmrun.options import Option
+    from vlmrun.plugins import BackendInfo
+    from vlmrun.stages import STAGES, ExportForm, probe_outputs
+
+    NAME = "perturb"
+    SCALE = float(os.environ.get("VLMRUN_TEST_PERTURB_SCALE", "4.0"))
+    TARGET = os.environ.get("VLMRUN_TEST_PERTURB", "vision.stage2")
+    FORMS = {"vision": ExportForm.of("vision"), "projector": ExportForm.of("projector"),
+             "decoder": ExportForm.of("decoder", "decoder/kv")}
+
+
+    @hookimpl
+    def describe():
+        return BackendInfo(NAME, STAGES, "test: ort_reference with noise after one layer", precision="int8")
+
+
+    @hookimpl
+    def register_options(register):
+        register(Option(NAME, "keep_fp", str, help="layers left unperturbed"))
+
+
+    class Perturbed:
+        """The stage's probe graph with noise after TARGET, on ONNX Runtime."""
+
+        def __init__(self, ctx, stage):
+            import onnx
+            import onnxruntime as ort
+            from onnx import helper, numpy_helper
+
+            art = ctx.exported(FORMS[stage].probe())
+            self.manifest, self.stage, self.model = dict(art.manifest), stage, ctx.model
+            proto = onnx.load(str(art.file()))
+            tensor = dict(self.manifest["probe_outputs"])[TARGET]
+            out = next(o for o in proto.graph.output if o.name == tensor)
+            dims = [d.dim_value if d.HasField("dim_value") else 1 for d in out.type.tensor_type.shape.dim]
+            factor = (1.0 + SCALE * np.random.default_rng(0).standard_normal(dims)).astype(np.float32)
+            i, node = next((i, n) for i, n in enumerate(proto.graph.node) if tensor in n.output)
+            node.output[list(node.output).index(tensor)] = tensor + "_clean"
+            proto.graph.initializer.append(numpy_helper.from_array(factor, "perturb_factor"))
+            proto.graph.node.insert(i + 1, helper.make_node("Mul", [tensor + "_clean", "perturb_factor"], [tensor],
+                                                            name="perturb_mul"))
+            path = os.path.join(tempfile.mkdtemp(prefix="perturb-"), "g.onnx")
+            onnx.save(proto, path)
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            self.names = [o.name for o in self.sess.get_outputs()]
+
+        def run(self, inputs):
+            feeds = dict(inputs)
+            if self.stage == "decoder":
+                x = np.asarray(inputs["inputs_embeds"], np.float32)
+                T, m = x.shape[1], self.model
+                empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)
+                feeds = {"inputs_embeds": x, "attention_mask": np.ones((1, T), np.int64),
+                         "position_ids": np.arange(T, dtype=np.int64)[None]}
+                feeds.update({i.name: empty for i in self.sess.get_inputs() if i.name.startswith("past_")})
+            return probe_outputs(self.stage, self.manifest, dict(zip(self.names, self.sess.run(None, feeds))))
+
+        def generate(self, request):  # full forward per token: slow but simple
+            embeds = request.inputs_embeds
+            for i in range(request.max_new_tokens):
+                row = self.run({"inputs_embeds": embeds})["logits"][0, -1]
+                if request.on_logits is not None:
+                    request.on_logits(row)
+                tok = int(request.sampler(row))
+                yield tok
+                if tok in request.stop_ids:
+                    return
+                embeds = np.concatenate([embeds, request.embed_tokens(np.array([tok]))], axis=1)
+
+
+    def _kept(ctx):
+        return TARGET in str(ctx.options.get("keep_fp") or "").replace(",", " ").split()
+
+
+    def _load(ctx, stage, hook):
+        if TARGET.split(".")[0] == stage and not _kept(ctx):
+            return Perturbed(ctx, stage)
+        return ("plain", getattr(ctx.registry.hook, hook)(backend="ort_reference", stage=stage, ctx=ctx))
+
+
+    @hookimpl
+    def load_stage(backend, stage, ctx):
+        if backend != NAME:
+            return None
+        return ctx.registry, _load(ctx, stage, "load_stage")
+
+
+    @hookimpl
+    def load_probe(backend, stage, ctx):
+        if backend != NAME:
+            return None
+        return ctx.registry, _load(ctx, stage, "load_probe")
+
+
+    @hookimpl
+    def run_stage(backend, stage, handle, inputs):
+        if backend != NAME:
+            return None
+        registry, inner = handle
+        if isinstance(inner, tuple):
+            return registry.hook.run_stage(backend="ort_reference", stage=stage, handle=inner[1], inputs=inputs)
+        out = inner.run(inputs)
+        return {k: v for k, v in out.items() if "." not in k}
+
+
+    @hookimpl
+    def run_probe(backend, stage, handle, inputs):
+        if backend != NAME:
+            return None
+        registry, inner = handle
+        if isinstance(inner, tuple):
+            return registry.hook.run_probe(backend="ort_reference", stage=stage, handle=inner[1], inputs=inputs)
+        return inner.run(inputs)
+
+
+    @hookimpl
+    def decode(backend, handle, request):
+        if backend != NAME:
+            return None
+        registry, inner = handle
+        if isinstance(inner, tuple):
+            return registry.hook.decode(backend="ort_reference", handle=inner[1], request=request)
+        return inner.generate(request)
+''')
+
+
+def perturb_module(target: str):
+    module = types.ModuleType(f"vlmrun_perturb_{target.replace('.', '_')}")
+    os.environ["VLMRUN_TEST_PERTURB"] = target
+    try:
+        exec(compile(PERTURB_SRC, "vlmrun_perturb_test.py", "exec"), module.__dict__)
+    finally:
+        del os.environ["VLMRUN_TEST_PERTURB"]
+    return module
+
+
+@pytest.fixture(scope="module")
+def model(request, store):
+    """The default tiny model; while it is not in the tree, a random-weight one with the same architecture."""
+    from vlmrun.errors import BackendError
+
+    try:
+        return request.getfixturevalue("tiny_model")
+    except BackendError:
+        from vlmrun.model import FastVLMModel
+        from vlmrun.tiny import make_tiny
+
+        path = store.root / "locate-test-tiny"
+        if not (path / "config.json").is_file():
+            make_tiny(path, image_size=256)
+        return FastVLMModel(path, path, "fast_vlm")
+
+
+def _run(model, store, device, registry=None, image=None):
+    return diff.run("reference", device, image=image, prompt=PROMPT, model=model, store=store, registry=registry,
+                    max_new_tokens=N, ignore_eos=True)
+
+
+def registry_with(*modules):
+    from vlmrun import plugins
+
+    return plugins.load(extra=list(modules))
+
+
+@pytest.fixture(scope="module")
+def clean(model, store):
+    return _run(model, store, "reference")
+
+
+@pytest.mark.parametrize("stage", ["vision", "projector", "decoder"])
+def test_clean_run_locates_nothing_and_probe_outputs_equal_the_stage(clean, stage):
+    assert clean.result.passed
+    assert loc.stage_to_locate(clean.result, "auto")[0] is None  # nothing failed: nothing to locate
+    ref, dev = clean.pipelines["reference"], clean.pipelines["device"]
+    found = loc.locate(ref, dev, stage, clean.reference, clean.result.thresholds)
+    assert found.located is None and found.first_failing is None and found.largest_drop is None
+    names = [p.name for p in found.points]
+    expected = {"vision": ["vision.stem", *[f"vision.stage{i}" for i in range(5)], "vision.final_conv"],
+                "projector": ["projector.linear_1", "projector.linear_2"],
+                "decoder": [*[f"decoder.layer{i}" for i in range(ref.model.num_layers)], "decoder.norm",
+                            "decoder.lm_head"]}[stage]
+    assert names == expected
+    assert all(p.metrics["sqnr_db"] == diff.SQNR_CAP_DB for p in found.points)
+    assert "located: nothing" in loc.format_location(found)
+    # the probe's own output is the normal stage's, bit for bit
+    inputs = loc.probe_inputs(stage, clean.reference, ref.embed_tokens)
+    probe = loc.run_probe(ref, stage, loc.load_probe(ref, stage), inputs)
+    for name, value in ref.run_stage(stage, inputs).items():
+        np.testing.assert_array_equal(probe[name], value)
+    if stage == "decoder":
+        assert probe["decoder.layer0"].shape == inputs["inputs_embeds"].shape  # every teacher-forced row
+
+
+@pytest.mark.parametrize("target", ["vision.stage2", "decoder.layer1", "projector.linear_1"])
+def test_perturbed_layer_is_located_exactly(model, store, target):
+    stage = target.split(".")[0]
+    run = _run(model, store, diff.Side("reference", {stage: "perturb"}), registry_with(perturb_module(target)))
+    assert run.result.precision == "int8"  # the test backend says it runs int8
+    assert not run.result.passed
+    chosen, _ = loc.stage_to_locate(run.result, "auto")
+    assert chosen == stage
+    found = loc.locate(run.pipelines["reference"], run.pipelines["device"], stage, run.reference,
+                       run.result.thresholds)
+    assert found.located == target, loc.format_location(found)
+    assert found.largest_drop.name == target
+    k = [p.name for p in found.points].index(target)
+    assert all(p.metrics["sqnr_db"] == diff.SQNR_CAP_DB for p in found.points[:k])  # exact before it
+    assert -15 < found.points[k].metrics["sqnr_db"] < -8  # x (1 + 4 N(0,1)): noise 16x the signal, -12 dB
+    text = loc.format_location(found)
+    assert f"located: {target} is the first layer of {stage}" in text and "<- first to cross" in text
+    data = json.loads(json.dumps(found.to_json()))
+    assert data["first_failing"] == target and len(data["layers"]) == len(found.points)
+
+
+def test_what_if_recovers_the_injected_fault(model, store):
+    target = "vision.stage2"
+    run = _run(model, store, diff.Side("reference", {"vision": "perturb"}), registry_with(perturb_module(target)))
+    found = loc.locate(run.pipelines["reference"], run.pipelines["device"], "vision", run.reference,
+                       run.result.thresholds)
+    w = loc.what_if(run, found)
+    assert w.layers == [target] and w.option == target
+    assert not w.passed_before and w.passed_after
+    assert w.before["vision.image_features"]["sqnr_db"] < 10
+    assert w.after["vision.image_features"]["sqnr_db"] == diff.SQNR_CAP_DB
+    assert w.recovered["vision.image_features"] == pytest.approx(1.0)
+    assert w.recovered["decoder.logits"] == pytest.approx(1.0)
+    assert 'keep_fp = "vision.stage2"' in w.snippet and 'backend = "perturb"' in w.snippet
+    found.what_if = w
+    assert "noise power recovered: 100%" in loc.format_location(found)
+    # the snippet is a layout file that applies the fix
+    import tomllib
+
+    table = tomllib.loads(w.snippet)
+    assert table["vision"] == {"backend": "perturb", "keep_fp": target}
+
+
+def test_cli_locate_what_if_json_and_report(model, store, cache_dir, image_path, tmp_path):
+    dist = tmp_path / "dist"
+    info = dist / "vlmrun_perturb_test-0.1.dist-info"
+    info.mkdir(parents=True)
+    (dist / "vlmrun_perturb_test.py").write_text(PERTURB_SRC)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vlmrun-perturb-test\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[vlmrun]\nperturb = vlmrun_perturb_test\n")
+    env = dict(os.environ, VLMRUN_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", VLMRUN_TEST_PERTURB="decoder.layer0",
+               PYTHONPATH=os.pathsep.join(p for p in [str(dist), os.environ.get("PYTHONPATH", "")] if p))
+    report = tmp_path / "report"
+    args = [sys.executable, "-m", "vlmrun.cli", "diff", "--model", str(model.path), "--device-decoder", "perturb",
+            "--image", str(image_path), "--prompt", PROMPT, "--max-new-tokens", "4", "--ignore-eos",
+            "--locate", "--what-if"]
+    proc = subprocess.run([*args, "--json", "--report", str(report)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["culprit"] == "decoder"
+    located = data["locate"]
+    assert located["stage"] == "decoder" and located["first_failing"] == "decoder.layer0"
+    assert [x["layer"] for x in located["layers"]][:1] == ["decoder.layer0"]
+    assert located["what_if"]["recovered"]["decoder.logits"] == pytest.approx(1.0)
+    assert 'keep_fp = "decoder.layer0"' in located["what_if"]["layout_toml"]
+    page = (report / "index.html").read_text()
+    assert "Layer by layer: decoder" in page and "decoder.layer0" in page
+    pngs = [s.split("'", 1)[0].split('"', 1)[0] for s in page.split("data:image/png;base64,")[1:]]
+    assert len(pngs) == 4 and base64.b64decode(pngs[-1])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((report / "metrics.json").read_text())["locate"]["first_failing"] == "decoder.layer0"
+    # the table form
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    assert "located: decoder.layer0 is the first layer of decoder" in proc.stdout
+    assert "[decoder]" in proc.stdout and 'keep_fp = "decoder.layer0"' in proc.stdout
+
+
+def _qdq_params(path):
+    """(quantized tensor's producer node, or the tensor itself) -> (scale, zero point) of every QuantizeLinear."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(path))
+    vals = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    producers = {o: n.name for n in m.graph.node for o in n.output}
+    out = {}
+    for n in m.graph.node:
+        if n.op_type == "QuantizeLinear":
+            key = producers.get(n.input[0], n.input[0])
+            out[key] = (vals[n.input[1]].tolist(), vals[n.input[2]].tolist() if len(n.input) > 2 else None)
+    return out
+
+
+def test_qnn_htp_int8_probe_keeps_the_main_path(model, store, clean, tmp_path):
+    """qnn_htp compiles the probe form like the stage: at int8 every tensor the two graphs share gets the same
+    scale and offset, and the probe binary's image_features equal the stage binary's on the emulator."""
+    pytest.importorskip("onnxruntime_qnn")
+    from vlmrun import Pipeline
+    from vlmrun.layouts import Layout, StageAssignment
+    from vlmrun.pipeline import export_artifact
+    from vlmrun.stages import STAGES, ExportForm
+    from vlmrun_qnn_htp import quant
+
+    ref = clean.pipelines["reference"]
+    # the quantization of the normal and the probe graph, on the same calibration feeds
+    feeds, _ = quant.calibration_samples("vision", model, None)
+    params = {}
+    for form in (ExportForm.of("vision"), ExportForm.of("vision").probe()):
+        art = export_artifact(ref.registry, store, model, form)
+        work = tmp_path / form.label().replace("/", "_")
+        work.mkdir()
+        quant.quantize_qdq(art.file(), work / "q.onnx", feeds, "int8", work)
+        params[form.is_probe] = _qdq_params(work / "q.onnx")
+    normal, probe = params[False], params[True]
+    assert len(normal) > 50
+    assert {k: probe[k] for k in normal} == normal  # same scale and zero point for every shared tensor
+
+    lay = Layout("int8-vision", {s: StageAssignment("qnn_htp" if s == "vision" else "ort_reference",
+                                                    {"precision": "int8"} if s == "vision" else {}) for s in STAGES})
+    dev = Pipeline.build(model, lay, store=store, registry=ref.registry, stages=("vision",))
+    inputs = loc.probe_inputs("vision", clean.reference, None)
+    out = loc.run_probe(dev, "vision", loc.load_probe(dev, "vision"), inputs)
+    np.testing.assert_array_equal(out["image_features"], dev.run_stage("vision", inputs)["image_features"])
+    found = loc.locate(ref, dev, "vision", clean.reference, {"vision": {"sqnr_db": 15.0, "cosine": 0.97}})
+    assert [p.name for p in found.points][-1] == "vision.final_conv"
+    assert all(10 < p.metrics["sqnr_db"] < 60 for p in found.points)  # int8 error, not a broken graph
+    assert found.largest_drop is not None
