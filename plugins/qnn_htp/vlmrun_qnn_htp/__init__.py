@@ -26,7 +26,8 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
                     ``vlmrun diff --locate`` prints them (``vision.stage2``, ``decoder.layer1``) or node-name
                     prefixes starting with ``/`` (:mod:`.probe`)
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
-                    ``native_outputs``, ``timeout``
+                    ``native_outputs``, ``timeout``; the decoder on a phone needs engine ``genie`` (the SDK's
+                    genie-t2t-run on the phone's HTP, :mod:`.genie_phone`; ``ndk_root`` for libc++_shared.so)
 ``toolchain``       ``onnxruntime`` (default: onnxruntime-qnn, QNN 2.51) or ``sdk``: the QAIRT SDK's own
                     converter, model-lib generator and context-binary generator (:mod:`.sdk_compile`), for
                     binaries that carry the SDK's QNN version (a phone running an older QAIRT)
@@ -112,9 +113,9 @@ def stage_options(stage: str, options) -> dict:
     target = str(o.get("target") or "local").lower()
     if target not in ("local", "android"):
         raise UsageError(f"target '{target}' is not one of local, android")
-    if target == "android" and stage == "decoder":
-        raise UsageError("the decoder cannot run through qnn-net-run (--target android); run it locally"
-                         " or on another backend")
+    if target == "android" and stage == "decoder" and out.get("engine") != "genie":
+        raise UsageError("the decoder's host engine cannot run on a phone (qnn-net-run runs one graph per call);"
+                         " use --decoder-engine genie: Genie's genie-t2t-run decodes on the phone's HTP")
     out["target"] = target
     toolchain = str(o.get("toolchain") or "onnxruntime").lower()
     if toolchain not in TOOLCHAINS:
@@ -191,6 +192,9 @@ def register_options(register):
         Option(NAME, "toolchain", str, choices=TOOLCHAINS, default="onnxruntime", flag="--toolchain",
                help="what compiles the context binaries: onnxruntime-qnn (QNN 2.51, default) or sdk, the QAIRT"
                     " SDK's own tools (binaries for that SDK's QNN version, e.g. an older phone runtime)"),
+        Option(NAME, "ndk_root", Path, stages=("decoder",),
+               help="engine genie on a phone: the Android NDK whose libc++_shared.so goes to the phone with"
+                    " genie-t2t-run, when the SDK has none (default: $ANDROID_NDK_ROOT)"),
         *phone_options(NAME),
     ):
         register(o)
@@ -260,7 +264,12 @@ def preflight(backend, stage, model, options):
         from .netrun import check_runtime, device_files, phone_sdk
 
         sdk = phone_sdk(o.get("sdk_root"))
-        device_files(sdk.root, socs.soc(opts["soc"]).arch)
+        if stage == "decoder":  # engine genie: genie-t2t-run and the HTP runtime (genie_phone), not qnn-net-run
+            from .genie_phone import device_files as genie_device_files
+
+            genie_device_files(sdk, socs.soc(opts["soc"]), o.get("ndk_root"))
+        else:
+            device_files(sdk.root, socs.soc(opts["soc"]).arch)
         built = binary_version(opts, options)
         compiler = str(o.get("compiler") or NAME)
         if built:
@@ -424,8 +433,11 @@ def load_stage(backend, stage, ctx):
         from .genie_engine import GenieHtpHandle
 
         lut = ctx.exported(ExportForm.of("embed", "embed/lut")).file("embed_lut_f32.npy")
-        return GenieHtpHandle(ctx.model, [(int(f.get("ar")), a) for f, a in zip(forms(stage, opts), arts)],
-                              opts["context_length"], soc, lut, float(ctx.options.get("timeout") or 600))
+        handle = GenieHtpHandle(ctx.model, [(int(f.get("ar")), a) for f, a in zip(forms(stage, opts), arts)],
+                                opts["context_length"], soc, lut, float(ctx.options.get("timeout") or 600))
+        from .genie_phone import attach  # --target android: genie-t2t-run on the phone (handle.phone)
+
+        return attach(handle, ctx, opts, soc)
     if stage == "decoder":
         from .decoder import FixedKVDecoder
 
@@ -485,6 +497,8 @@ def run_probe(backend, stage, handle, inputs):
 def decode(backend, handle, request):
     if not mine(backend, NAME):
         return None
+    if getattr(handle, "phone", None) is not None:  # engine genie on a phone: genie-t2t-run over adb
+        return handle.phone.generate(handle, request)
     if hasattr(handle, "genie_generate"):
         return handle.genie_generate(request)
     return handle.decoder.generate(request)

@@ -8,6 +8,9 @@ corrupt tokens.
 ``GenieDialog_embeddingTokenQuery`` gets the spliced prompt embeddings and a token-to-embedding callback over the
 host LUT; token ids stream back as Genie produces them.
 
+On a phone (``target = "android"``) the same dialog config, its paths made remote, runs through the SDK's
+``genie-t2t-run`` on the phone's HTP over adb (:mod:`.genie_phone`, ``handle.phone``).
+
 The same compiled graphs also run under a host-driven loop (:class:`GenieLayoutDecoder`), used for teacher
 forcing (``run_stage``) and to check Genie against this plugin's own arithmetic.
 """

@@ -688,6 +688,9 @@ def t2t_argv(
 #: an error line of genie-t2t-run or Genie on stderr (errors are never read from the generated text)
 ERROR_LINE = re.compile(r"^\s*(ERROR\b|Error\b|error:|Failed to|Unknown option|CANNOT LINK|.*doesn't exists"
                         r"|.*Exception|.*error while loading shared libraries)", re.M)
+#: Genie's own log line for the cause of a failure (``[ERROR] "Failed to create device: 1008"``), printed before
+#: genie-t2t-run's summary ("Failed to create the dialog."); only read when the tool failed
+GENIE_ERROR = re.compile(r'^[ \t]*\[ERROR\][ \t]*"?(?P<msg>.*?)"?[ \t]*$', re.M)
 #: messages genie-t2t-run prints on stderr when it cleans up (not failures of the query)
 BENIGN_LINE = re.compile(r"^\s*Failed to free\b")
 #: Genie's ContextLimitException (qualla dialogs and the CPU engine): "Context Size was exceeded."
@@ -757,6 +760,10 @@ def parse_t2t_output(stdout: str, stderr: str, returncode: int, what: str = "gen
     if returncode != 0:
         detail = (err_line or _last_error_line(stderr or "") or _error_line(outside)
                   or _last_error_line(outside) or "no message")
+        cause = next((m.group("msg") for text in (stderr or "", outside) for m in GENIE_ERROR.finditer(text)
+                      if m.group("msg")), None)
+        if cause and cause not in detail:  # Genie's first [ERROR] names what failed (device, file, config)
+            detail = f'{detail} (Genie: "{cause[:200]}")'
         raise BackendError(f"{what} exited with status {returncode}: {detail}")
     if err_line:
         raise BackendError(f"{what} reported an error: {err_line}")

@@ -42,6 +42,24 @@ QNN_COMPILE_TOOLS = ("qnn-onnx-converter", "qnn-model-lib-generator", "qnn-conte
                      "qnn-context-binary-utility")
 QNN_COMPILE_LIBS = ("libQnnHtp.so", "libQnnHtpNetRunExtensions.so")
 
+#: What genie-t2t-run on a phone's HTP opens, as ``{name on the phone: path under the SDK}`` for HTP arch ``NN``
+#: (the SoC table's arch): libGenie.so (linked), the QnnHtp backend, its CPU-side Stub for the arch, QnnSystem (context
+#: binary metadata), the backend-extension library (an ``extensions`` config), and the Skel that the Stub loads on the
+#: DSP through ``ADSP_LIBRARY_PATH``.
+def genie_htp_layout(arch: str) -> dict[str, str]:
+    nn = str(arch).lower().lstrip("v")
+    lib = f"lib/{ANDROID}"
+    return {
+        "genie-t2t-run": f"bin/{ANDROID}/genie-t2t-run",
+        "libGenie.so": f"{lib}/libGenie.so",
+        "libQnnHtp.so": f"{lib}/libQnnHtp.so",
+        f"libQnnHtpV{nn}Stub.so": f"{lib}/libQnnHtpV{nn}Stub.so",
+        "libQnnSystem.so": f"{lib}/libQnnSystem.so",
+        "libQnnHtpNetRunExtensions.so": f"{lib}/libQnnHtpNetRunExtensions.so",
+        f"libQnnHtpV{nn}Skel.so": f"lib/hexagon-v{nn}/unsigned/libQnnHtpV{nn}Skel.so",
+    }
+
+
 _VERSION = re.compile(rb"(?<![\d.])v?(2\.\d{1,3}\.\d{1,3}\.\d{6,}(?:\.\d+)?)")
 
 
@@ -197,6 +215,29 @@ class Sdk:
             arch = HOST if target == "local" else ANDROID
             raise BackendError(f"genie_cpu needs the QAIRT SDK's {', '.join(missing)} ({arch}); {where}")
         return {k: v for k, v in t.items() if v is not None}
+
+    def genie_htp_files(self, arch: str, ndk_root: str | os.PathLike | None = None) -> dict[str, Path | None]:
+        """genie-t2t-run on a phone's HTP (arch e.g. ``v79``): ``{name on the phone: SDK file or None}`` in push
+        order (:func:`genie_htp_layout`), then ``libc++_shared.so`` (the SDK's own copy, else the NDK's)."""
+        out: dict[str, Path | None] = {n: self._file(*rel.split("/")) for n, rel in genie_htp_layout(arch).items()}
+        out[LIBCXX] = self._file("lib", ANDROID, LIBCXX) or ndk_libcxx(ndk_root)[0]
+        return out
+
+    def require_genie_htp(self, arch: str, ndk_root: str | os.PathLike | None = None,
+                          why: str = "for Genie on the phone's HTP") -> dict[str, Path]:
+        """:meth:`genie_htp_files`, or one BackendError line naming every missing file (SDK-relative) and where
+        vlmrun looked."""
+        self.require_root(why)
+        files = self.genie_htp_files(arch, ndk_root)
+        layout = genie_htp_layout(arch)
+        missing = [layout[n] for n, p in files.items() if p is None and n in layout]
+        where = self.where
+        if files[LIBCXX] is None:
+            missing.append(f"{LIBCXX} (from the Android NDK: set ANDROID_NDK_ROOT)")
+            where += f"; {LIBCXX}: looked in {self.root / 'lib' / ANDROID / LIBCXX}, {ndk_libcxx(ndk_root)[1]}"
+        if missing:
+            raise BackendError(f"the QAIRT SDK lacks {', '.join(missing)}, needed {why} (HTP {arch}); {where}")
+        return {k: v for k, v in files.items() if v is not None}
 
     def compile_tools(self) -> dict[str, Path | None]:
         """The SDK's host compile tools and the libraries they load (None where missing)."""

@@ -1,0 +1,319 @@
+"""Decoder engine ``genie`` on a phone (``--decoder-engine genie --target android``): the SDK's ``genie-t2t-run`` on
+the phone's HTP (Genie's QnnHtp backend) over adb, decoding over the decoder's context binaries.
+
+Vision, projector and embed keep running through ``qnn-net-run`` (:mod:`.netrun`); only the decoder comes here.
+
+What goes to the phone, into one directory (:data:`REMOTE_DIR`), each file pushed once and skipped when the remote
+sha256 matches (:meth:`vlmrun_qualcomm.adb.Adb.push`):
+
+* from the QAIRT SDK (:meth:`vlmrun_qualcomm.sdk.Sdk.require_genie_htp`, NN = the SoC table's HTP arch):
+  ``bin/aarch64-android/genie-t2t-run``, ``lib/aarch64-android/{libGenie.so, libQnnHtp.so, libQnnHtpV<NN>Stub.so,
+  libQnnSystem.so, libQnnHtpNetRunExtensions.so}``, ``lib/hexagon-v<NN>/unsigned/libQnnHtpV<NN>Skel.so`` and
+  ``libc++_shared.so`` (the SDK's, else the NDK's: genie-t2t-run links it, as on the Genie CPU path);
+* the decoder's context binaries (``<artifact>/<file>.bin``, the handle's ``ctx_bins`` in order), the tokenizer
+  (``tokenizer.json``), the float32 LUT (``embed_lut_f32.raw`` [vocab, hidden], the ``-t`` table, derived once
+  from the embed LUT export and kept in the artifact store) and a backend extension config when the dialog config
+  names one (``engine.backend.extensions``);
+* per query: ``genie_config.json`` (the handle's own QnnHtp dialog config with every path made relative to the
+  remote directory) and ``embeddings.raw`` (the spliced prompt embeddings, float32 [N, hidden]).
+
+Then, with ``LD_LIBRARY_PATH`` and ``ADSP_LIBRARY_PATH`` set to that directory::
+
+    cd /data/local/tmp/vlmrun/genie_htp && env LD_LIBRARY_PATH=... ADSP_LIBRARY_PATH=... ./genie-t2t-run \\
+        -c genie_config.json -e embeddings.raw -t embed_lut_f32.raw --embedding_query_output_type text \\
+        --profile profile.json
+
+The text streams back as genie-t2t-run prints it and becomes token ids (the tool's safe output mode is text) as soon
+as its tokenization can no longer change. Errors come from genie-t2t-run's stderr and exit status only, never from
+the generated text; a device error keeps Genie's own text and says what to check. Genie's profile (pulled after the
+run) becomes the handle's ``last_timings``. A binary newer than the phone's QNN (the SDK's) is refused before any
+push (:func:`.netrun.check_runtime`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import copy
+import json
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from vlmrun import procs
+from vlmrun.errors import BackendError, InputError
+from vlmrun.stages import ExportForm
+from vlmrun_qualcomm import genie
+from vlmrun_qualcomm.adb import Adb
+from vlmrun_qualcomm.sdk import Sdk
+
+from .netrun import REMOTE_ROOT, check_runtime, phone_sdk
+
+REMOTE_DIR = f"{REMOTE_ROOT}/genie_htp"
+EXE = "genie-t2t-run"
+CONFIG = "genie_config.json"
+EMBEDDINGS = "embeddings.raw"
+LUT_NAME = "embed_lut_f32.raw"
+TOKENIZER = "tokenizer.json"
+PROFILE = "profile.json"
+#: Genie's CPU threads on the phone: the three cores of the config's cpu-mask 0xe0, as Qualcomm's shipped configs
+PHONE_THREADS = 3
+WHY = "for the Genie decoder on a phone (--decoder-engine genie --target android)"
+
+
+def device_files(sdk: Sdk, soc, ndk_root=None) -> dict[str, Path]:
+    """What genie-t2t-run needs on the phone's HTP, ``{name on the phone: local file}`` in push order; one
+    BackendError line naming every missing SDK file and where vlmrun looked."""
+    return sdk.require_genie_htp(soc.arch, ndk_root, why=WHY)
+
+
+def lut_raw(ctx) -> Path:
+    """The ``-t`` table: the embed LUT export as raw float32 [vocab, hidden], derived once into the artifact store."""
+    src = ctx.exported(ExportForm.of("embed", "embed/lut"))
+    key = {"stage": "embed", "backend": "qnn_htp", "kind": "genie-lut-raw", "source": src.path.name,
+           "format": "float32 [vocab, hidden], raw"}
+
+    def build(tmp: Path) -> dict:
+        table = np.load(src.file("embed_lut_f32.npy"), mmap_mode="r")
+        genie.write_lut(tmp / LUT_NAME, table)
+        return {"files": [LUT_NAME], "stage": "embed", "form": "embed/lut-raw", "shape": list(table.shape),
+                "dtype": "float32"}
+
+    return ctx.store.get_or_build(key, build, rebuild=bool(getattr(ctx, "rebuild", False))).file(LUT_NAME)
+
+
+def attach(handle, ctx, opts: dict, soc):
+    """``handle`` (a Genie-engine decoder handle: ``ctx_bins``, ``config(request)``, ``artifacts``, ``model``) as
+    loaded for ``opts["target"]``: unchanged locally; on a phone it gets ``handle.phone`` (a :class:`GeniePhone`,
+    which the ``decode`` hook uses) after the QNN-version check and the pushes."""
+    if opts.get("target") != "android":
+        return handle
+    o = dict(ctx.options)
+    sdk = phone_sdk(o.get("sdk_root"))
+    for art in handle.artifacts:  # before adb is even asked for a device
+        check_runtime(art.manifest, sdk, f"decoder ({art.path.name})")
+    files = device_files(sdk, soc, o.get("ndk_root"))
+    lut = lut_raw(ctx)
+    adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
+    handle.phone = GeniePhone(handle, files=files, adb=adb, soc=soc, lut=lut,
+                              timeout=float(o.get("timeout") or 600))
+    handle.load_s = float(getattr(handle, "load_s", 0.0) or 0.0) + handle.phone.load_s
+    return handle
+
+
+#: device errors (Genie's text, stderr) -> what to check; the first match is appended to the one-line error
+DEVICE_HINTS = (
+    (re.compile(r"Failed to create device: 1008|Unable to load Skel|Failed to load skel", re.I),
+     "the phone's HTP did not load {skel} from ADSP_LIBRARY_PATH ({rd}): is the phone's SoC {soc} ({arch})? set --soc"
+     " to the phone's SoC"),
+    (re.compile(r"14001|Transport layer setup failed|DspTransport", re.I),
+     "the HTP transport did not start ({stub} -> {skel}): check --soc against the phone and that both come from the"
+     " same QAIRT SDK"),
+    (re.compile(r"\b500[05]\b"),
+     "context creation failed: a context binary for another SoC or a newer QNN than the phone's runtime"),
+    (re.compile(r"\b1002\b"),
+     "the HTP's protection domain is too small for the weights: split the decoder (decoder_form = \"parts\")"),
+)
+
+
+class Retokenizer:
+    """genie-t2t-run's streamed text -> token ids. Ids are given out only for text whose tokenization can no longer
+    change: everything before the last :attr:`HOLD` pre-tokenizer pieces (BPE never merges across pieces); the rest
+    comes with :meth:`final`."""
+
+    HOLD = 2
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.sent: list[int] = []
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tok.encode(text, add_special_tokens=False).ids]
+
+    def _cut(self, text: str) -> int:
+        pre = getattr(self.tok, "pre_tokenizer", None)
+        try:
+            pieces = pre.pre_tokenize_str(text) if pre is not None else None
+        except Exception:
+            pieces = None
+        if pieces is None:
+            starts = [m.start() for m in re.finditer(r"\s+(?=\S)", text)]
+            return starts[-self.HOLD] if len(starts) >= self.HOLD else 0
+        return int(pieces[-self.HOLD][1][0]) if len(pieces) > self.HOLD else 0
+
+    def _emit(self, ids: list[int]) -> list[int]:
+        if ids[: len(self.sent)] != self.sent:
+            return []
+        new = ids[len(self.sent):]
+        self.sent += new
+        return new
+
+    def stable(self, text: str) -> list[int]:
+        cut = self._cut(text)
+        return self._emit(self._encode(text[:cut])) if cut > 0 else []
+
+    def final(self, text: str) -> list[int]:
+        ids = self._encode(text)
+        new = self._emit(ids)
+        if ids[: len(self.sent)] != self.sent:  # cannot happen with HOLD pieces held back; never lose the tail
+            new = ids[len(self.sent):]
+            self.sent += new
+        return new
+
+
+class GeniePhone:
+    """genie-t2t-run on the phone's HTP for one decoder handle. Construction pushes what every query needs."""
+
+    def __init__(self, handle, *, files: dict[str, Path], adb: Adb, soc, lut: Path, timeout: float = 600.0,
+                 remote_dir: str = REMOTE_DIR):
+        self.adb, self.soc, self.rd, self.timeout = adb, soc, remote_dir, float(timeout)
+        self.artifacts = list(handle.artifacts)
+        self.files = dict(files)
+        self.placed: dict[str, Path] = {}  # remote name (relative to rd) -> the local file it holds
+        self._dirs: set[str] = set()
+        self.last_command = ""
+        t0 = time.perf_counter()
+        adb.mkdir(self.rd)
+        for name, path in self.files.items():
+            self.place(path, name)
+        adb.shell(["chmod", "755", f"{self.rd}/{EXE}"], what="adb shell chmod")
+        for local in handle.ctx_bins:
+            self.place(Path(local), self.bin_name(local))
+        self.place(Path(handle.model.path) / "tokenizer.json", TOKENIZER)
+        self.place(Path(lut), LUT_NAME)
+        self.load_s = time.perf_counter() - t0
+
+    # -- files --------------------------------------------------------------------------------------------------
+    def bin_name(self, local) -> str:
+        """A context binary's name on the phone: ``<artifact directory>/<file>`` (unique per artifact)."""
+        p = Path(local)
+        for art in self.artifacts:
+            try:
+                return f"{art.path.name}/{p.relative_to(art.path).as_posix()}"
+            except ValueError:
+                continue
+        return f"{p.parent.name}/{p.name}"
+
+    def place(self, local: Path, name: str) -> str:
+        """``local`` at ``<rd>/<name>`` (pushed unless the remote sha256 matches); returns ``name``."""
+        local = Path(local)
+        if self.placed.get(name) == local:
+            return name
+        if not local.is_file():
+            raise BackendError(f"the Genie decoder on a phone needs {local}, which does not exist")
+        parent = name.rpartition("/")[0]
+        if parent and parent not in self._dirs:
+            self.adb.mkdir(f"{self.rd}/{parent}")
+            self._dirs.add(parent)
+        self.adb.push(local, f"{self.rd}/{name}")
+        self.placed[name] = local
+        return name
+
+    def remote_config(self, config: dict) -> dict:
+        """The handle's dialog config with its files placed on the phone and named relative to the remote
+        directory (genie-t2t-run's working directory): ctx-bins, tokenizer, backend extensions; n-threads for the
+        phone."""
+        cfg = copy.deepcopy(config)
+        d = cfg["dialog"]
+        model = d["engine"]["model"]
+        if model.get("type") == "binary":
+            model["binary"]["ctx-bins"] = [self.place(Path(b), self.bin_name(b)) for b in model["binary"]["ctx-bins"]]
+        d["tokenizer"]["path"] = self.place(Path(d["tokenizer"]["path"]), TOKENIZER)
+        d["engine"]["n-threads"] = PHONE_THREADS  # the phone's cores, not this host's
+        backend = d["engine"]["backend"]
+        if backend.get("extensions"):
+            ext = Path(backend["extensions"])
+            backend["extensions"] = self.place(ext, ext.name)
+        return cfg
+
+    # -- running ------------------------------------------------------------------------------------------------
+    def argv(self) -> list[str]:
+        return genie.t2t_argv(f"./{EXE}", CONFIG, embedding_file=EMBEDDINGS, lut=LUT_NAME, output_type="text",
+                              profile=PROFILE, check_profile_path=False)
+
+    def env(self) -> dict[str, str]:
+        return {"LD_LIBRARY_PATH": self.rd, "ADSP_LIBRARY_PATH": self.rd}
+
+    def explain(self, message: str) -> str:
+        """A genie-t2t-run failure line plus what to check for a known device error (still one line)."""
+        arch = self.soc.arch
+        nn = arch.lstrip("v")
+        for pattern, hint in DEVICE_HINTS:
+            if pattern.search(message):
+                return message + "; " + hint.format(skel=f"libQnnHtpV{nn}Skel.so", stub=f"libQnnHtpV{nn}Stub.so",
+                                                    rd=self.rd, soc=self.soc.name, arch=arch)
+        return message
+
+    def generate(self, handle, request) -> Iterator[int]:
+        """One query: token ids as genie-t2t-run's text streams in; ``handle.last_timings`` from Genie's profile."""
+        prompt = int(request.inputs_embeds.shape[1])
+        ctx = int(handle.context_length)
+        if prompt >= ctx:
+            raise InputError(f"the prompt is {prompt} tokens but the compiled decoder context holds {ctx}; compile"
+                             " the decoder with a larger context_length")
+        genie.check_context(prompt, request.max_new_tokens, ctx)  # before anything runs on the phone
+        handle.last_timings = {}
+        cfg = self.remote_config(handle.config(request))
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-phone-"))
+        try:
+            (tmp / CONFIG).write_text(json.dumps(cfg, indent=1))
+            genie.write_embeddings(tmp / EMBEDDINGS, request.inputs_embeds)
+            self.adb.push(tmp / CONFIG, f"{self.rd}/{CONFIG}", skip_same=False)
+            self.adb.push(tmp / EMBEDDINGS, f"{self.rd}/{EMBEDDINGS}", skip_same=False)
+            self.adb.shell(["rm", "-f", f"{self.rd}/{PROFILE}"], what="adb shell rm")
+            self.last_command = Adb.command_line(self.argv(), cwd=self.rd, env=self.env())
+            try:
+                yield from self._run(handle, tmp)
+            except genie.ContextLimitError:
+                raise genie.ContextLimitError(
+                    f"Genie on {self.adb.serial} stopped at its context limit of {ctx} tokens (prompt {prompt} tokens,"
+                    f" up to {request.max_new_tokens} new): raise the decoder's context_length or lower"
+                    " --max-new-tokens") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _run(self, handle, tmp: Path) -> Iterator[int]:
+        what = f"genie-t2t-run on {self.adb.serial}"
+        retok = Retokenizer(handle.model.tokenizer)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        argv = [self.adb.exe, "-s", self.adb.serial, "shell", self.last_command]
+        out, err_box = [], []
+        t0 = time.perf_counter()
+        with procs.watched(argv, timeout=self.timeout, what=what, text=False) as w:
+            reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
+            reader.start()
+            for chunk in iter(lambda: w.proc.stdout.read1(4096), b""):
+                out.append(decoder.decode(chunk))
+                text, _, _ = genie.split_t2t_stdout("".join(out))
+                if text:
+                    yield from retok.stable(text)
+            w.proc.wait()
+            reader.join(5)
+        seconds = time.perf_counter() - t0
+        if w.timed_out:
+            raise BackendError(f"{what} timed out after {self.timeout:g} s (killed); raise the decoder's timeout"
+                               " option if the model is large")
+        out.append(decoder.decode(b"", final=True))
+        stdout = "".join(out)
+        stderr = b"".join(b for b in err_box if b).decode("utf-8", "replace")
+        rc = w.proc.returncode
+        profile = None
+        if rc == 0:
+            profile = tmp / PROFILE
+            try:
+                self.adb.pull(f"{self.rd}/{PROFILE}", profile)
+            except BackendError:
+                pass  # finish_t2t names the missing profile
+        try:
+            result = genie.finish_t2t(stdout, stderr, rc, profile, seconds, what)
+        except genie.ContextLimitError:
+            raise
+        except BackendError as exc:
+            raise BackendError(self.explain(str(exc))) from None
+        handle.last_timings = dict(result.timings)
+        yield from retok.final(result.text)
