@@ -81,8 +81,8 @@ PERTURB_SRC = textwrap.dedent('''
             self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
             self.names = [o.name for o in self.sess.get_outputs()]
 
-        def run(self, inputs):
-            feeds = dict(inputs)
+        def run(self, inputs):  # takes no injected inputs (inject:<layer>): they are dropped
+            feeds = {k: v for k, v in inputs.items() if not k.startswith("inject:")}
             if self.stage == "decoder":
                 x = np.asarray(inputs["inputs_embeds"], np.float32)
                 T, m = x.shape[1], self.model
@@ -243,10 +243,28 @@ def test_perturbed_layer_is_located_exactly(model, store, target):
     k = [p.name for p in found.points].index(target)
     assert all(p.metrics["sqnr_db"] == diff.SQNR_CAP_DB for p in found.points[:k])  # exact before it
     assert -15 < found.points[k].metrics["sqnr_db"] < -8  # x (1 + 4 N(0,1)): noise 16x the signal, -12 dB
+    # the own errors: the target's is all of its error; every later layer computes exactly what the reference
+    # computes on the same (perturbed) input
+    assert found.isolated
+    assert found.points[k].own["sqnr_db"] == pytest.approx(found.points[k].metrics["sqnr_db"])
+    assert all(p.own["sqnr_db"] > 100 for p in found.points if p.name != target)
+    assert found.points[k].impact["sqnr_db"] < 15  # and it alone fails the stage output
     text = loc.format_location(found)
     assert f"located: {target} is the first layer of {stage}" in text and "<- first to cross" in text
     data = json.loads(json.dumps(found.to_json()))
     assert data["first_failing"] == target and len(data["layers"]) == len(found.points)
+
+
+def test_reference_without_injections_falls_back(model, store):
+    """A reference backend that ignores inject:<layer> inputs: no own errors, the largest drop from the curve."""
+    target = "projector.linear_1"
+    module = perturb_module(target)
+    run = diff.run(diff.Side("reference", {"projector": "perturb"}), "reference", prompt=PROMPT, model=model,
+                   store=store, registry=registry_with(module), max_new_tokens=N, ignore_eos=True)
+    found = loc.locate(run.pipelines["reference"], run.pipelines["device"], "projector", run.reference,
+                       {"projector": {"sqnr_db": 15.0, "cosine": 0.97}})
+    assert not found.isolated and any("does not take injected inputs" in n for n in found.notes)
+    assert found.located == target and found.largest_drop.name == target
 
 
 def test_what_if_recovers_the_injected_fault(model, store):

@@ -12,9 +12,15 @@ the reference tokens, teacher-forced) and every layer output is compared::
 
 (the names come from the exporter). Both sides get identical inputs, so each layer's error is the stage's own.
 Per layer: SQNR, cosine (and max/mean abs, relative L2), checked against the stage's thresholds. The result
-names the **first layer** that crosses them, and the layer with the **largest drop**: the one that adds the most
-noise power relative to the signal (``10^(-SQNR/10)`` minus the previous layer's), so a first layer going from
-exact inputs to a small error does not dominate.
+names the **first layer** that crosses them, and the layer with the **largest drop**.
+
+A layer's error is partly its own and partly the error it was handed, amplified or damped. To tell them apart
+the reference side runs once more per layer with the device's error at the previous layer added in
+(``run_probe`` inputs ``inject:<layer>``: the reference layer k on the device's input to it); the difference
+between that and the device's layer k is the layer's **own** error (``own_sqnr_db``). The largest drop is the
+layer with the largest own error. A reference backend that does not take injections (the core checks that the
+injected layer shows them) leaves the own errors out; the largest drop is then the layer that adds the most noise
+power relative to the signal (``10^(-SQNR/10)`` minus the previous layer's).
 
 ``--what-if`` (a quantized device stage): the device side is built again with the located layer kept out of
 quantization (the stage option ``keep_fp``, which a backend that can keep layers in float declares) and the diff
@@ -55,6 +61,8 @@ class LayerPoint:
     drop_db: float | None = None  # SQNR of the previous point minus this one's
     noise_added: float = 0.0  # relative noise power added by this layer (10^(-SQNR/10) minus the previous)
     note: str = ""
+    own: dict | None = None  # the layer's own error: device layer vs reference layer on the device's input
+    impact: dict | None = None  # the stage output with only this layer's own error (reference elsewhere)
 
     @property
     def passed(self) -> bool:
@@ -63,6 +71,9 @@ class LayerPoint:
     def to_json(self) -> dict:
         return {"layer": self.name, "shape": list(self.shape), "passed": self.passed, "metrics": self.metrics,
                 "drop_db": self.drop_db, "noise_added": self.noise_added, "note": self.note,
+                "own_sqnr_db": None if self.own is None else self.own.get("sqnr_db"),
+                "own_cosine": None if self.own is None else self.own.get("cosine"),
+                "impact_sqnr_db": None if self.impact is None else self.impact.get("sqnr_db"),
                 "checks": [attrs.asdict(c) for c in self.checks]}
 
 
@@ -105,9 +116,20 @@ class Location:
         return next((p for p in self.points if not p.passed), None)
 
     @property
+    def isolated(self) -> bool:
+        """Whether every layer's own error is known (the reference side took injections)."""
+        return bool(self.points) and all(p.own is not None for p in self.points if not p.note)
+
+    @property
     def largest_drop(self) -> LayerPoint | None:
-        best = max(self.points, key=lambda p: p.noise_added, default=None)
-        return best if best is not None and best.noise_added > NOISE_FLOOR else None
+        """The layer whose own error alone costs the stage output most (else: the one adding the most relative
+        noise power)."""
+        if self.isolated:
+            cands = [(p, _noise((p.impact or p.own).get("sqnr_db"))) for p in self.points if p.own is not None]
+        else:
+            cands = [(p, p.noise_added) for p in self.points]
+        best = max(cands, key=lambda c: c[1], default=None)
+        return best[0] if best is not None and best[1] > NOISE_FLOOR else None
 
     @property
     def located(self) -> str | None:
@@ -121,6 +143,7 @@ class Location:
             "stage": self.stage, "reference": self.reference, "device": self.device,
             "first_failing": first.name if first else None,
             "largest_drop": drop.name if drop else None,
+            "isolated": self.isolated,
             "thresholds": self.thresholds, "rows": self.rows, "notes": self.notes,
             "layers": [p.to_json() for p in self.points],
             "what_if": self.what_if.to_json() if self.what_if else None,
@@ -238,19 +261,74 @@ def locate(ref_pipe, dev_pipe, stage: str, ref_capture, thresholds: Mapping[str,
     if stage not in LOCATABLE:
         raise UsageError(f"stage '{stage}' has no layers to locate; stages with layers are {', '.join(LOCATABLE)}")
     inputs = probe_inputs(stage, ref_capture, ref_pipe.embed_tokens)
-    outs = {}
+    outs, handles = {}, {}
     for side, pipe in (("reference", ref_pipe), ("device", dev_pipe)):
         backend = pipe.layout.backend(stage)
         with progress(f"probing {stage} layer by layer on the {side} side ({backend})"):
-            handle = load_probe(pipe, stage)
-            outs[side] = run_probe(pipe, stage, handle, inputs)
+            handles[side] = load_probe(pipe, stage)
+            outs[side] = run_probe(pipe, stage, handles[side], inputs)
     limits = {k: v for k, v in dict(thresholds.get(stage, {})).items() if k in LAYER_METRICS}
     points, notes = compare_points(stage, outs["reference"], outs["device"], limits)
     if not points:
         raise BackendError(f"the probes of '{stage}' reported no layer outputs on both sides")
+    with progress(f"isolating each layer's own error ({len(points) - 1} reference runs)"):
+        isolate(ref_pipe, stage, handles["reference"], inputs, outs["reference"], outs["device"], points, notes)
     rows = inputs["inputs_embeds"].shape[1] if stage == "decoder" else None
     return Location(stage, ref_pipe.layout.backend(stage), dev_pipe.layout.backend(stage), points, limits, rows,
                     notes)
+
+
+def isolate(ref_pipe, stage: str, handle, inputs, ref: Mapping[str, np.ndarray], dev: Mapping[str, np.ndarray],
+            points: list[LayerPoint], notes: list[str]) -> None:
+    """Set each point's ``own`` error: the device layer against the reference layer run on the device's input to it
+    (the device's previous layer output, injected into the reference probe as ``inject:<previous layer>``)."""
+    pick = ("sqnr_db", "cosine", "rel_l2")
+    for k, p in enumerate(points):
+        if p.note:
+            continue
+        prev = points[k - 1] if k else None
+        if prev is None:  # the stage's inputs are the same on both sides: the first layer's error is its own
+            p.own = {m: p.metrics[m] for m in pick}
+            continue
+        if prev.note:
+            continue
+        delta = dev[prev.name].astype(np.float32) - ref[prev.name].astype(np.float32)
+        if not np.any(delta):
+            base = ref[p.name]
+        else:
+            out = run_probe(ref_pipe, stage, handle, {**inputs, f"inject:{prev.name}": delta})
+            scale = float(np.abs(dev[prev.name]).max()) or 1.0
+            if not np.allclose(out[prev.name], dev[prev.name], rtol=1e-4, atol=1e-5 * scale):
+                notes.append(f"the reference backend ({ref_pipe.layout.backend(stage)}) does not take injected inputs"
+                             " (inject:<layer>): each layer's own error is not known; the largest drop is the layer"
+                             " adding the most relative noise power")
+                for q in points:
+                    q.own = None
+                return
+            base = out[p.name]
+        m = tensor_metrics(base, dev[p.name])
+        p.own = {k2: m[k2] for k2 in pick}
+    # each layer's own error alone, carried by the reference's later layers to the stage output
+    last = points[-1]
+    for k, p in enumerate(points):
+        if p.own is None:
+            continue
+        if p is last:
+            p.impact = dict(p.own)
+            continue
+        prev = points[k - 1] if k else None
+        if prev is None or not np.any(dev[prev.name].astype(np.float32) - ref[prev.name].astype(np.float32)):
+            own_err = dev[p.name].astype(np.float32) - ref[p.name].astype(np.float32)
+        else:
+            got = run_probe(ref_pipe, stage, handle, {**inputs, f"inject:{prev.name}": dev[prev.name].astype(
+                np.float32) - ref[prev.name].astype(np.float32)})
+            own_err = dev[p.name].astype(np.float32) - got[p.name].astype(np.float32)
+        if not np.any(own_err):
+            p.impact = {"sqnr_db": SQNR_CAP_DB, "cosine": 1.0, "rel_l2": 0.0}
+            continue
+        out = run_probe(ref_pipe, stage, handle, {**inputs, f"inject:{p.name}": own_err})
+        m = tensor_metrics(ref[last.name], out[last.name])
+        p.impact = {k2: m[k2] for k2 in pick}
 
 
 # -- what-if --------------------------------------------------------------------------------------------------------
@@ -356,7 +434,8 @@ def format_location(loc: Location) -> str:
     """The terminal table of a location: one row per layer, the curve as a bar, then the verdict."""
     lines = ["", f"locate {loc.stage}: layer by layer, both sides on the reference side's inputs"
              f" ({loc.reference} vs {loc.device}" + (f", {loc.rows} teacher-forced rows" if loc.rows else "") + ")"]
-    cols = ("layer", "shape", "sqnr_dB", "cosine", "drop_dB", "curve", "status")
+    # own: the layer's own error (same input on both sides); at_out: the stage output with only that error
+    cols = ("layer", "shape", "sqnr_dB", "cosine", "own_dB", "at_out_dB", "curve", "status")
     rows = []
     first, drop = loc.first_failing, loc.largest_drop
     for p in loc.points:
@@ -375,9 +454,11 @@ def format_location(loc: Location) -> str:
         if p is drop:
             mark.append("<- largest drop")
         cos = m.get("cosine")
+        own = None if p.own is None else p.own.get("sqnr_db")
+        out = None if p.impact is None else p.impact.get("sqnr_db")
         rows.append((p.name, fmt_shape(p.shape), "-" if s is None else f"{s:.1f}",
-                     "-" if cos is None else f"{cos:.6f}", "-" if p.drop_db is None else f"{p.drop_db:+.1f}"
-                     if abs(p.drop_db) < 1e4 else "-", bar, status + ("  " + " ".join(mark) if mark else "")))
+                     "-" if cos is None else f"{cos:.6f}", "-" if own is None else f"{own:.1f}",
+                     "-" if out is None else f"{out:.1f}", bar, status + ("  " + " ".join(mark) if mark else "")))
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols) - 1)]
     for r in [cols, *rows]:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
@@ -392,8 +473,15 @@ def format_location(loc: Location) -> str:
     if drop is not None:
         k = loc.points.index(drop)
         before = SQNR_CAP_DB if k == 0 else loc.points[k - 1].metrics.get("sqnr_db")
-        lines.append(f"largest drop: {drop.name} ({fmt(before)} -> {fmt(drop.metrics.get('sqnr_db'))} dB SQNR;"
-                     f" it adds {drop.noise_added:.2e} of relative noise power)")
+        if loc.isolated:
+            at_out = (drop.impact or drop.own).get("sqnr_db")
+            lines.append(f"largest drop: {drop.name} (its own error costs the stage output most: {fmt(at_out)} dB SQNR"
+                         f" at {loc.points[-1].name} with only that error; the layer alone:"
+                         f" {fmt(drop.own.get('sqnr_db'))} dB; {fmt(before)} -> {fmt(drop.metrics.get('sqnr_db'))} dB"
+                         " overall)")
+        else:
+            lines.append(f"largest drop: {drop.name} ({fmt(before)} -> {fmt(drop.metrics.get('sqnr_db'))} dB SQNR;"
+                         f" it adds {drop.noise_added:.2e} of relative noise power)")
     if loc.what_if is not None:
         lines.extend(format_what_if(loc.what_if))
     return "\n".join(lines)
@@ -427,7 +515,13 @@ def plot_location(loc: Location, plt) -> object:
     sqnr = [float(np.nan_to_num(p.metrics.get("sqnr_db", np.nan), nan=-SQNR_CAP_DB)) for p in loc.points]
     cos = [float(np.nan_to_num(p.metrics.get("cosine", np.nan), nan=0.0)) for p in loc.points]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.8), sharex=True)
-    a1.plot(x, sqnr, "o-", color="#1565c0")
+    a1.plot(x, sqnr, "o-", color="#1565c0", label="SQNR")
+    if loc.isolated:
+        own = [float(np.nan_to_num(p.own.get("sqnr_db", np.nan), nan=-SQNR_CAP_DB)) if p.own else np.nan
+               for p in loc.points]
+        a1.plot(x, own, "^--", color="#2e7d32", alpha=0.8, label="own error (same input)")
+        out = [float(np.nan_to_num((p.impact or {}).get("sqnr_db", np.nan), nan=-SQNR_CAP_DB)) for p in loc.points]
+        a1.plot(x, out, "v:", color="#ef6c00", alpha=0.8, label="stage output, this layer's error only")
     a2.plot(x, [max(1.0 - c, 1e-12) for c in cos], "s-", color="#6a1b9a")
     if "sqnr_db" in loc.thresholds:
         a1.axhline(loc.thresholds["sqnr_db"], color="black", linestyle="dashed", linewidth=1)
@@ -438,8 +532,7 @@ def plot_location(loc: Location, plt) -> object:
         if p is not None:
             k = loc.points.index(p)
             a1.axvline(k, color=color, alpha=0.5, label=f"{label}: {p.name}")
-    if first is not None or drop is not None:
-        a1.legend(loc="lower left", fontsize=8)
+    a1.legend(loc="lower left", fontsize=8)
     a1.set_ylabel("SQNR (dB)")
     a1.set_title(f"{loc.stage}, layer by layer ({loc.reference} vs {loc.device}; dashes: thresholds)")
     a2.set_yscale("log")
@@ -462,7 +555,9 @@ def location_html(loc: Location, png: str) -> str:
     for p in loc.points:
         m = p.metrics
         rows.append(f"<tr class='{'ok' if p.passed else 'bad'}'><td>{esc(p.name)}</td><td>{fmt_shape(p.shape)}</td>"
-                    f"<td>{fmt(m.get('sqnr_db'))}</td><td>{fmt(m.get('cosine'))}</td><td>{fmt(p.drop_db)}</td>"
+                    f"<td>{fmt(m.get('sqnr_db'))}</td><td>{fmt(m.get('cosine'))}</td>"
+                    f"<td>{fmt(None if p.own is None else p.own.get('sqnr_db'))}</td>"
+                    f"<td>{fmt(None if p.impact is None else p.impact.get('sqnr_db'))}</td>"
                     f"<td>{p.noise_added:.2e}</td><td>{esc(p.note)}</td></tr>")
     extra = ""
     if loc.what_if is not None:
@@ -471,5 +566,5 @@ def location_html(loc: Location, png: str) -> str:
                  + esc("\n".join(format_what_if(w)[1:])) + "</pre>")
     return (f"<h2>Layer by layer: {esc(loc.stage)} (--locate)</h2>{verdict}"
             f"<img alt='per-layer SQNR and cosine' src='data:image/png;base64,{png}'>"
-            "<table><tr><th>layer</th><th>shape</th><th>SQNR dB</th><th>cosine</th><th>drop dB</th>"
+            "<table><tr><th>layer</th><th>shape</th><th>SQNR dB</th><th>cosine</th><th>own SQNR dB</th><th>at output dB</th>"
             "<th>noise added</th><th>note</th></tr>" + "".join(rows) + "</table>" + extra)

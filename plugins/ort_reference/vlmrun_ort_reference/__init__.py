@@ -134,7 +134,8 @@ def load_probe(backend, stage, ctx):
         return None
     from .probes import ProbeSession
 
-    return ProbeSession(ctx.exported(FORMS[stage].probe()), ctx.model, stage)
+    form = FORMS[stage].probe()
+    return ProbeSession(ctx.exported(form), ctx.model, stage, export=ctx.exported, form=form)
 
 
 @hookimpl

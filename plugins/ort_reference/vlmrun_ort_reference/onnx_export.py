@@ -17,6 +17,8 @@ Graph forms (``ExportForm.kind``):
                   additive [1,N,C], position_ids_cos/position_ids_sin [1,1,N,D/2], past_key_i_in [KV,1,D,C-N],
                   past_value_i_in [KV,1,C-N,D] -> logits [1,N,V], past_key_i_out [KV,1,D,N], past_value_i_out
                   [KV,1,N,D]
+``decoder/parts`` Qualcomm's shipping form: the decoder split into parts of layers, each a prompt (AR-N) and a
+                  token (AR-1) graph in the ``decoder/genie`` layout, all in one artifact (:mod:`.decoder_parts`)
 
 The decoder is written out explicitly over the checkpoint's own Qwen2 modules (same weights, same math as
 transformers' eager attention) with a precomputed rotary cos/sin table looked up by position, which keeps the
@@ -131,6 +133,7 @@ def _decoder_wrapper(model, fvlm, form):
     table_len = ctx if fixed else model.max_context
     norm = rms_norm_of(form)
     probe = bool(form.get("probe"))  # probes.py: the hidden state after every layer and the final norm as outputs
+    inject = probe and bool(form.get("inject"))  # probes.py: and inputs added to each of them
     with torch.no_grad():
         pos = torch.arange(table_len)[None]
         cos, sin = lm.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
@@ -149,6 +152,7 @@ def _decoder_wrapper(model, fvlm, form):
             self.register_buffer("sin_table", sin_table, persistent=False)
 
         def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+            past, deltas = (past[: 2 * L], past[2 * L :]) if inject else (past, ())
             T = inputs_embeds.shape[1]
             cos = F.embedding(position_ids, self.cos_table)[:, None]  # [1,1,T,D]
             sin = F.embedding(position_ids, self.sin_table)[:, None]
@@ -180,12 +184,16 @@ def _decoder_wrapper(model, fvlm, form):
                 o = torch.matmul(probs, v_rep).transpose(1, 2).reshape(1, T, nh * D)
                 h = h + attn.o_proj(o)
                 h = h + layer.mlp(norm(layer.post_attention_layernorm, h))
+                if inject:
+                    h = h + deltas[i]
                 hidden.append(h)
                 if fixed:
                     outs += [k, v]
                 else:
                     outs += [k_all, v_all]
             normed = norm(self.lm.norm, h)
+            if inject:
+                normed = normed + deltas[L]
             logits = self.lm_head(normed)
             return (logits, *outs, *hidden, normed) if probe else (logits, *outs)
 
@@ -219,8 +227,13 @@ def _decoder_wrapper(model, fvlm, form):
         from .probes import decoder_probe_outputs
 
         extra = [graph for _, graph in decoder_probe_outputs(L)]
+        if inject:
+            from .probes import inject_input
+
+            names_in += [inject_input(name) for name, _ in decoder_probe_outputs(L)]
+            ex = (*ex, *[torch.zeros_like(ex[0]) for _ in range(L + 1)])
         if axes is not None:
-            axes.update({n: {1: "seq"} for n in extra})
+            axes.update({n: {1: "seq"} for n in extra + names_in[3 + 2 * L:]})
     return Decoder(), ex, names_in, ["logits", *kv_out, *extra], axes
 
 

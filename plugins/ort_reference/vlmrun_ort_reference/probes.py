@@ -17,13 +17,17 @@ The manifest records ``probe_outputs`` (``[probe name, graph output name]`` pair
 outputs are ``probe_<name with _ for .>``, the last layer's is the stage's own output) and ``probe_nodes`` (probe
 name -> the name of the graph node producing it). Node names are the same in the normal form's graph (the
 exporter names nodes by module scope and order, and the extra outputs add no node), so a layer's nodes in the
-normal graph are those between its producer node and the previous layer's (:func:`layer_nodes`): how a
-compiler keeps one layer out of quantization (qnn_htp's ``keep_fp``).
+normal graph are those between its producer node and the previous layer's: how a compiler keeps one layer out
+of quantization (qnn_htp's ``keep_fp``, :func:`vlmrun_qnn_htp.probe.excluded_nodes`).
+
+Param ``inject`` (:func:`inject_form`, the reference side only): one more input per probe point but the last,
+``inject_<name>``, added to that layer's output before anything reads it. ``vlmrun diff --locate`` feeds the
+device's error at layer k-1 there and reads layer k: the reference layer k on the device's input, so the device
+layer's own error is told apart from the error it was handed.
 """
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -36,6 +40,11 @@ STAGES = tuple(FINAL)
 def graph_output(name: str) -> str:
     """The graph output name of probe ``name`` (``vision.stage0`` -> ``probe_vision_stage0``)."""
     return "probe_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def inject_input(name: str) -> str:
+    """The graph input that is added to probe ``name``'s tensor in an ``inject`` form."""
+    return "inject_" + graph_output(name)[len("probe_"):]
 
 
 def decoder_probe_outputs(num_layers: int) -> list[tuple[str, str]]:
@@ -59,16 +68,25 @@ def _points(fvlm, stage: str) -> list[tuple[str, object]]:
     raise BackendError(f"probe: stage '{stage}' has no layers to probe")
 
 
-def _hooked(module, points):
-    """``module`` whose forward also returns the outputs of ``points``' modules (forward hooks, traced).
+def _hooked(module, points, n_inputs: int):
+    """``module`` whose forward also returns the outputs of ``points``' modules (forward hooks, traced); with
+    ``inject``, one more input per point is added to that point's output (before anything reads it).
 
     The module itself with its ``forward`` replaced, not a wrapper around it: a wrapper would add a scope to every
     node name, and node names must stay those of the normal graph (see the module docstring)."""
-    plain = module.forward
+    plain = type(module).forward.__get__(module)  # the class's own (calling this twice must not nest)
 
     def forward(*args):
+        args, deltas = args[:n_inputs], dict(zip([n for n, _ in points], args[n_inputs:]))
         seen: dict[str, object] = {}
-        hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: seen.__setitem__(n, out)) for n, m in points]
+
+        def hook(_m, _i, out, n):
+            if n in deltas:
+                out = out + deltas[n]
+            seen[n] = out
+            return out
+
+        hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: hook(_m, _i, out, n)) for n, m in points]
         try:
             out = plain(*args)
         finally:
@@ -103,7 +121,13 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
             return None
         inner, example, names_in, names_out, axes = built
         points = _points(model.load_torch(), form.stage)
-        module = _hooked(inner, points)
+        inject = bool(form.get("inject"))
+        if inject:  # the example's shapes of each point's output, for the example deltas
+            with torch.no_grad():
+                shapes = _hooked(inner, points, len(example))(*example)[len(names_out):]
+            names_in = [*names_in, *[inject_input(n) for n, _ in points]]
+            example = (*example, *[torch.zeros_like(t) for t in shapes])
+        module = _hooked(inner, points, len(names_in) - (len(points) if inject else 0))
         pairs = [(n, graph_output(n)) for n, _ in points]
         names_out = [*names_out, *[g for _, g in pairs]]
         if axes is not None:
@@ -138,46 +162,23 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
     }
 
 
-# -- layers of a graph, for keeping them out of quantization -----------------------------------------------------
-def _ancestors(graph, tensor: str, producers: dict) -> set[str]:
-    """Names of the nodes ``tensor`` depends on (itself produced by one of them)."""
-    seen: set[str] = set()
-    stack = [tensor]
-    while stack:
-        node = producers.get(stack.pop())
-        if node is None or node.name in seen:
-            continue
-        seen.add(node.name)
-        stack.extend(i for i in node.input if i)
-    return seen
+def inject_form(form):
+    """The probe form of ``form`` that also takes ``inject_*`` inputs (the reference side of an isolated
+    per-layer error: ``vlmrun diff --locate`` adds the device's error at one layer and reads the next one)."""
+    from vlmrun.stages import ExportForm
 
-
-def layer_nodes(proto, probe_nodes: dict[str, str], order: list[str], layers: list[str]) -> dict[str, list[str]]:
-    """The node names of each of ``layers`` in ``proto`` (a normal or probe graph of the stage).
-
-    Layer ``k`` (``order[k]``) is every node its producer node depends on that layer ``k-1``'s producer does not
-    depend on (the first layer: everything its producer depends on). ``probe_nodes`` is the probe manifest's
-    ``probe_nodes``. A name missing from the graph raises ``KeyError``.
-    """
-    by_name = {n.name: n for n in proto.graph.node}
-    producers = {o: n for n in proto.graph.node for o in n.output}
-    out: dict[str, list[str]] = {}
-    for layer in layers:
-        k = order.index(layer)
-        node = by_name[probe_nodes[layer]]
-        mine = _ancestors(proto.graph, node.output[0], producers)
-        if k > 0:
-            prev = by_name[probe_nodes[order[k - 1]]]
-            mine -= _ancestors(proto.graph, prev.output[0], producers)
-        out[layer] = sorted(mine)
-    return out
+    return ExportForm(form.stage, form.kind, tuple(sorted({**dict(form.params), "probe": True, "inject": True}.items())))
 
 
 # -- running on ONNX Runtime -------------------------------------------------------------------------------------
 class ProbeSession:
-    """A probe graph on ONNX Runtime (CPU): ``run(inputs)`` gives the contract outputs and every probe."""
+    """A probe graph on ONNX Runtime (CPU): ``run(inputs)`` gives the contract outputs and every probe.
 
-    def __init__(self, artifact, model, stage: str):
+    Inputs ``inject:<probe name>`` (arrays shaped like that layer's output) are added to that layer's output
+    inside the graph, so its probe output and every later layer see them: the graph of :func:`inject_form`,
+    loaded on first use (``export(form)`` gives its artifact)."""
+
+    def __init__(self, artifact, model, stage: str, export=None, form=None):
         from . import Session
 
         self.artifact = artifact
@@ -186,13 +187,14 @@ class ProbeSession:
         self.session = Session(artifact.file())
         self.manifest = dict(artifact.manifest)
         self.model = model
+        self._export, self._form = export, form
+        self._inject = None
 
-    def run(self, inputs: dict) -> dict:
+    def _feeds(self, session, inputs: dict) -> dict:
         import numpy as np
 
-        from vlmrun.stages import probe_outputs
-
-        feeds = dict(inputs)
+        feeds = {k: v for k, v in inputs.items() if not k.startswith("inject:")}
+        T = None
         if self.stage == "decoder":  # decoder/kv: one causal forward from an empty cache
             x = np.asarray(inputs["inputs_embeds"], np.float32)
             T = x.shape[1]
@@ -200,13 +202,25 @@ class ProbeSession:
             feeds = {"inputs_embeds": x, "attention_mask": np.ones((1, T), np.int64),
                      "position_ids": np.arange(T, dtype=np.int64)[None]}
             empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)
-            feeds.update({n: empty for n in self.session.inputs if n.startswith("past_")})
-        return probe_outputs(self.stage, self.manifest, self.session.run(feeds))
+            feeds.update({n: empty for n in session.inputs if n.startswith("past_")})
+        for i in session.sess.get_inputs():
+            if i.name.startswith("inject_"):
+                shape = [d if isinstance(d, int) else T for d in i.shape]
+                feeds[i.name] = np.zeros(shape, np.float32)
+        for k, v in inputs.items():
+            if k.startswith("inject:"):
+                feeds[inject_input(k[len("inject:"):])] = np.asarray(v, np.float32)
+        return feeds
 
+    def run(self, inputs: dict) -> dict:
+        from vlmrun.stages import probe_outputs
 
-def manifest_pairs(manifest: dict) -> list[tuple[str, str]]:
-    return [tuple(p) for p in manifest.get("probe_outputs") or ()]
+        session = self.session
+        if any(k.startswith("inject:") for k in inputs) and self._export is not None:
+            if self._inject is None:
+                from . import Session
 
+                self._inject = Session(self._export(inject_form(self._form)).file())
+            session = self._inject
+        return probe_outputs(self.stage, self.manifest, session.run(self._feeds(session, inputs)))
 
-def read_manifest(path: Path) -> dict:
-    return json.loads(Path(path).read_text())

@@ -13,7 +13,7 @@ an empty cache, the host keeping the KV slots as :class:`.decoder.FixedKVDecoder
 **keep_fp.** The option ``keep_fp`` (comma-separated) keeps layers out of int8/a16w8 quantization: probe names
 (``vision.stage2``, ``projector.linear_1``, ``decoder.layer1``, ``decoder.lm_head``) or node-name prefixes of
 the exported graph (starting with ``/``, e.g. ``/tower/stages.2/``). A layer is every node between its probe
-point and the previous one (:func:`vlmrun_ort_reference.probes.layer_nodes`, resolved on the quantizer's
+point and the previous one (:func:`excluded_nodes`, resolved on the quantizer's
 preprocessed graph); those nodes are left in float (``nodes_to_exclude``), so the HTP runs them in fp16 between
 a dequantize and a quantize. The resolved layer boundaries key the binary.
 """
