@@ -22,7 +22,8 @@ Checkpoints, in pipeline order (the first whose thresholds fail is named the lik
 
 Modules, in the order of the flow: :mod:`.capture` (running a side, npz captures), :mod:`.metrics`,
 :mod:`.thresholds`, :mod:`.compare` (verdict and culprit), :mod:`.report` (table, JSON, HTML); :func:`run`
-ties them together.
+ties them together. :mod:`.locate` goes inside a stage layer by layer (``--locate``) and tries a layer at higher
+precision (``--what-if``) on the pipelines a run keeps (:attr:`DiffRun.pipelines`).
 """
 
 from __future__ import annotations

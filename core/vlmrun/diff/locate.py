@@ -532,7 +532,7 @@ def plot_location(loc: Location, plt) -> object:
         if p is not None:
             k = loc.points.index(p)
             a1.axvline(k, color=color, alpha=0.5, label=f"{label}: {p.name}")
-    a1.legend(loc="lower left", fontsize=8)
+    a1.legend(loc="best", fontsize=7, framealpha=0.6)
     a1.set_ylabel("SQNR (dB)")
     a1.set_title(f"{loc.stage}, layer by layer ({loc.reference} vs {loc.device}; dashes: thresholds)")
     a2.set_yscale("log")
