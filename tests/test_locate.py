@@ -374,3 +374,46 @@ def test_qnn_htp_int8_probe_keeps_the_main_path(model, store, clean, tmp_path):
     assert [p.name for p in found.points][-1] == "vision.final_conv"
     assert all(10 < p.metrics["sqnr_db"] < 60 for p in found.points)  # int8 error, not a broken graph
     assert found.largest_drop is not None
+
+
+def test_qnn_htp_keep_fp_what_if(model, store, clean):
+    """keep_fp on the HTP: the located layer's nodes stay out of QDQ (the manifest says how many), the binary is
+    keyed by them, and the what-if reports the change against the plain int8 build; bad values are usage errors."""
+    pytest.importorskip("onnxruntime_qnn")
+    from vlmrun import Pipeline
+    from vlmrun.errors import UsageError
+    from vlmrun.layouts import Layout, StageAssignment
+    from vlmrun.stages import STAGES
+
+    ref = clean.pipelines["reference"]
+
+    def vision_on_htp(**opts):
+        lay = Layout("int8-vision", {s: StageAssignment("qnn_htp" if s == "vision" else "ort_reference",
+                                                        opts if s == "vision" else {}) for s in STAGES})
+        return Pipeline.build(model, lay, store=store, registry=ref.registry)
+
+    run = diff.run(ref, vision_on_htp(precision="int8"), prompt=PROMPT, model=model, store=store,
+                   max_new_tokens=N, ignore_eos=True)
+    run.pipelines["reference"] = ref
+    found = loc.locate(ref, run.pipelines["device"], "vision", run.reference, run.result.thresholds)
+    layer = found.largest_drop.name
+    w = loc.what_if(run, found, [layer])
+    kept = Pipeline.build(model, Layout("k", {s: StageAssignment(
+        "qnn_htp" if s == "vision" else "ort_reference", {"precision": "int8", "keep_fp": layer} if s == "vision"
+        else {}) for s in STAGES}), store=store, registry=ref.registry, stages=("vision",))
+    art = kept.handles["vision"].artifacts[0]
+    assert art.manifest["quantization"]["kept_fp"]["layers"] == [layer]
+    assert art.manifest["quantization"]["kept_fp"]["nodes"] > 0
+    assert art.manifest["key"]["options"]["keep_fp"][0][0] == layer
+    plain = run.pipelines["device"].handles["vision"].artifacts[0]
+    assert art.path != plain.path  # keyed: its own binary
+    before = w.before["vision.image_features"]["sqnr_db"]
+    # the layer whose own error costs the output most, kept in float, gives some of that error back (tiny random
+    # model: vision.stage4, 27.0 -> 29.1 dB, 40% of the noise power)
+    assert w.after["vision.image_features"]["sqnr_db"] > before
+    assert w.recovered["vision.image_features"] == pytest.approx(loc.recovered_share(
+        before, w.after["vision.image_features"]["sqnr_db"]))
+    with pytest.raises(UsageError, match="fp16 quantizes nothing"):
+        vision_on_htp(precision="fp16", keep_fp="vision.stage1")
+    with pytest.raises(UsageError, match="its layers are"):
+        vision_on_htp(precision="int8", keep_fp="vision.stage9")
