@@ -417,3 +417,28 @@ def test_qnn_htp_keep_fp_what_if(model, store, clean):
         vision_on_htp(precision="fp16", keep_fp="vision.stage1")
     with pytest.raises(UsageError, match="its layers are"):
         vision_on_htp(precision="int8", keep_fp="vision.stage9")
+
+
+def test_qnn_htp_parts_form_is_probed_at_its_part_boundaries(model, store, clean):
+    """The decoder's parts form: each part's residual output is the reference's last layer of that part; the
+    last part's logits are decoder.lm_head. No extra compile: the stage's own part binaries run the sequence."""
+    pytest.importorskip("onnxruntime_qnn")
+    pytest.importorskip("vlmrun_qnn_htp.parts")
+    from vlmrun import Pipeline
+    from vlmrun.layouts import Layout, StageAssignment
+    from vlmrun.stages import STAGES
+
+    ref = clean.pipelines["reference"]
+    if "decoder_form" not in ref.registry.options.for_stage("qnn_htp", "decoder"):
+        pytest.skip("qnn_htp has no parts form here")
+    L = model.num_layers
+    opts = {"context_length": 256, "decoder_form": "parts", "parts": L, "precision": "w8a16"}
+    lay = Layout("parts", {s: StageAssignment("qnn_htp" if s == "decoder" else "ort_reference",
+                                              opts if s == "decoder" else {}) for s in STAGES})
+    dev = Pipeline.build(model, lay, store=store, registry=ref.registry)
+    found = loc.locate(ref, dev, "decoder", clean.reference, {"decoder": {"sqnr_db": 15.0, "cosine": 0.97}})
+    # one layer per part: every layer is a part boundary (the last part's is the logits)
+    assert [p.name for p in found.points] == [*[f"decoder.layer{i}" for i in range(L - 1)], "decoder.lm_head"]
+    assert any("lacks" in n for n in found.notes)  # the device reports no norm and no last layer on their own
+    assert all(10 < p.metrics["sqnr_db"] < 80 for p in found.points)  # w8a16 error, not a broken graph
+    assert found.isolated and found.largest_drop is not None

@@ -483,7 +483,8 @@ def load_probe(backend, stage, ctx):
     from .probe import load_probe as load
 
     opts = stage_options(stage, ctx.options)
-    return load(ctx, stage, opts, socs.soc(opts["soc"]), lambda form: _compiled(ctx, stage, opts, form))
+    return load(ctx, stage, opts, socs.soc(opts["soc"]), lambda form: _compiled(ctx, stage, opts, form),
+                lambda: load_stage(backend, stage, ctx))
 
 
 @hookimpl

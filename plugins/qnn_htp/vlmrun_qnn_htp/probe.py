@@ -10,6 +10,11 @@ path's scales and offsets are the normal graph's (``tests/test_locate.py`` compa
 The decoder's probe is the prefill (AR-N) graph; a teacher-forced sequence runs through it in AR-N chunks from
 an empty cache, the host keeping the KV slots as :class:`.decoder.FixedKVDecoder` does.
 
+**The parts form** (``decoder_form = "parts"``) is probed at its part boundaries, with no extra compile: the
+stage's own part binaries run the sequence in prompt-graph chunks and the residual stream each part hands to the
+next (``residual_{l}``) is the reference's ``decoder.layer{l-1}``; the last part's logits are ``decoder.lm_head``.
+The layers inside a part are not probed yet.
+
 **keep_fp.** The option ``keep_fp`` (comma-separated) keeps layers out of int8/a16w8 quantization: probe names
 (``vision.stage2``, ``projector.linear_1``, ``decoder.layer1``, ``decoder.lm_head``) or node-name prefixes of
 the exported graph (starting with ``/``, e.g. ``/tower/stages.2/``). A layer is every node between its probe
@@ -171,8 +176,9 @@ class ProbeHandle(StageHandle):
         return probe_outputs("decoder", self.manifest, merged)
 
 
-def load_probe(ctx, stage: str, opts: dict, soc, compiled) -> ProbeHandle:
-    """The probe handle of ``stage`` (``opts`` from ``stage_options``; ``compiled(form)`` compiles like the stage)."""
+def load_probe(ctx, stage: str, opts: dict, soc, compiled, stage_handle=None) -> ProbeHandle:
+    """The probe handle of ``stage`` (``opts`` from ``stage_options``; ``compiled(form)`` compiles like the stage;
+    ``stage_handle()`` loads the stage itself, whose part binaries probe the parts form)."""
     from . import ep, forms
 
     if stage not in PROBE_STAGES:
@@ -180,9 +186,10 @@ def load_probe(ctx, stage: str, opts: dict, soc, compiled) -> ProbeHandle:
     if opts["target"] != "local":
         raise UsageError("probes run on the local HTP backend (target = \"local\"); a phone's qnn-net-run path"
                          " does not run them yet")
-    if stage == "decoder" and (opts.get("decoder_form") == "parts" or opts.get("engine") != "host"):
-        raise UsageError("decoder probes are the fixed form's host engine (decoder_form = \"fixed\","
-                         " engine = \"host\")")
+    if stage == "decoder" and opts.get("decoder_form") == "parts":
+        return PartsProbe(stage_handle())
+    if stage == "decoder" and opts.get("engine") != "host":
+        raise UsageError("decoder probes are the fixed form's host engine (engine = \"host\") or the parts form")
     form = forms(stage, opts)[0]  # the decoder: the prefill (AR-N) form comes first
     probe = form.probe()
     art = compiled(probe)
@@ -190,3 +197,51 @@ def load_probe(ctx, stage: str, opts: dict, soc, compiled) -> ProbeHandle:
     source = ctx.exported(probe)
     session = ep.HtpSession(art.file(), soc, f"{stage} probe ({art.path.name})")
     return ProbeHandle(stage, session, art, dict(source.manifest), ctx.model)
+
+
+class PartsProbe(StageHandle):
+    """The parts form's boundaries: the stage's part binaries over a teacher-forced sequence, every part's output
+    kept (see the module docstring)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.artifacts = tuple(getattr(handle, "artifacts", ()))
+
+    def run(self, inputs: dict) -> dict:
+        import re
+
+        embeds = np.asarray(inputs["inputs_embeds"], np.float32)
+        dec = self.handle.decoder  # the host engine over the part binaries
+        ar, ctx = max(dec.graphs), dec.ctx
+        T = embeds.shape[1]
+        if (T - 1) // ar * ar > ctx - ar:
+            raise UsageError(f"probe: {T} teacher-forced rows do not fit the decoder's context of {ctx} in AR-{ar}"
+                             " chunks; use fewer --max-new-tokens or a larger context_length")
+        inner, calls = dec.graphs[ar], []
+
+        class Keep:
+            input_names = getattr(inner, "input_names", None)
+
+            def run(self, feeds):
+                out = inner.run(feeds)
+                calls.append(out)
+                return out
+
+        rows = []
+        dec.graphs[ar] = Keep()
+        try:
+            dec.reset()
+            for i in range(0, T, ar):
+                n = min(ar, T - i)
+                dec._step(embeds[:, i : i + n], ar)
+                rows.append(n)
+        finally:
+            dec.graphs[ar] = inner
+        logits = np.concatenate([c["logits"].reshape(1, ar, -1)[:, :n] for c, n in zip(calls, rows)], axis=1)
+        out = {"logits": logits}
+        bounds = sorted((int(m.group(1)), k) for k in calls[0] if (m := re.fullmatch(r"residual_(\d+)", k)))
+        for hi, name in bounds:
+            out[f"decoder.layer{hi - 1}"] = np.concatenate(
+                [c[name].reshape(1, ar, -1)[:, :n] for c, n in zip(calls, rows)], axis=1)
+        out["decoder.lm_head"] = logits
+        return out
