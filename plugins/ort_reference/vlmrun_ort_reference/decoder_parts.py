@@ -1,0 +1,193 @@
+"""The decoder in the form Qualcomm ships LLMs to the HTP: split into parts, each as a "prompt" (AR-N) and a
+"token" (AR-1) graph in Genie's I/O layout (export form ``decoder/parts``).
+
+Params: ``ar`` (N, the prompt graph's rows), ``ctx`` (C, the fixed context), ``layers`` (layers per part, comma
+separated, e.g. ``"16,8"``: part ``k`` holds the next ``layers[k]`` decoder layers, the last part also the final
+norm and the lm_head) and ``rmsnorm`` (see :func:`vlmrun_ort_reference.onnx_export.rms_norm_of`).
+
+One export writes every graph of every part into the artifact directory, ``part{k}_of_{P}_{prompt|token}.onnx``
+(``k`` from 1; weights in a ``.data`` file beside a large graph), and ``parts.json`` describing them. The I/O of
+part ``k`` (layers ``lo..hi-1``), graph with ``T`` rows (T = N or 1):
+
+==================================== ========================================================================
+``inputs_embeds`` [1,T,H]            first part only: the spliced prompt / token embeddings
+``residual_{lo}`` [1,T,H]       other parts: the residual stream entering layer ``lo`` (the previous part's
+                                     output of the same name)
+``attention_mask`` [1,T,C]           additive float32: columns ``0..C-T-1`` are the past slots, the last ``T``
+                                     this call's rows (0 = attend; a large negative = masked); past slots the
+                                     first row does not attend are zeroed in the graph (their KV is not read)
+``position_ids_cos/_sin`` [1,1,T,D/2] the rotary table rows of the positions (HF's rotate_half convention)
+``past_key_{l}_in`` [KV,1,D,C-T]     keys of layer ``l`` (global index), transposed
+``past_value_{l}_in`` [KV,1,C-T,D]
+-> ``past_key_{l}_out`` [KV,1,D,T], ``past_value_{l}_out`` [KV,1,T,D]: only the NEW keys and values
+-> ``residual_{hi}`` [1,T,H] (not the last part) or ``logits`` [1,T,V] (the last part)
+==================================== ========================================================================
+
+Part and graph names follow Genie's split convention (``{prompt|token}_ar{T}_cl{C}_{k}_of_{P}``), recorded in
+``parts.json``. The math is the ``decoder/genie`` form's, layer for layer (same modules, same rope, same
+RMSNorm), so one part covering every layer computes exactly that graph.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from .onnx_export import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
+
+#: a mask entry above this is "attend" (0); masked entries are far below (vlmrun -65504, Genie -1000, a
+#: 16-bit quantized mask saturates at -100)
+MASK_SEEN = -50.0
+
+
+def layer_split(form, num_layers: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` layer ranges of the parts from the form's ``layers`` param (UsageError if bad)."""
+    from vlmrun.errors import UsageError
+
+    raw = str(form.get("layers") or num_layers)
+    try:
+        counts = [int(x) for x in raw.split(",")]
+    except ValueError:
+        raise UsageError(f"{form.label()}: layers '{raw}' is not a comma-separated list of layer counts") from None
+    if any(c < 1 for c in counts) or sum(counts) != num_layers:
+        raise UsageError(f"{form.label()}: layers {raw} must be positive counts adding up to the model's"
+                         f" {num_layers} layers")
+    out, lo = [], 0
+    for c in counts:
+        out.append((lo, lo + c))
+        lo += c
+    return out
+
+
+def graph_name(kind: str, ar: int, ctx: int, k: int, parts: int) -> str:
+    """Genie's split naming: ``<prefix>_<k>_of_<P>`` (Genie orders the parts of one (AR, CL) by it)."""
+    return f"{kind}_ar{ar}_cl{ctx}_{k}_of_{parts}"
+
+
+def part_io(model, lo: int, hi: int, last: bool, rows: int, ctx: int) -> tuple[list[dict], list[dict]]:
+    """Names, shapes and dtypes of one part graph's inputs and outputs (see the module docstring)."""
+    H, KV, D, V = model.hidden_size, model.num_kv_heads, model.head_dim, model.vocab_size
+    past = ctx - rows
+    first = {"name": "inputs_embeds" if lo == 0 else f"residual_{lo}", "shape": [1, rows, H]}
+    ins = [first, {"name": "attention_mask", "shape": [1, rows, ctx]},
+           {"name": "position_ids_cos", "shape": [1, 1, rows, D // 2]},
+           {"name": "position_ids_sin", "shape": [1, 1, rows, D // 2]}]
+    outs = [{"name": "logits", "shape": [1, rows, V]} if last else {"name": f"residual_{hi}", "shape": [1, rows, H]}]
+    for layer in range(lo, hi):
+        ins += [{"name": f"past_key_{layer}_in", "shape": [KV, 1, D, past]},
+                {"name": f"past_value_{layer}_in", "shape": [KV, 1, past, D]}]
+        outs += [{"name": f"past_key_{layer}_out", "shape": [KV, 1, D, rows]},
+                 {"name": f"past_value_{layer}_out", "shape": [KV, 1, rows, D]}]
+    for t in (*ins, *outs):
+        t["dtype"] = "float32"
+    return ins, outs
+
+
+def _part_module(model, fvlm, form, lo: int, hi: int, last: bool):
+    """The torch module of one part (layers ``lo..hi-1``; the last part adds the final norm and the lm_head)."""
+    torch, _ = _torch()
+    from .onnx_export import rms_norm_of
+
+    nn = torch.nn
+    lm = fvlm.model.language_model
+    KV, D, nh = model.num_kv_heads, model.head_dim, model.num_heads
+    rep, half = nh // KV, D // 2
+    norm = rms_norm_of(form)
+
+    class Part(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(lm.layers[lo:hi])
+            if last:
+                self.norm = lm.norm
+                self.lm_head = fvlm.lm_head
+
+        def forward(self, h, attention_mask, cos, sin, *past):
+            T = h.shape[1]
+            mask = attention_mask[:, None]  # [1,1,T,C] broadcast over [KV,rep,T,C]
+            # past slots the first row may attend (every row sees the same filled past): the others hold no KV
+            # yet, and a runtime may leave them uninitialised (Genie does), which in fp16 can be inf/NaN that no
+            # mask neutralises (0 * inf); so they are zeroed before use
+            P = attention_mask.shape[2] - T
+            seen = attention_mask[:, :1, :P] > MASK_SEEN  # [1,1,P]
+            seen_k, seen_v = seen, seen.reshape(1, 1, P, 1)
+
+            def rope(t):  # t [.., T, D]; cos/sin [1,1,T,D/2]
+                a, b = t[..., :half], t[..., half:]
+                return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+            outs = []
+            for j, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                xn = norm(layer.input_layernorm, h)
+                q = rope(attn.q_proj(xn).view(1, T, nh, D).transpose(1, 2))  # [1,nh,T,D]
+                k = rope(attn.k_proj(xn).view(1, T, KV, D).transpose(1, 2))  # [1,KV,T,D]
+                v = attn.v_proj(xn).view(1, T, KV, D).transpose(1, 2)
+                k_out = k.permute(1, 0, 3, 2)  # [KV,1,D,T]
+                v_out = v.permute(1, 0, 2, 3)  # [KV,1,T,D]
+                k_past = torch.where(seen_k, past[2 * j], torch.zeros_like(past[2 * j]))
+                v_past = torch.where(seen_v, past[2 * j + 1], torch.zeros_like(past[2 * j + 1]))
+                k_all = torch.cat([k_past, k_out], dim=3)  # [KV,1,D,C]
+                v_all = torch.cat([v_past, v_out], dim=2)  # [KV,1,C,D]
+                qg = q.view(KV, rep, T, D)
+                scores = torch.matmul(qg, k_all) * attn.scaling + mask  # [KV,rep,T,C]
+                probs = torch.softmax(scores.float(), dim=-1)
+                o = torch.matmul(probs, v_all).reshape(1, nh, T, D).transpose(1, 2).reshape(1, T, nh * D)
+                h = h + attn.o_proj(o)
+                h = h + layer.mlp(norm(layer.post_attention_layernorm, h))
+                outs += [k_out, v_out]
+            first = self.lm_head(norm(self.norm, h)) if last else h
+            return (first, *outs)
+
+    return Part().eval()  # a fresh wrapper is in train mode; the exporter would restore that flag tree-wide
+
+
+def _export_graph(module, ins: list[dict], outs: list[dict], path: Path) -> list[str]:
+    torch, _ = _torch()
+    example = tuple(torch.zeros(*t["shape"]) for t in ins)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notices
+        torch.onnx.export(module, example, str(path), input_names=[t["name"] for t in ins],
+                          output_names=[t["name"] for t in outs], opset_version=OPSET, dynamo=False,
+                          do_constant_folding=True)
+    files = [path.name]
+    if path.stat().st_size > EXTERNAL_DATA_THRESHOLD:
+        import onnx
+
+        proto = onnx.load(str(path))
+        data = path.name + ".data"
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+        files.append(data)
+    return files
+
+
+def export_parts(model, form, out_dir: Path) -> dict:
+    """Write every graph of every part of ``form`` (``decoder/parts``) into ``out_dir``; the manifest fields."""
+    from vlmrun.errors import UsageError
+
+    torch, _ = _torch()
+    ar, ctx = int(form.get("ar") or 128), int(form.get("ctx") or 0)
+    if ar < 2 or ctx <= 2 * ar:
+        raise UsageError(f"{form.label()}: needs a prompt AR of at least 2 and a context of more than twice it")
+    split = layer_split(form, model.num_layers)
+    P = len(split)
+    fvlm = model.load_torch()
+    parts, files = [], []
+    for k, (lo, hi) in enumerate(split, start=1):
+        last = k == P
+        module = _part_module(model, fvlm, form, lo, hi, last)
+        graphs = {}
+        for kind, rows in (("prompt", ar), ("token", 1)):
+            ins, outs = part_io(model, lo, hi, last, rows, ctx)
+            name = f"part{k}_of_{P}_{kind}"
+            written = _export_graph(module, ins, outs, out_dir / f"{name}.onnx")
+            files += written
+            graphs[kind] = {"file": written[0], "files": written, "ar": rows, "name": graph_name(kind, rows, ctx, k, P),
+                            "inputs": ins, "outputs": outs}
+        parts.append({"index": k, "layers": [lo, hi], "last": last, "graphs": graphs})
+    desc = {"ar": ar, "ctx": ctx, "parts": parts, "layers": [hi - lo for lo, hi in split],
+            "hidden": model.hidden_size, "num_layers": model.num_layers}
+    (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
+    return {"files": [*files, "parts.json"], "form": form.label(), "opset": OPSET, "torch": torch.__version__,
+            "parts": P, "ar": ar, "ctx": ctx, "layers": desc["layers"]}
