@@ -21,6 +21,12 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 ``rmsnorm``         decoder RMSNorm as exported: ``safe`` (default: each row scaled by its max |x| before
                     squaring, so fp16 does not overflow on massive activations) or ``plain`` (transformers' form;
                     overflows in fp16 once |x| > 256, kept to show the failure)
+``decoder_form``    ``fixed`` (default: one fp16/int8 graph per binary, AR-N + AR-1, host engine) or ``parts``: Qualcomm's
+                    shipping form (:mod:`.parts`): P parts, each a prompt (AR-N) and a token (AR-1) graph in Genie's
+                    I/O layout, ``fp16``/``w8a16``/``w4a16``, both graphs of a part in one weight-shared binary
+``parts``           parts: number of parts (0 = the fewest whose binaries stay under ``part_limit_mb``, default
+                    1000 MB); ``weight_sharing``: ``auto`` (shared except on the x86_64 emulator, which cannot load
+                    shared binaries), ``on`` or ``off``; ``prefill_ar`` defaults to 128 there (capped at the hidden size)
 ``embed_seq``       static sequence length of the embed graph; longer inputs run in chunks (default 32)
 ``keep_fp``         int8/a16w8: layers kept out of quantization (run in fp16), comma-separated: layer names as
                     ``vlmrun diff --locate`` prints them (``vision.stage2``, ``decoder.layer1``) or node-name
@@ -59,7 +65,8 @@ from . import ep, quant
 NAME = "qnn_htp"
 __version__ = "0.1.0"
 
-PRECISIONS = ("fp16", "int8", "a16w8")
+PRECISIONS = ("fp16", "int8", "a16w8", "w8a16", "w4a16")  # w8a16, w4a16: decoder_form = "parts" only
+DECODER_FORMS = ("fixed", "parts")
 ENGINES = ("host", "genie")
 RMSNORMS = ("safe", "plain")  # the decoder exports' RMSNorm (vlmrun_ort_reference.onnx_export.safe_rms_norm)
 TOOLCHAINS = ("onnxruntime", "sdk")
@@ -76,12 +83,24 @@ def stage_options(stage: str, options) -> dict:
     if precision not in PRECISIONS:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     out = {"precision": precision, "soc": socs.soc(o.get("soc")).name}
+    form = str(o.get("decoder_form") or "fixed").lower() if stage == "decoder" else "fixed"
+    if form not in DECODER_FORMS:
+        raise UsageError(f"decoder_form '{form}' is not one of {', '.join(DECODER_FORMS)}")
+    if precision in ("w8a16", "w4a16") and form != "parts":
+        raise UsageError(f"precision {precision} is the decoder's parts form only (decoder_form = \"parts\");"
+                         " other stages and the fixed decoder take int8 or a16w8")
+    if form == "parts":
+        from . import parts
+
+        out.update(parts.normalise(o, precision))
     if precision != "fp16":
         cal = o.get("calibration_images") if stage != "embed" else None  # embed calibrates on token ids
         out["calibration_images"] = str(Path(cal).expanduser().resolve()) if cal else None
         default = {"embed": quant.EMBED_CALIBRATION, "decoder": quant.DECODER_CALIBRATION}.get(stage, "random")
         out["calibration"] = quant.calibration_digest(cal) or default
-        if stage == "decoder" and str(o.get("engine") or "host") == "genie":
+        if form == "parts" and not out["calibration_images"]:
+            out["calibration"] = parts.CALIBRATION
+        if stage == "decoder" and str(o.get("engine") or "host") == "genie" and form != "parts":
             raise UsageError(f"precision {precision} is not available for the genie decoder engine on qnn_htp;"
                              " use fp16 or engine = host")
     if stage == "decoder":
@@ -90,7 +109,8 @@ def stage_options(stage: str, options) -> dict:
         if ctx < 8:
             raise UsageError(f"context_length {ctx} is too small")
         out["context_length"] = ctx
-        out["prefill_ar"] = max(1, min(ar, ctx // 2))
+        out["prefill_ar"] = max(1, min(ar, ctx // 2)) if form != "parts" else out["prefill_ar"]
+        out["decoder_form"] = form
         engine = str(o.get("engine") or "host")
         if engine not in ENGINES:
             raise UsageError(f"decoder engine '{engine}' is not provided by qnn_htp (engines: {', '.join(ENGINES)});"
@@ -131,7 +151,7 @@ def stage_options(stage: str, options) -> dict:
 
 def compile_key(opts: dict) -> dict:
     """The options that determine the binary's bytes (they key the artifact store)."""
-    keep = ("precision", "soc", "calibration")
+    keep = ("precision", "soc", "calibration", "weight_sharing", "part_limit_mb")  # the last two: parts form
     key = {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
     if opts.get("toolchain") == "sdk":  # the SDK's tools, its QNN version (the onnxruntime default keys as before)
         sdk = Sdk.find(opts.get("sdk_root"))
@@ -175,7 +195,7 @@ def register_options(register):
         Option(NAME, "context_length", int, stages=("decoder",), default=DEFAULT_CONTEXT, minimum=8,
                flag="--context-length", help="decoder context the graphs are compiled for"),
         Option(NAME, "prefill_ar", int, stages=("decoder",), default=DEFAULT_PREFILL_AR, minimum=1,
-               help="decoder prefill chunk (AR-N)"),
+               help="decoder prefill chunk (AR-N); parts form: default 128, capped at the hidden size"),
         Option(NAME, "engine", str, stages=("decoder",), choices=ENGINES, default="host", flag="--decoder-engine",
                help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie)"),
         Option(NAME, "rmsnorm", str, stages=("decoder",), choices=RMSNORMS, default="safe",
@@ -184,6 +204,16 @@ def register_options(register):
         Option(NAME, "keep_fp", str, stages=("vision", "projector", "decoder"),
                help="int8/a16w8: layers kept in fp16, comma-separated: names as vlmrun diff --locate prints them"
                     " (vision.stage2, decoder.layer1) or node-name prefixes starting with /"),
+        Option(NAME, "decoder_form", str, stages=("decoder",), choices=DECODER_FORMS, default="fixed",
+               flag="--decoder-form", help="decoder graphs: fixed (one graph per binary) or parts (Qualcomm's shipping"
+                    " form: parts of layers, prompt + token graphs per part in one weight-shared binary, Genie layout)"),
+        Option(NAME, "parts", int, stages=("decoder",), default=0, minimum=0,
+               help="parts form: number of parts (0 = the fewest whose binaries stay under part_limit_mb)"),
+        Option(NAME, "part_limit_mb", int, stages=("decoder",), default=1000, minimum=1,
+               help="parts form: largest part binary, MB (the HTP maps one context into a 32-bit address space)"),
+        Option(NAME, "weight_sharing", str, stages=("decoder",), choices=("auto", "on", "off"), default="auto",
+               help="parts form: a part's prompt and token graphs in one binary sharing weights (on), one binary per"
+                    " graph (off), or on except on the x86_64 emulator, which cannot load shared binaries (auto)"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph; longer inputs run in chunks"),
         Option(NAME, "native_outputs", bool, default=False,
@@ -301,6 +331,10 @@ def _compile_binary(src: Path, out_dir: Path, name: str, soc, precision: str, op
 def compile_stage(stage, model, source, options, out_dir: Path, context=None) -> dict:
     """Compile ``source`` into a context binary in ``out_dir``; ``context`` (a CompileContext) gives int8
     calibration its reference activations."""
+    if str(source.manifest.get("form", "")).startswith("decoder/parts"):  # every part, both graphs (parts.py)
+        from .parts import compile_parts
+
+        return compile_parts(model, source, options, out_dir, context=context)
     soc = socs.soc(options.get("soc"))
     precision = options.get("precision", "fp16")
     form = source.manifest.get("form", stage)
@@ -409,6 +443,13 @@ def load_stage(backend, stage, ctx):
         return None
     opts = stage_options(stage, ctx.options)
     soc = socs.soc(opts["soc"])
+    if opts.get("decoder_form") == "parts":
+        from .parts import load_parts, plan
+
+        p = plan(ctx.model, opts)
+        form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],
+                             layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
+        return load_parts(ctx, opts, soc, _compiled(ctx, stage, opts, form))
     arts = [_compiled(ctx, stage, opts, f) for f in forms(stage, opts)]
     for art in arts:
         ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
