@@ -74,11 +74,9 @@ PERTURB_SRC = textwrap.dedent('''
             proto.graph.initializer.append(numpy_helper.from_array(factor, "perturb_factor"))
             proto.graph.node.insert(i + 1, helper.make_node("Mul", [tensor + "_clean", "perturb_factor"], [tensor],
                                                             name="perturb_mul"))
-            path = os.path.join(tempfile.mkdtemp(prefix="perturb-"), "g.onnx")
-            onnx.save(proto, path)
             so = ort.SessionOptions()
             so.log_severity_level = 3
-            self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            self.sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
             self.names = [o.name for o in self.sess.get_outputs()]
 
         def run(self, inputs):  # takes no injected inputs (inject:<layer>): they are dropped

@@ -87,7 +87,7 @@ def _store_is_empty(cache: Path) -> bool:
     ('backend = "qnn_htp"\ncontext_length = "abc"',
      "stage 'vision' (qnn_htp) has no option 'context_length' (it applies to: decoder)"),
     ('backend = "qnn_htp"\nprecision = "int9"',
-     "stage 'vision' (qnn_htp): option 'precision' must be one of fp16, int8, a16w8, got 'int9'"),
+     "stage 'vision' (qnn_htp): option 'precision' must be one of fp16, int8, a16w8, w8a16, w4a16, got 'int9'"),
 ])
 def test_bad_layout_option_is_an_error_before_any_work(tmp_path, image_path, table, expected):
     layout = tmp_path / "layout.toml"
