@@ -168,26 +168,36 @@ def child_run(spec) -> dict:
     load_s = time.perf_counter() - t0 + float(getattr(h, "load_s", 0.0) if spec["form"] == "fixed" else 0.0)
     times = {ar: [] for ar in dec.graphs}
     dec.graphs = {ar: _Timed(g, times[ar]) for ar, g in dec.graphs.items()}
-    full = np.concatenate([emb, pipe.embed_tokens(tokens)], axis=1)
-    T = emb.shape[1]
+    # one prefill of the prompt; from that state the reference tokens are fed one by one through the token graph
+    # (teacher forcing: row k predicts reference token k) and, from a copy of the same state, the host engine
+    # generates greedily: the emulator is slow (minutes per AR-128 chunk at full size), so the prompt runs once
     t0 = time.perf_counter()
-    logits = dec.forward_all(full)[0, T - 1: T - 1 + len(tokens)]
+    dec.reset()
+    last = dec.prefill(emb.astype(np.float32))[0, -1]
+    prefill_s = time.perf_counter() - t0
+    state = ([k.copy() for k in dec.k], [v.copy() for v in dec.v], dec.n_past)
+    prefill_ar = max(times)
+    chunk_s = list(times[prefill_ar])
+    rows = [last]
+    for t in tokens[:-1]:
+        rows.append(dec._step(pipe.embed_tokens(np.array([t])), 1)[0, -1])
+    logits = np.stack(rows)
     tf_s = time.perf_counter() - t0
     agree = float((logits.argmax(-1) == tokens).mean())
     a, b = logits.astype(np.float64).ravel(), ref_logits.astype(np.float64).ravel()
     cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-    prefill_ar = max(times)
-    chunk_s = list(times[prefill_ar])
-    for v in times.values():
-        v.clear()
-    n = int(spec["gen_steps"])
-    req = DecodeRequest(emb, n, Sampler(), frozenset(), pipe.embed_tokens, int(h.context_length))
-    t0 = time.perf_counter()
-    host = list(dec.generate(req))
-    host_s = time.perf_counter() - t0
     token_s = list(times.get(1, []))
+    dec.k, dec.v, dec.n_past = [k.copy() for k in state[0]], [v.copy() for v in state[1]], state[2]
+    n = int(spec["gen_steps"])
+    t0 = time.perf_counter()
+    host = [int(np.argmax(last))]
+    while len(host) < n:
+        host.append(int(np.argmax(dec._step(pipe.embed_tokens(np.array([host[-1]])), 1)[0, -1])))
+    host_s = time.perf_counter() - t0 + prefill_s
+    req = DecodeRequest(emb, n, Sampler(), frozenset(), pipe.embed_tokens, int(h.context_length))
     out = {"load_s": round(load_s, 2), "teacher_forced_steps": len(tokens), "top1_agreement": agree,
            "logits_cosine": round(cos, 6), "teacher_forced_s": round(tf_s, 1),
+           "teacher_forcing": "prompt prefilled once in AR-N chunks, then the reference tokens through the AR-1 graph",
            "emulator_s_per_prefill_chunk": round(float(np.median(chunk_s)), 3) if chunk_s else None,
            "prefill_ar": int(prefill_ar),
            "emulator_s_per_token": round(float(np.median(token_s)), 3) if token_s else None,
