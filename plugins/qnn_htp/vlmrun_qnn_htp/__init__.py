@@ -201,9 +201,6 @@ def register_options(register):
         Option(NAME, "rmsnorm", str, stages=("decoder",), choices=RMSNORMS, default="safe",
                help="decoder RMSNorm: safe (rows scaled by their max |x| before squaring: no fp16 overflow on"
                     " massive activations) or plain (overflows in fp16 once |x| > 256)"),
-        Option(NAME, "keep_fp", str, stages=("vision", "projector", "decoder"),
-               help="int8/a16w8: layers kept in fp16, comma-separated: names as vlmrun diff --locate prints them"
-                    " (vision.stage2, decoder.layer1) or node-name prefixes starting with /"),
         Option(NAME, "decoder_form", str, stages=("decoder",), choices=DECODER_FORMS, default="fixed",
                flag="--decoder-form", help="decoder graphs: fixed (one graph per binary) or parts (Qualcomm's shipping"
                     " form: parts of layers, prompt + token graphs per part in one weight-shared binary, Genie layout)"),
@@ -214,6 +211,9 @@ def register_options(register):
         Option(NAME, "weight_sharing", str, stages=("decoder",), choices=("auto", "on", "off"), default="auto",
                help="parts form: a part's prompt and token graphs in one binary sharing weights (on), one binary per"
                     " graph (off), or on except on the x86_64 emulator, which cannot load shared binaries (auto)"),
+        Option(NAME, "keep_fp", str, stages=("vision", "projector", "decoder"),
+               help="int8/a16w8: layers kept in fp16, comma-separated: names as vlmrun diff --locate prints them"
+                    " (vision.stage2, decoder.layer1) or node-name prefixes starting with /"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph; longer inputs run in chunks"),
         Option(NAME, "native_outputs", bool, default=False,
@@ -392,7 +392,6 @@ class ChunkedEmbed(StageHandle):
     def __init__(self, runner: StageHandle, seq: int):
         self.runner = runner
         self.seq = seq
-        self.artifact = runner.artifact
         self.artifacts = runner.artifacts
         self.artifact = runner.artifacts[0] if runner.artifacts else None
         self.load_s = runner.load_s
@@ -449,7 +448,9 @@ def load_stage(backend, stage, ctx):
         p = plan(ctx.model, opts)
         form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],
                              layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
-        return load_parts(ctx, opts, soc, _compiled(ctx, stage, opts, form))
+        from .genie_phone import attach  # engine genie + --target android: genie-t2t-run on the phone
+
+        return attach(load_parts(ctx, opts, soc, _compiled(ctx, stage, opts, form)), ctx, opts, soc)
     arts = [_compiled(ctx, stage, opts, f) for f in forms(stage, opts)]
     for art in arts:
         ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
