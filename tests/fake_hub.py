@@ -3,10 +3,13 @@
 Runs on 127.0.0.1 (random port) in a thread. Models (create, multipart upload with ETags, get, download),
 devices, compile jobs (the uploaded ONNX compiled to a QNN context binary by onnxruntime-qnn on the HTP
 emulator), datasets (h5 upload by multipart POST, download), inference jobs (the context binary run on the
-emulator, outputs as an h5 dataset, a profile). Faults are switched on through attributes of the server:
+emulator, outputs as an h5 dataset, a profile), link jobs (below). Faults are switched on through attributes of
+the server:
 
 * ``fail_compile = "reason"``: the next compile job ends FAILED with that reason
-* ``never_finish = True``: compile jobs stay in OPTIMIZING_MODEL forever
+* ``fail_link = "reason"``: the next link job ends FAILED with that reason
+* ``never_finish = True``: compile jobs stay in OPTIMIZING_MODEL forever (every job stays in progress)
+* ``hold_links = True``: link jobs stay in LINKING_MODELS until it is False again
 * ``errors = {"GET jobs": n}``: the next n matching requests answer HTTP 500
 * ``drops = {"GET jobs": n}``: the next n matching requests get their connection closed with no answer
 * ``download_name = "../../x"``: the file name the server gives a target model download
@@ -21,6 +24,28 @@ emulator, outputs as an h5 dataset, a profile). Faults are switched on through a
 ``compile_options`` / ``inference_options`` the options string of each job submitted. A compile job whose
 options pin ``--qairt_version X`` records X as the target model's QAIRT/QNN SDK version (the binary itself is
 built by the local onnxruntime-qnn).
+
+Graph names: ``--qnn_graph_name NAME`` (or the client's ``--qnn_options context_enable_graphs=NAME``) names the
+compiled graph. The real hub writes NAME as given; this fake rewrites onnxruntime-qnn's graph name inside the
+binary in place, which keeps its length, so NAME is zero-padded to that length before a ``_<k>_of_<P>`` suffix
+(else at its end with ``_``), the way ``vlmrun_qnn_htp.parts.genie_name`` pads; a NAME longer than
+onnxruntime-qnn's fails the job.
+
+Link jobs (``submit_link_job``: ``POST jobs`` with ``Job.link_job``: ``models`` a ModelList of model ids, ``device``,
+``name``, ``options``; polled with ``GET jobs/<id>``, in progress as CREATED / LINKING_MODELS; ``target_model``
+seeded at creation) and the contract the real service states ("the input models to a link job must be compiled
+through AI Hub and target the same device"; the client allows only QNN DLC models): a compile job with
+``--target_runtime qnn_dlc`` yields a MODEL_TYPE_QNN_DLC target model; a link job FAILS (job state FAILED with
+the reason, as the hub reports a job's failure) when an input is not a QNN DLC model, is not the target model of
+a successful compile job, was compiled for another device than the others or than the link job's, or when
+inputs or graph names repeat. What the fake's "DLC" is: not QNN's DLC format (no QNN SDK converter here), but
+the uploaded ONNX kept as it was uploaded (one file, or a zip of the model directory), with the graph name
+and I/O the compile job gave it; only the link job compiles. The link job compiles its DLCs with
+onnxruntime-qnn on the HTP emulator into ONE context binary holding every graph with shared weights, the same
+mechanism ``vlmrun_qnn_htp.parts`` uses locally for ``weight_sharing = "on"`` (``ep.share_ep_contexts`` on every
+session, ``ep.stop_share_ep_contexts`` on the last), names the graphs as asked (above), and gives the target
+model (MODEL_TYPE_QNN_CONTEXT_BINARY) the graph names in its metadata and input/output specs per graph
+(``graph_name``). ``link_jobs`` records each link job submitted (id, model ids, device, options).
 
 Start one by hand (``scripts/fake-hub --help``): it writes a client.ini for the ``qai-hub`` client and prints
 the environment to point vlmrun at it.
@@ -93,6 +118,50 @@ def _qairt(options: str) -> str | None:
     return v + ".0" if re.fullmatch(r"\d+\.\d+", v) else v
 
 
+_WORKING = {"compile": pb.JOB_STATE_OPTIMIZING_MODEL, "link": pb.JOB_STATE_LINKING_MODELS,
+            "inference": pb.JOB_STATE_RUNNING_INFERENCE}  # a job's state while it works
+
+
+def _runtime(options: str) -> str:
+    m = re.search(r"--target_runtime[ =](\S+)", options or "")
+    return m.group(1) if m else "tflite"
+
+
+def _graph_name(options: str) -> str | None:
+    m = re.search(r"--qnn_graph_name[ =](\S+)", options or "") or re.search(
+        r"context_enable_graphs=([^\s;,]+)", options or "")
+    return m.group(1) if m else None
+
+
+def _fit_name(want: str, old: str) -> str:
+    """``want`` at the length of ``old`` (see the module docstring: graph names are rewritten in place)."""
+    if len(want) == len(old):
+        return want
+    if len(want) > len(old):
+        raise RuntimeError(f"graph name {want} is longer than {len(old)} characters, which this fake hub cannot"
+                           " write (it renames onnxruntime-qnn's graphs in place)")
+    m = re.match(r"(.*)(_\d+_of_\d+)$", want)
+    if m:
+        return m.group(1) + "_" + "0" * (len(old) - len(want) - 1) + m.group(2)
+    return want + "_" * (len(old) - len(want))
+
+
+def _rename_graph(binary: Path, wrapper: Path | None, old: str, new: str) -> None:
+    """Rename graph ``old`` in a context binary (same length) and in the EPContext wrapper over it."""
+    from vlmrun_qnn_htp.parts import rename_graph
+
+    rename_graph(binary, old, new)
+    if wrapper is not None:
+        import onnx
+
+        m = onnx.load(str(wrapper))
+        for node in m.graph.node:
+            for a in node.attribute:
+                if a.name == "partition_name" and a.s.decode() == old:
+                    a.s = new.encode()
+        onnx.save(m, str(wrapper))
+
+
 class _Server(ThreadingHTTPServer):
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
@@ -107,7 +176,9 @@ class FakeHub:
         self.lock = threading.RLock()
         self._forget()
         self.fail_compile: str | None = None
+        self.fail_link: str | None = None
         self.never_finish = False
+        self.hold_links = False
         self.errors: dict[str, int] = {}
         self.drops: dict[str, int] = {}
         self.slow: dict[str, float] = {}
@@ -116,6 +187,7 @@ class FakeHub:
         self.seen_tokens: set[str] = set()
         self.log: list[tuple[str, str]] = []
         self.compile_options: list[str] = []
+        self.link_jobs: list[dict] = []
         self.inference_options: list[str] = []
         self.server = self._serve(port)
         self.port = self.server.server_address[1]
@@ -168,32 +240,59 @@ class FakeHub:
         return f"{kind}{self.tag}{next(self.ids):04d}"
 
     # -- compile / inference workers ------------------------------------------------------------------------
+    def _extract(self, model: dict, into: Path) -> Path:
+        """The ONNX file of an uploaded model (a single file, or a zipped model directory) under ``into``."""
+        into.mkdir(parents=True)
+        data = model["data"]
+        if model["is_directory"] or data[:2] == b"PK":
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                z.extractall(into)
+            return next(into.rglob("*.onnx"))
+        path = into / "model.onnx"
+        path.write_bytes(data)
+        return path
+
+    @staticmethod
+    def _soc_of(device: str):
+        from vlmrun_qualcomm import socs
+
+        dev = next(d for d in DEVICES if d[0] == device)
+        return dev, next(s for s in socs.SOCS.values() if s.soc_model == dev[3])
+
     def _compile(self, job_id: str):
         from vlmrun_qnn_htp import ep
-        from vlmrun_qualcomm import socs
+        from vlmrun_qualcomm.manifest import onnx_io
 
         job = self.jobs[job_id]
         src_model = self.models[job["model_id"]]
         work = self.root / job_id
         work.mkdir()
         try:
-            src = work / "src"
-            src.mkdir()
-            data = src_model["data"]
-            if src_model["is_directory"] or data[:2] == b"PK":
-                with zipfile.ZipFile(io.BytesIO(data)) as z:
-                    z.extractall(src)
-                onnx_path = next(src.rglob("*.onnx"))
-            else:
-                onnx_path = src / "model.onnx"
-                onnx_path.write_bytes(data)
-            dev = next(d for d in DEVICES if d[0] == job["device"])
-            soc = next(s for s in socs.SOCS.values() if s.soc_model == dev[3])
+            onnx_path = self._extract(src_model, work / "src")
+            dev, soc = self._soc_of(job["device"])
+            graph = _graph_name(job["options"])
+            tid = job["target"]
+            if _runtime(job["options"]) == "qnn_dlc":  # the fake "DLC": the uploaded ONNX, named (module docstring)
+                io_ = onnx_io(onnx_path)
+                graph = graph or re.sub(r"\W", "_", Path(src_model["name"]).stem) or "graph"
+                sdk = _qairt(job["options"]) or ep.qnn_version()
+                self.models[tid] = {"name": f"{job['name']}.dlc", "model_type": pb.MODEL_TYPE_QNN_DLC,
+                                    "data": src_model["data"], "is_directory": False, "graph": graph,
+                                    "inputs": [{**t, "graph": graph} for t in io_["inputs"]],
+                                    "outputs": [{**t, "graph": graph} for t in io_["outputs"]], "producer": job_id,
+                                    "meta": {pb.MODEL_METADATA_KEY_QNN_SDK_VERSION: sdk,
+                                             pb.MODEL_METADATA_KEY_QAIRT_SDK_VERSION: sdk,
+                                             pb.MODEL_METADATA_KEY_QNN_MODEL_GRAPH_NAMES: graph}}
+                job["result_state"] = pb.JOB_STATE_DONE
+                return
             out = work / "out"
             out.mkdir()
             info = ep.compile_onnx(onnx_path, out, "hub", soc)
             binary = out / info["files"][1]
-            tid = job["target"]
+            if graph:  # --qnn_graph_name: the graph renamed in the binary and in the wrapper the fake runs
+                new = _fit_name(graph, info["graphs"][0])
+                _rename_graph(binary, out / info["files"][0], info["graphs"][0], new)
+                info["graphs"] = [new]
             sdk = _qairt(job["options"]) or info["ep_sdk_version"].lstrip("v")
             self.models[tid] = {"name": f"{job['name']}.bin", "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY,
                                 "data": binary.read_bytes(), "is_directory": False, "ctx": out / "hub_ctx.onnx",
@@ -205,6 +304,81 @@ class FakeHub:
                                          pb.MODEL_METADATA_KEY_QNN_CONTEXT_BIN_HEXAGON_VERSION: soc.arch.lstrip("v")}}
             job["result_state"] = pb.JOB_STATE_DONE
         except Exception as exc:  # a compile error is the job's failure reason, as on the hub
+            job["result_state"] = pb.JOB_STATE_FAILED
+            job["reason"] = " ".join(str(exc).split())[:300]
+
+    def _link_contract(self, job: dict) -> str | None:
+        """Why the hub would refuse these inputs (None: they are fine)."""
+        ids = job["model_ids"]
+        if not ids:
+            return "A link job takes at least one input model."
+        if len(set(ids)) != len(ids):
+            return "All input models to a link job must be distinct."
+        for mid in ids:
+            m = self.models[mid]
+            if m["model_type"] != pb.MODEL_TYPE_QNN_DLC:
+                kind = pb.ModelType.Name(m["model_type"]).replace("MODEL_TYPE_", "")
+                return (f"Input model {mid} ({m['name']}) is a {kind} model; link jobs take QNN DLC models"
+                        " compiled through AI Hub (a compile job with --target_runtime qnn_dlc).")
+            producer = self.jobs.get(m.get("producer") or "")
+            if producer is None or producer["kind"] != "compile" or producer.get("result_state") != pb.JOB_STATE_DONE:
+                return f"Input model {mid} ({m['name']}) was not produced by a successful AI Hub compile job."
+            if producer["device"] != job["device"]:
+                return (f"Input model {mid} was compiled for {producer['device']}, not {job['device']}; the input"
+                        " models to a link job must target the same device.")
+        graphs = [self.models[mid]["graph"] for mid in ids]
+        if len(set(graphs)) != len(graphs):
+            return f"Graph names must be unique across the input models of a link job, got {', '.join(graphs)}."
+        return None
+
+    def _link(self, job_id: str):
+        """One context binary holding every input's graph, weights shared (see the module docstring)."""
+        from vlmrun_qnn_htp import ep
+        from vlmrun_qnn_htp.parts import _compile_session
+        from vlmrun_qualcomm.manifest import describe_ctx_onnx
+
+        job = self.jobs[job_id]
+        try:
+            why = self._link_contract(job)
+            if why:
+                raise RuntimeError(why)
+            dev, soc = self._soc_of(job["device"])
+            work = self.root / job_id
+            out = work / "out"
+            out.mkdir(parents=True)
+            models = [self.models[mid] for mid in job["model_ids"]]
+            share = len(models) > 1
+            wrappers = []
+            for i, m in enumerate(models):
+                onnx_path = self._extract(m, work / f"dlc{i}")
+                wrapper = out / f"graph{i}_ctx.onnx"
+                try:
+                    _compile_session(onnx_path, wrapper, soc, share, stop=i == len(models) - 1)
+                except Exception as exc:
+                    raise RuntimeError(f"QNN could not link graph {m['graph']}: {ep._one_line(exc)}") from None
+                wrappers.append(wrapper)
+            infos = [describe_ctx_onnx(w) for w in wrappers]
+            bins = sorted({b for info in infos for b in info["binaries"]})
+            if len(bins) != 1:
+                raise RuntimeError(f"linking produced {len(bins)} context binaries, expected one")
+            binary = out / bins[0]
+            names = []
+            for m, info in zip(models, infos):
+                new = _fit_name(m["graph"], info["graphs"][0])
+                _rename_graph(binary, None, info["graphs"][0], new)
+                names.append(new)
+            sdk = _qairt(job["options"]) or infos[0]["ep_sdk_version"].lstrip("v")
+            self.models[job["target"]] = {
+                "name": f"{job['name']}.bin", "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY,
+                "data": binary.read_bytes(), "is_directory": False, "producer": job_id,
+                "inputs": [{**t, "graph": g} for g, info in zip(names, infos) for t in info["inputs"]],
+                "outputs": [{**t, "graph": g} for g, info in zip(names, infos) for t in info["outputs"]],
+                "meta": {pb.MODEL_METADATA_KEY_QNN_SDK_VERSION: sdk, pb.MODEL_METADATA_KEY_QAIRT_SDK_VERSION: sdk,
+                         pb.MODEL_METADATA_KEY_QNN_MODEL_GRAPH_NAMES: ",".join(names),
+                         pb.MODEL_METADATA_KEY_QNN_CONTEXT_BIN_SOC_MODEL: str(dev[3]),
+                         pb.MODEL_METADATA_KEY_QNN_CONTEXT_BIN_HEXAGON_VERSION: soc.arch.lstrip("v")}}
+            job["result_state"] = pb.JOB_STATE_DONE
+        except Exception as exc:  # the reason a failed link job shows
             job["result_state"] = pb.JOB_STATE_FAILED
             job["reason"] = " ".join(str(exc).split())[:300]
 
@@ -252,8 +426,7 @@ class FakeHub:
         with self.lock:
             if parts[1:2] == ["jobs"] and len(parts) > 2 and parts[2] in self.jobs:
                 j = self.jobs[parts[2]]
-                state = pb.JobState.Name(j.get("result_state", pb.JOB_STATE_OPTIMIZING_MODEL
-                                                if j["kind"] == "compile" else pb.JOB_STATE_RUNNING_INFERENCE))
+                state = pb.JobState.Name(j.get("result_state", _WORKING[j["kind"]]))
                 return (f"fake AI Hub {j['kind']} job {j['id']}: {state}\ndevice: {j['device']}\n"
                         f"options: {j.get('options', '')}\n" + (f"reason: {j['reason']}\n" if j.get("reason") else ""))
             if parts[1:2] == ["models"] and len(parts) > 2 and parts[2] in self.models:
@@ -272,18 +445,22 @@ class FakeHub:
         for spec, lst in ((out.input_spec, m.get("inputs", [])), (out.output_spec, m.get("outputs", []))):
             for t in lst:
                 nt = spec.types.add(name=t["name"])
+                if t.get("graph"):
+                    nt.graph_name = t["graph"]
                 nt.tensor_type.shape.extend(int(d) for d in t["shape"])
                 nt.tensor_type.dtype = DTYPES[t["dtype"]]
         return out
 
     def state_of(self, job: dict) -> int:
         job["polls"] += 1
-        if self.never_finish or job.get("hold") or time.time() - job.get("created", 0) < self.job_seconds:
-            return pb.JOB_STATE_OPTIMIZING_MODEL if job["kind"] == "compile" else pb.JOB_STATE_PROVISIONING_DEVICE
+        kind = job["kind"]
+        held = kind == "link" and self.hold_links
+        if self.never_finish or held or job.get("hold") or time.time() - job.get("created", 0) < self.job_seconds:
+            return pb.JOB_STATE_PROVISIONING_DEVICE if kind == "inference" else _WORKING[kind]
         if job["polls"] == 1:
-            return pb.JOB_STATE_OPTIMIZING_MODEL if job["kind"] == "compile" else pb.JOB_STATE_RUNNING_INFERENCE
+            return _WORKING[kind]
         if "result_state" not in job:
-            (self._compile if job["kind"] == "compile" else self._infer)(job["id"])
+            {"compile": self._compile, "link": self._link, "inference": self._infer}[kind](job["id"])
         return job["result_state"]
 
     def job_pb(self, jid: str, poll: bool = True) -> pb.Job:
@@ -298,6 +475,14 @@ class FakeHub:
             _ts(cj.creation_time)
             cj.target_model.CopyFrom(self.model_pb(job["target"]))  # seeded at creation, as the hub does
             return pb.Job(compile_job=cj, hub_version="fake")
+        if job["kind"] == "link":
+            lj = pb.LinkJob(link_job_id=jid, job_state=state, name=job["name"], options=job["options"], device=dev_pb,
+                            failure_reason=job.get("reason", "") if state == pb.JOB_STATE_FAILED else "")
+            lj.models.models.extend(self.model_pb(m) for m in job["model_ids"])
+            lj.models.total_query_count = len(job["model_ids"])
+            _ts(lj.creation_time)
+            lj.target_model.CopyFrom(self.model_pb(job["target"]))  # seeded at creation (seed_target_model=true)
+            return pb.Job(link_job=lj, hub_version="fake")
         ij = pb.InferenceJob(inference_job_id=jid, job_state=state, name=job["name"], device=dev_pb,
                              model=self.model_pb(job["model_id"]), is_profiling_on=job["profiling"],
                              failure_reason=job.get("reason", "") if state == pb.JOB_STATE_FAILED else "")
@@ -456,12 +641,31 @@ class FakeHub:
                                              "device": dev, "options": cj.options, "name": cj.name, "polls": 0,
                                              "created": created}
                             tid = hub.new_id("m")
-                            hub.models[tid] = {"name": f"{cj.name}.bin", "data": b"", "is_directory": False,
-                                               "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY, "producer": jid}
+                            dlc = _runtime(cj.options) == "qnn_dlc"
+                            hub.models[tid] = {"name": f"{cj.name}.{'dlc' if dlc else 'bin'}", "data": b"",
+                                               "is_directory": False, "producer": jid,
+                                               "model_type": pb.MODEL_TYPE_QNN_DLC if dlc
+                                               else pb.MODEL_TYPE_QNN_CONTEXT_BINARY}
                             hub.jobs[jid]["target"] = tid
                             if hub.fail_compile:
                                 hub.jobs[jid].update(result_state=pb.JOB_STATE_FAILED, reason=hub.fail_compile)
                                 hub.fail_compile = None
+                        elif j.HasField("link_job"):
+                            lj = j.link_job
+                            ids = [m.model_id for m in lj.models.models]
+                            for mid in ids:
+                                hub.models[mid]  # an unknown model is a 404, as on the hub
+                            dev = lj.device.name
+                            hub.jobs[jid] = {"id": jid, "kind": "link", "model_ids": ids, "device": dev,
+                                             "options": lj.options, "name": lj.name, "polls": 0, "created": created}
+                            tid = hub.new_id("m")
+                            hub.models[tid] = {"name": f"{lj.name}.bin", "data": b"", "is_directory": False,
+                                               "model_type": pb.MODEL_TYPE_QNN_CONTEXT_BINARY, "producer": jid}
+                            hub.jobs[jid]["target"] = tid
+                            hub.link_jobs.append({"id": jid, "model_ids": ids, "device": dev, "options": lj.options})
+                            if hub.fail_link:
+                                hub.jobs[jid].update(result_state=pb.JOB_STATE_FAILED, reason=hub.fail_link)
+                                hub.fail_link = None
                         else:
                             ij = j.inference_job
                             hub.models[ij.model.model_id]

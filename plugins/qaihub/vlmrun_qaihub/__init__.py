@@ -7,6 +7,9 @@
   downloads the context binary into the artifact store and writes the EP-context wrapper and a manifest in
   qnn_htp's format, so qnn_htp loads it like its own. The manifest records where it came from:
   ``hub_compile_job``, ``hub_url`` (the job's page), ``hub_target_model``, ``hub_device``.
+* qnn_htp's decoder parts form (``--compiler qaihub --decoder-form parts``, fp16): one compile job per part graph
+  (``qnn_dlc``), then one link job per part, so each part comes back as ONE context binary holding its prompt and
+  token graphs with shared weights; the artifact has qnn_htp's parts manifest plus the job ids (:mod:`.parts`).
 * As a backend (``--vision qaihub`` ...): the stage is compiled the same way and every ``run_stage`` is an
   inference job with ``profile=True`` on the hosted device; the handle reports the device's own figures in
   ``handle.last_profile`` (``inference_ms`` is the stage's device time; see :func:`profile_figures`).
@@ -62,6 +65,7 @@ NAME = "qaihub"
 __version__ = "0.1.0"
 
 HOSTED_STAGES = ("vision", "projector", "embed")
+COMPILE_STAGES = (*HOSTED_STAGES, "decoder")  # --compiler qaihub also compiles qnn_htp's decoder parts form (parts.py)
 PRECISIONS = ("fp16", "int8", "a16w8")
 DEFAULT_DEVICE = "Snapdragon 8 Elite QRD"
 DEFAULT_EMBED_SEQ = 32
@@ -262,10 +266,10 @@ def doctor():
 @hookimpl
 def register_options(register):
     for o in (
-        _option(NAME, "device", str, flag="--device", keyed=True,
+        _option(NAME, "device", str, flag="--device", keyed=True, stages=COMPILE_STAGES,
                 help='AI Hub device name (e.g. "Snapdragon 8 Elite QRD") or "chipset:..." attributes'
                      f" [default: from soc; env {ENV_DEVICE}]"),
-        _option(NAME, "hub_device", str, flag="--hub-device", keyed=True,
+        _option(NAME, "hub_device", str, flag="--hub-device", keyed=True, stages=COMPILE_STAGES,
                 help="AI Hub device when qaihub compiles for another backend (--compiler qaihub) [default: from soc]"),
         Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
                help="target Snapdragon SoC (picks the hub's reference device)"),
@@ -277,17 +281,19 @@ def register_options(register):
                 help="calibration samples per input"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph"),
-        _option(NAME, "qairt_version", str, flag="--qairt-version", keyed=True,
+        _option(NAME, "qairt_version", str, flag="--qairt-version", keyed=True, stages=COMPILE_STAGES,
                 help="QAIRT version the hub compiles (and runs) with, e.g. 2.45 (hub option --qairt_version;"
                      " also latest, default) [default: the hub's]"),
-        _option(NAME, "hub_options", str, keyed=True, help="extra AI Hub compile options, appended verbatim"),
-        Option(NAME, "job_timeout", float, minimum=0.01, flag="--job-timeout",
+        _option(NAME, "hub_options", str, keyed=True, stages=COMPILE_STAGES,
+                help="extra AI Hub compile options, appended verbatim"),
+        Option(NAME, "job_timeout", float, minimum=0.01, flag="--job-timeout", stages=COMPILE_STAGES,
                help="seconds to wait for one AI Hub job; it keeps running on the hub after a timeout and a rerun"
                     f" re-attaches [default: 10800; env {ENV_TIMEOUT}]"),
-        Option(NAME, "network_timeout", float, minimum=0.1, flag="--network-timeout",
+        Option(NAME, "network_timeout", float, minimum=0.1, flag="--network-timeout", stages=COMPILE_STAGES,
                help="seconds one AI Hub request keeps retrying a hub that does not answer (refused, unresolvable,"
                     f" timing out, HTTP 5xx) [default: {hubmod.DEFAULT_NETWORK_TIMEOUT_S:g}]"),
-        Option(NAME, "poll_interval", float, minimum=0.01, help="seconds between job status polls [default: 10]"),
+        Option(NAME, "poll_interval", float, minimum=0.01, stages=COMPILE_STAGES,
+               help="seconds between job status polls [default: 10]"),
     ):
         register(o)
 
@@ -378,6 +384,11 @@ def _forgotten(hub: hubmod.Hub, kind: str, job_id: str, exc: BaseException) -> N
 def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir: Path, target: str, *,
                    artifact: str, state_dir: Path, rebuild: bool = False) -> dict:
     """Compile ``source`` on the hub into ``out_dir`` (see the module docstring); returns the manifest."""
+    from . import parts
+
+    if parts.is_parts(source):  # qnn_htp's decoder parts form: compile jobs per graph, a link job per part
+        return parts.compile_parts_on_hub(hub, model, source, options, out_dir, target, state_dir=state_dir,
+                                          rebuild=rebuild)
     precision = str(options.get("precision") or "fp16").lower()
     qairt = qairt_version_of(options)
     hub_opts = compile_options(precision, str(options.get("hub_options") or ""), qairt)

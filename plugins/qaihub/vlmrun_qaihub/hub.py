@@ -528,6 +528,11 @@ class Ledger:
         with self._locked():
             return self._read().get(key)
 
+    def keys(self, prefix: str = "") -> list[str]:
+        """The keys starting with ``prefix``."""
+        with self._locked():
+            return sorted(k for k in self._read() if k.startswith(prefix))
+
     def update(self, key: str, **fields) -> dict:
         with self._locked():
             data = self._read()

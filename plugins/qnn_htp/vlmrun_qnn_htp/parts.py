@@ -94,12 +94,16 @@ def normalise(o: dict, precision: str) -> dict:
     limit = int(o.get("part_limit_mb") or DEFAULT_PART_LIMIT_MB)
     if parts < 0 or limit < 1:
         raise UsageError("parts must be >= 0 (0 = the fewest under part_limit_mb) and part_limit_mb >= 1")
-    return {"precision": precision, "weight_sharing": resolve_sharing(sharing), "parts": parts,
+    return {"precision": precision, "weight_sharing": resolve_sharing(sharing, o.get("compiler")), "parts": parts,
             "part_limit_mb": limit, "prefill_ar": int(o.get("prefill_ar") or DEFAULT_PREFILL_AR)}
 
 
-def resolve_sharing(sharing: str) -> str:
+def resolve_sharing(sharing: str, compiler: str | None = None) -> str:
+    """``auto``: on, except for a local compile on the x86_64 emulator; another compiler (``--compiler qaihub``)
+    builds the binaries for a device, so shared there."""
     if sharing == "auto":
+        if compiler and str(compiler) != "qnn_htp":
+            return "on"
         return "off" if is_emulator() else "on"
     return sharing
 
