@@ -8,6 +8,10 @@ the server:
 
 * ``fail_compile = "reason"``: the next compile job ends FAILED with that reason
 * ``fail_link = "reason"``: the next link job ends FAILED with that reason
+* ``fail_inference = "reason"``: the next inference job ends FAILED with that reason
+* ``max_dataset_bytes = n``: a dataset upload of more than n bytes is refused with HTTP 413 when the client asks
+  for its upload URL (which names the file size), as the hub refuses an asset it finds too large (the client's
+  message for 413: "The uploaded asset is too large"); the real hub's limit is not documented
 * ``never_finish = True``: compile jobs stay in OPTIMIZING_MODEL forever (every job stays in progress)
 * ``hold_links = True``: link jobs stay in LINKING_MODELS until it is False again
 * ``errors = {"GET jobs": n}``: the next n matching requests answer HTTP 500
@@ -21,7 +25,10 @@ the server:
   listens on
 
 ``seen_tokens`` records the Authorization tokens received; ``log`` the requests (method, path);
-``compile_options`` / ``inference_options`` the options string of each job submitted. A compile job whose
+``compile_options`` / ``inference_options`` the options string of each job submitted; ``inference_jobs`` each
+inference job submitted: id, name, ``samples`` (how many its input dataset holds: the client sends a dataset of
+input name -> list of N arrays, and the job runs every sample, its outputs a list of N per output, in order) and
+the input shapes of its first sample. A compile job whose
 options pin ``--qairt_version X`` records X as the target model's QAIRT/QNN SDK version (the binary itself is
 built by the local onnxruntime-qnn).
 
@@ -177,6 +184,8 @@ class FakeHub:
         self._forget()
         self.fail_compile: str | None = None
         self.fail_link: str | None = None
+        self.fail_inference: str | None = None
+        self.max_dataset_bytes: int | None = None
         self.never_finish = False
         self.hold_links = False
         self.errors: dict[str, int] = {}
@@ -189,6 +198,7 @@ class FakeHub:
         self.compile_options: list[str] = []
         self.link_jobs: list[dict] = []
         self.inference_options: list[str] = []
+        self.inference_jobs: list[dict] = []
         self.server = self._serve(port)
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -419,6 +429,18 @@ class FakeHub:
         except Exception as exc:
             job["result_state"] = pb.JOB_STATE_FAILED
             job["reason"] = " ".join(str(exc).split())[:300]
+
+    def dataset_summary(self, did: str) -> dict:
+        """``samples`` (per input the same) and ``shapes`` (of the first sample) of an uploaded dataset."""
+        import h5py
+        from qai_hub.util.dataset_entries_converters import h5_to_dataset_entries
+
+        if not did:
+            return {"samples": 0, "shapes": {}}
+        with h5py.File(io.BytesIO(self.datasets[did]["data"]), "r") as h5f:
+            entries = h5_to_dataset_entries(h5f)
+        return {"samples": len(next(iter(entries.values()))),
+                "shapes": {k: tuple(np.asarray(v[0]).shape) for k, v in entries.items()}}
 
     def web_page(self, rel: str) -> str:
         """The plain-text page behind a job or model link (``<url>/web/jobs/<id>/``)."""
@@ -674,6 +696,11 @@ class FakeHub:
                                              "device": ij.device.name, "dataset_id": ij.dataset.dataset_id,
                                              "profiling": ij.is_profiling_on, "name": ij.name, "polls": 0,
                                              "created": created}
+                            hub.inference_jobs.append({"id": jid, "name": ij.name,
+                                                       **hub.dataset_summary(ij.dataset.dataset_id)})
+                            if hub.fail_inference:
+                                hub.jobs[jid].update(result_state=pb.JOB_STATE_FAILED, reason=hub.fail_inference)
+                                hub.fail_inference = None
                         r = pb.CreateUpdateResponse(id=jid)
                         _ts(r.creation_time)
                         return self._send(200, r)
@@ -704,6 +731,10 @@ class FakeHub:
                         _ts(r.expiration_time, time.time() + 86400)
                         return self._send(200, r)
                     if parts[0] == "datasets" and len(parts) == 3 and parts[2] == "upload_url":
+                        size = int((q.get("file_size") or ["0"])[0])
+                        if hub.max_dataset_bytes is not None and size > hub.max_dataset_bytes:
+                            return self._send(413, f"Dataset of {size} bytes exceeds the limit of"
+                                                   f" {hub.max_dataset_bytes} bytes.".encode(), "text/plain")
                         r = pb.FileUploadResponse()
                         r.url.url, r.url.file_field_name = f"{hub.url}/upload/datasets/{parts[1]}", "file"
                         return self._send(200, r)

@@ -268,11 +268,13 @@ from .cli_compile import compile_command  # noqa: E402  (subcommands living in t
 from .cli_diff import diff_command  # noqa: E402
 from .cli_profile import profile_command  # noqa: E402
 from .cli_store import store_group  # noqa: E402
+from .cli_eval import eval_command  # noqa: E402
 
 cli.add_command(compile_command, "compile")
 cli.add_command(diff_command, "diff")
 cli.add_command(profile_command, "profile")
 cli.add_command(store_group, "store")
+cli.add_command(eval_command, "eval")
 
 
 def main(argv=None) -> int:

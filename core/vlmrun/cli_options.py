@@ -11,11 +11,12 @@ def model_options(f):
     """``--model``, ``--image-size`` and ``--cache-dir``: which checkpoint, and where artifacts live."""
     f = click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
                      help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")(f)
-    f = click.option("--image-size", type=int, default=1024, show_default=True,
-                     help="Image size of the tiny default model (ignored with --model).")(f)
+    f = click.option("--image-size", type=int, default=None,
+                     help="Image size of the default model (ignored with --model). [default: its own, 256; other"
+                          " sizes run the same weights, trained at 256 only]")(f)
     f = click.option("--model", "model_dir", type=click.Path(path_type=Path),
                      help="FastVLM checkpoint directory (transformers-native or Apple llava_qwen2 layout)."
-                          " Default: the tiny model vlmrun builds itself.")(f)
+                          " Default: the tiny trained shapes model shipped with vlmrun.")(f)
     return f
 
 

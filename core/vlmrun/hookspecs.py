@@ -20,6 +20,7 @@ contracts). The order in which the core calls the hooks for one stage of one run
     run_stage(backend, stage, handle, inputs)   for every image/prompt (vision, projector, embed; and the
                                                 decoder under teacher forcing: logits for given embeddings)
     decode(backend, handle, request)            the generation loop of the decoder stage
+    run_stage_batch(backend, stage, handle, inputs)  optional: a stage over a whole data set (``vlmrun eval``)
     load_probe(backend, stage, ctx)             optional: the stage's probe variant (``vlmrun diff --locate``)
     run_probe(backend, stage, handle, inputs)   optional: run it, outputs at layer granularity
 
@@ -152,6 +153,24 @@ def run_stage(backend, stage, handle, inputs):
                    ``logits`` [1, T, vocab] (a full causal forward from an empty cache: teacher forcing).
     :return: dict of output name -> ``numpy.ndarray`` or :class:`vlmrun.stages.QuantizedTensor` (the core
              dequantizes it at the stage boundary).
+    """
+
+
+@hookspec(firstresult=True)
+def run_stage_batch(backend, stage, handle, inputs):
+    """Run one stage on many inputs at once (optional; ``vlmrun eval`` asks for it).
+
+    A backend whose every call is expensive on its own (a job on a hosted device, a session on a phone) can run
+    a whole data set's worth of a stage in one go. ``vlmrun eval`` calls this once per stage (vision, then the
+    projector on those features, then embed) over every pending item of a layout before it runs the items one by
+    one; the stage's per-item ``run_stage`` is then not called.
+
+    :param backend: the backend name; return ``None`` if it is not yours, or to decline (the core then calls
+                    ``run_stage`` for each input).
+    :param stage: the stage name.
+    :param handle: what ``load_stage`` returned.
+    :param inputs: a list of input dicts, each exactly what ``run_stage`` would get.
+    :return: a list of output dicts, one per input and in the same order, as ``run_stage`` returns them.
     """
 
 

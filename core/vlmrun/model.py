@@ -17,9 +17,6 @@ import attrs
 from .errors import BackendError, InputError
 from .store import ArtifactStore, sha256_file
 
-TINY_VERSION = "tiny-v1"
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -259,24 +256,65 @@ def weights_hash(model_dir: Path, store: ArtifactStore | None = None) -> str:
     return digest
 
 
-def default_model(store: ArtifactStore, image_size: int = 1024, progress=None) -> FastVLMModel:
-    """The tiny random-weight FastVLM the project builds itself (built once per image size, then reused)."""
-    from . import tiny
+#: The default model: a small FastVLM (the real architecture) trained by ``scripts/train_tiny.py`` to answer
+#: questions about the pictures :mod:`vlmrun.shapes` draws; shipped with vlmrun (``training.json`` next to the
+#: weights records how it was trained and its accuracy).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "shapes-tiny"
+DEFAULT_MODEL_VERSION = "shapes-tiny-v1"
+
+
+def default_model(store: ArtifactStore, image_size: int | None = None, progress=None) -> FastVLMModel:
+    """The trained tiny FastVLM shipped with vlmrun (:data:`DEFAULT_MODEL_DIR`, 256 x 256 images).
+
+    ``image_size`` other than its own (``None``: its own) gives the same weights with the image processor and
+    ``image_seq_length`` set for that size (a copy in the artifact store, made once): the architecture runs at any
+    multiple of 64, but the answers were trained at 256 only."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise BackendError(f"the default model is missing from {DEFAULT_MODEL_DIR}; reinstall vlmrun")
+    native = FastVLMModel(DEFAULT_MODEL_DIR, DEFAULT_MODEL_DIR, "fast_vlm")
+    if image_size is None or int(image_size) == native.image_size:
+        return native
+    size = int(image_size)
+    if size < 64 or size % 64:
+        raise InputError(f"image size must be a positive multiple of 64, got {size}")
     from .progress import no_progress
 
     def build(tmp: Path) -> dict:
-        with (progress or no_progress)(f"building the tiny FastVLM ({image_size}x{image_size}, once)"):
-            tiny.make_tiny(tmp / "model", image_size=image_size)
-        _flatten(tmp / "model", tmp)
-        return {"files": ["config.json"], "image_size": image_size}
+        with (progress or no_progress)(f"preparing the default FastVLM at {size}x{size} (trained at"
+                                       f" {native.image_size}; once)"):
+            _resized_copy(DEFAULT_MODEL_DIR, tmp, size)
+        return {"files": ["config.json"], "image_size": size}
 
-    art = store.get_or_build({"stage": "model", "kind": TINY_VERSION, "image_size": image_size}, build)
+    key = {"stage": "model", "kind": DEFAULT_MODEL_VERSION, "image_size": size,
+           "weights": weights_hash(DEFAULT_MODEL_DIR, store)}
+    art = store.get_or_build(key, build)
     return FastVLMModel(art.path, art.path, "fast_vlm")
 
 
-def open_model(model, store: ArtifactStore, image_size: int = 1024, progress=None,
+def _resized_copy(src: Path, dst: Path, size: int) -> None:
+    """``src`` with its image processor (resize, crop) and ``image_seq_length`` set for ``size``."""
+    import shutil
+
+    for f in src.iterdir():
+        if f.is_file() and f.name != "training.json":
+            shutil.copy2(f, dst / f.name)
+    config = _read_json(dst / "config.json")
+    config["image_seq_length"] = (size // 64) ** 2
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        cfg = _read_json(dst / name)
+        if not cfg:
+            continue
+        proc = cfg.get("image_processor", cfg)
+        proc["size"] = {"shortest_edge": size}
+        proc["crop_size"] = {"height": size, "width": size}
+        (dst / name).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def open_model(model, store: ArtifactStore, image_size: int | None = None, progress=None,
                rebuild: bool = False) -> FastVLMModel:
-    """A FastVLMModel from an instance, a checkpoint directory, or ``None`` (the tiny default model).
+    """A FastVLMModel from an instance, a checkpoint directory, or ``None`` (the default model, at
+    ``image_size`` or its own).
 
     ``rebuild``: convert an Apple-layout checkpoint again even when the store holds its conversion."""
     if isinstance(model, FastVLMModel):

@@ -303,7 +303,7 @@ class Pipeline:
         store: ArtifactStore | str | os.PathLike | None = None,
         registry: plugins_mod.Registry | None = None,
         rebuild: bool = False,
-        image_size: int = 1024,
+        image_size: int | None = None,
         stages: tuple[str, ...] = STAGES,
         progress: Progress = no_progress,
         requests: Sequence[tuple[object, str]] = (),

@@ -131,7 +131,7 @@ def run(
     thresholds: Mapping[str, Mapping[str, float | None]] | None = None,
     thresholds_file: str | os.PathLike | None = None,
     from_dirs: Sequence[str | os.PathLike] = (),
-    image_size: int = 1024,
+    image_size: int | None = None,
     progress=None,
 ) -> DiffRun:
     """Capture both sides (or load them, ``from_dirs``) and compare them; see the module docstring.

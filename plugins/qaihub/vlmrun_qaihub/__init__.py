@@ -14,6 +14,12 @@
   inference job with ``profile=True`` on the hosted device; the handle reports the device's own figures in
   ``handle.last_profile`` (``inference_ms`` is the stage's device time; see :func:`profile_figures`).
   ``vlmrun profile --backend qaihub --stage vision --device ...`` prints them.
+* Batches (``run_stage_batch``, which ``vlmrun eval`` calls once per stage over every pending item): the whole
+  data set goes to the hosted device as ONE inference job per stage (a multi-sample dataset), not one job per
+  item; outputs are split back per item in order. Inputs of different shapes are grouped (one job per shape),
+  never padded beyond the stage's own chunking; a batch above ``batch_mb`` is split into as few jobs as fit.
+  Finished batch jobs stay in the ledger, so a rerun of an interrupted eval downloads their outputs instead of
+  submitting again (:meth:`HostedStage.run_batch`).
 
 Per-stage options (``vlmrun plugins --options``):
 
@@ -25,6 +31,7 @@ Per-stage options (``vlmrun plugins --options``):
 ``hub_options``     extra compile options appended verbatim
 ``job_timeout``     seconds to wait for one job (default 3 h; ``$VLMRUN_QAIHUB_TIMEOUT``); the job keeps running
 ``network_timeout`` seconds one hub operation keeps retrying a hub that does not answer (default 30)
+``batch_mb``        megabytes of inputs one batch inference job uploads at most (default 1024, vlmrun's own cap)
 =================== ============================================================================================
 
 The device, the QAIRT version, the hub options and the calibration sample count key the compiled artifact, so
@@ -57,7 +64,7 @@ from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import ExportForm
 
 from . import hub as hubmod
-from .hub import HubAuthError, HubJobTimeout, HubNotFound, HubUnreachable
+from .hub import HubAuthError, HubJobTimeout, HubNotFound, HubTooLarge, HubUnreachable
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
@@ -69,6 +76,9 @@ COMPILE_STAGES = (*HOSTED_STAGES, "decoder")  # --compiler qaihub also compiles 
 PRECISIONS = ("fp16", "int8", "a16w8")
 DEFAULT_DEVICE = "Snapdragon 8 Elite QRD"
 DEFAULT_EMBED_SEQ = 32
+DEFAULT_BATCH_MB = 1024.0  # vlmrun's cap on one batch job's inputs (no limit is documented; see run_batch)
+BATCH_JOBS_KEPT = 32  # finished batch jobs the ledger remembers per artifact (a rerun downloads their outputs)
+BATCH_PREFIX = "inference-batch|"
 ENV_DEVICE = "VLMRUN_QAIHUB_DEVICE"
 ENV_TIMEOUT = "VLMRUN_QAIHUB_TIMEOUT"
 DOCTOR_NETWORK_TIMEOUT_S = 5.0
@@ -294,6 +304,10 @@ def register_options(register):
                     f" timing out, HTTP 5xx) [default: {hubmod.DEFAULT_NETWORK_TIMEOUT_S:g}]"),
         Option(NAME, "poll_interval", float, minimum=0.01, stages=COMPILE_STAGES,
                help="seconds between job status polls [default: 10]"),
+        Option(NAME, "batch_mb", float, minimum=0.001, stages=HOSTED_STAGES, default=DEFAULT_BATCH_MB,
+               help="megabytes of inputs one inference job of a batch (vlmrun eval) uploads at most; a larger batch"
+                    " is split into as few jobs as fit (vlmrun's cap: no hub limit is documented; an upload the hub"
+                    " refuses with HTTP 413 is halved)"),
     ):
         register(o)
 
@@ -588,6 +602,29 @@ def _digest(batches: dict[str, list[np.ndarray]]) -> str:
     return h.hexdigest()[:24]
 
 
+def _sample_digest(sample: dict[str, np.ndarray]) -> str:
+    return _digest({k: [v] for k, v in sample.items()})
+
+
+def _merge_figures(figures: list[dict]) -> dict:
+    """The figures of several jobs as one: ``inferences`` and ``inference_ms`` add up, ``inference_each_ms`` is
+    their ratio, lists are joined, other figures (load times, peak memory) are the largest."""
+    if len(figures) == 1:
+        return dict(figures[0])
+    out: dict = {}
+    for f in figures:
+        for k, v in f.items():
+            if isinstance(v, list):
+                out[k] = [*out.get(k, []), *v]
+            elif k in ("inferences", "inference_ms"):
+                out[k] = round(out.get(k, 0) + v, 3)
+            else:
+                out[k] = max(out.get(k, v), v)
+    if out.get("inferences"):
+        out["inference_each_ms"] = round(out["inference_ms"] / out["inferences"], 3)
+    return out
+
+
 class HostedStage(StageHandle):
     """A stage compiled on AI Hub; each run is an inference job (profile=True) on the hosted device, recorded in
     the artifact's job ledger so that an interrupted run's job is re-attached by a rerun with the same inputs.
@@ -596,10 +633,15 @@ class HostedStage(StageHandle):
     with units in their names (:func:`profile_figures`): ``inference_ms`` (the stage on the device),
     ``inference_each_ms``, ``inferences``, ``inference_peak_memory_bytes``, ``load_cold_ms``, ``load_warm_ms``,
     ``*_peak_memory_bytes``, ``*_runs_ms``, ``*_range_bytes``, and ``job_wall_ms`` (submission to results, queue
-    and polling included)."""
+    and polling included). After :meth:`run_batch` it describes the batch's job(s): see there.
+
+    Samples. The binary has static shapes, so one run may be several samples of one inference job: embed's token
+    ids are cut into chunks of the compiled sequence length (``embed_seq``), the last chunk zero-padded (an
+    embedding is a per-token lookup: the padding changes no real token's row, and the padded rows are cut off);
+    every other stage is one sample per run."""
 
     def __init__(self, hub: hubmod.Hub, artifact, stage: str, device: str, embed_seq: int | None = None,
-                 state_dir: Path | None = None, qairt: str | None = None):
+                 state_dir: Path | None = None, qairt: str | None = None, batch_mb: float | None = None):
         self.hub = hub
         self.artifact = artifact
         self.artifacts = (artifact,)
@@ -607,6 +649,7 @@ class HostedStage(StageHandle):
         self.device = device
         self.embed_seq = embed_seq
         self.qairt = qairt
+        self.batch_bytes = int(float(batch_mb or DEFAULT_BATCH_MB) * 1e6)
         self.ledger = hubmod.Ledger(state_dir) if state_dir else None
         self.load_s = 0.0
         self.last_profile: dict = {}
@@ -633,23 +676,41 @@ class HostedStage(StageHandle):
                 self._model = self.hub.call("context binary upload", client.upload_model, str(bin_path))
         return self._model
 
-    def _submit(self, feeds):
+    def _submit(self, feeds, kind: str = "inference"):
+        n = max((len(v) for v in feeds.values()), default=1)
+        many = f" ({n} samples)" if n > 1 else ""
         job = self.hub.call("inference job submission", self.hub.client.submit_inference_job, self._hub_model(),
-                            make_device(self.device), inputs=feeds, profile=True, name=f"vlmrun {self.stage}",
+                            make_device(self.device), inputs=feeds, profile=True,
+                            name=f"vlmrun {self.stage}" + (f" batch of {n}" if kind != "inference" else ""),
                             options=f"--qairt_version {self.qairt}" if self.qairt else "",
                             retry=False, idempotent=False)
-        self.hub.say(f"AI Hub: inference job {job.job_id} submitted on {self.device} {hubmod.redact(job.url)}")
+        self.hub.say(f"AI Hub: {kind} job {job.job_id} submitted on {self.device}{many} {hubmod.redact(job.url)}")
         return job
 
-    def run_batches(self, batches: dict[str, list[np.ndarray]]) -> dict[str, list[np.ndarray]]:
-        feeds = {}
-        for name, arrs in batches.items():
-            dtype = self.inputs.get(name, (None, None))[1]
-            feeds[name] = [np.ascontiguousarray(a, dtype=dtype) if dtype else np.ascontiguousarray(a) for a in arrs]
-        n = max((len(v) for v in feeds.values()), default=1)
-        key = f"inference|{self.hub.api_url}|{self.device}|{self.qairt or ''}|{_digest(feeds)}"
+    def _named(self, job, outs: dict) -> dict:
+        names = list(outs)
+        if set(self.output_names) <= set(names):
+            return {k: outs[k] for k in self.output_names}
+        if len(names) == len(self.output_names):  # the hub renamed them: keep the order
+            return dict(zip(self.output_names, (outs[k] for k in names)))
+        raise BackendError(f"AI Hub job {job.job_id} returned outputs {names}, expected {self.output_names}")
+
+    def _fetch(self, job, kind: str, rerun: str) -> tuple[dict, dict]:
+        """Wait for ``job``: its outputs (by the manifest's names, a list per output) and execution summary."""
+        self.hub.wait(job, kind, rerun=rerun)
+        outs = self.hub.call(f"outputs of job {job.job_id}", job.download_output_data)
+        prof = self.hub.call(f"profile of job {job.job_id}", job.download_profile) or {}
+        if not outs:
+            raise BackendError(f"AI Hub inference job {job.job_id} returned no outputs ({hubmod.redact(job.url)})")
+        return self._named(job, outs), dict(prof.get("execution_summary") or {})
+
+    def _job(self, key: str, feeds: dict, kind: str = "inference", *, keep: bool = False,
+             record: dict | None = None):
+        """One inference job over ``feeds``, recorded under ``key`` in the ledger: re-attached when an earlier run
+        submitted it, else submitted. ``keep``: once done the ledger keeps it (state ``done``, with ``record``) so
+        that a rerun downloads its outputs instead of running it again; else its entry is dropped.
+        Returns (job, outputs by name (a list each), execution summary)."""
         ledger = self.ledger
-        t0 = time.perf_counter()
         entry = (ledger.get(key) if ledger else None) or {}
         job = None
         if entry.get("job_id"):
@@ -663,15 +724,13 @@ class HostedStage(StageHandle):
         attached = job is not None
         while True:
             if job is None:
-                job = self._submit(feeds)
+                job = self._submit(feeds, kind)
                 if ledger:
                     ledger.update(key, state="submitted", job_id=job.job_id, url=hubmod.redact(job.url),
-                                  kind="inference", stage=self.stage, device=self.device)
+                                  kind=kind, stage=self.stage, device=self.device, **(record or {}))
             self.last_job = job.job_id
             try:
-                self.hub.wait(job, "inference", rerun=REATTACH if ledger else "a rerun submits a new job")
-                outs = self.hub.call(f"outputs of job {job.job_id}", job.download_output_data)
-                prof = self.hub.call(f"profile of job {job.job_id}", job.download_profile) or {}
+                outs, summary = self._fetch(job, kind, REATTACH if ledger else "a rerun submits a new job")
             except HubNotFound as exc:
                 if ledger:
                     ledger.drop(key)
@@ -688,37 +747,197 @@ class HostedStage(StageHandle):
                 raise
             break
         if ledger:
-            ledger.drop(key)
-        if not outs:
-            raise BackendError(f"AI Hub inference job {job.job_id} returned no outputs ({job.url})")
-        m = self.artifact.manifest
-        self.last_profile = {
-            "job_id": job.job_id, "url": hubmod.redact(job.url), "device": self.device,
-            "target_model": getattr(self._model, "model_id", None) or m.get("hub_target_model"),
-            **profile_figures(dict(prof.get("execution_summary") or {}), n),
-            "job_wall_ms": round((time.perf_counter() - t0) * 1e3, 1),
-        }
-        names = list(outs)
-        if set(self.output_names) <= set(names):
-            return {k: outs[k] for k in self.output_names}
-        if len(names) == len(self.output_names):  # the hub renamed them: keep the order
-            return dict(zip(self.output_names, (outs[k] for k in names)))
-        raise BackendError(f"AI Hub job {job.job_id} returned outputs {names}, expected {self.output_names}")
+            if keep:
+                ledger.update(key, state="done")
+                ledger.prune(BATCH_PREFIX, BATCH_JOBS_KEPT)
+            else:
+                ledger.drop(key)
+        return job, outs, summary
 
-    def run(self, inputs: dict) -> dict:
+    def _profile(self, used: list[tuple], t0: float, **extra) -> dict:
+        """``last_profile`` for the jobs in ``used`` ((job, samples, execution summary) each)."""
+        m = self.artifact.manifest
+        job = used[0][0]
+        prof = {"job_id": job.job_id, "url": hubmod.redact(job.url), "device": self.device,
+                "target_model": getattr(self._model, "model_id", None) or m.get("hub_target_model")}
+        if len(used) > 1:
+            prof["job_ids"] = [j.job_id for j, _, _ in used]
+        prof.update(extra)
+        prof.update(_merge_figures([profile_figures(summary, n) for _, n, summary in used]))
+        prof["job_wall_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        return prof
+
+    def run_batches(self, batches: dict[str, list[np.ndarray]]) -> dict[str, list[np.ndarray]]:
+        """One inference job over the samples in ``batches`` (input name -> one array per sample); its ledger
+        entry is dropped once it is done."""
+        feeds = {name: [self._cast(name, a) for a in arrs] for name, arrs in batches.items()}
+        n = max((len(v) for v in feeds.values()), default=1)
+        key = f"inference|{self.hub.api_url}|{self.device}|{self.qairt or ''}|{_digest(feeds)}"
+        t0 = time.perf_counter()
+        job, outs, summary = self._job(key, feeds)
+        self.last_profile = self._profile([(job, n, summary)], t0)
+        return outs
+
+    def _cast(self, name: str, a) -> np.ndarray:
+        dtype = self.inputs.get(name, (None, None))[1]
+        return np.ascontiguousarray(a, dtype=dtype) if dtype else np.ascontiguousarray(a)
+
+    def _samples(self, inputs: dict) -> list[dict[str, np.ndarray]]:
+        """One run's inputs as samples of the binary (see the class docstring), in the binary's input order."""
         if self.stage == "embed" and self.embed_seq:
             ids = np.asarray(inputs["input_ids"], dtype=np.int64)
             T, E = ids.shape[1], self.embed_seq
-            chunks = []
+            samples = []
             for i in range(0, T, E):
                 c = np.zeros((1, E), np.int64)
                 c[0, : min(E, T - i)] = ids[0, i : i + E]
-                chunks.append(c)
-            out = self.run_batches({"input_ids": chunks})["inputs_embeds"]
-            parts = [o[:, : min(E, T - i * E)] for i, o in enumerate(out)]
+                samples.append({"input_ids": c})
+        else:
+            samples = [{k: inputs[k] for k in self.inputs if k in inputs}]
+        return [{k: self._cast(k, v) for k, v in s.items()} for s in samples]
+
+    def _assemble(self, inputs: dict, outs: list[dict]) -> dict:
+        """One run's outputs from its samples' outputs (the inverse of :meth:`_samples`)."""
+        if self.stage == "embed" and self.embed_seq:
+            T, E = np.asarray(inputs["input_ids"]).shape[1], self.embed_seq
+            parts = [np.asarray(o["inputs_embeds"])[:, : min(E, T - i * E)] for i, o in enumerate(outs)]
             return {"inputs_embeds": np.concatenate(parts, axis=1).astype(np.float32)}
-        outs = self.run_batches({k: [v] for k, v in inputs.items() if k in self.inputs})
-        return {k: np.asarray(v[0]) for k, v in outs.items()}
+        return {k: np.asarray(v) for k, v in outs[0].items()}
+
+    def run(self, inputs: dict) -> dict:
+        samples = self._samples(inputs)
+        outs = self.run_batches({name: [s[name] for s in samples] for name in samples[0]})
+        return self._assemble(inputs, [{k: v[i] for k, v in outs.items()} for i in range(len(samples))])
+
+    # -- a data set's worth in one go (run_stage_batch) ----------------------------------------------------------
+    def run_batch(self, items: list[dict]) -> list[dict]:
+        """Run every item of ``items`` (each what :meth:`run` takes) in as few inference jobs as the hub allows;
+        the outputs per item, in order, equal to what :meth:`run` gives each.
+
+        * One job carries many samples (a dataset of input name -> list of N arrays, as the client sends it);
+          the outputs come back in the same order and are split per item. Identical samples are sent once.
+        * Shapes: the binary's are static, so nothing is padded beyond what :meth:`run` does (embed's chunks,
+          see the class docstring; that makes embed's token ids of any length one job). Samples are grouped by
+          their input shapes and dtypes, one job per group (grouping, not padding: a padded tensor would be
+          another input than the stage contract's); with the binary's static shapes there is one group.
+        * Size: neither the ``qai-hub`` client nor Qualcomm's documents state a limit on an inference job's
+          dataset; the hub answers HTTP 413 ("The uploaded asset is too large") to an upload it refuses. vlmrun
+          caps one job's inputs at ``batch_mb`` (its own default, :data:`DEFAULT_BATCH_MB` MB) and splits a
+          larger group into as few jobs of even size as fit, saying so; a 413 halves the job and tries again.
+        * Ledger: each job is recorded with its samples' digests and kept once done (the most recent
+          :data:`BATCH_JOBS_KEPT` per artifact), so a rerun (an interrupted ``vlmrun eval``, which asks again
+          for the items it has not finished) downloads the outputs of finished jobs instead of submitting new
+          ones, re-attaches to jobs still running, and submits only samples no job has.
+        * ``last_profile``: the first job's ``job_id`` and ``url`` (``job_ids`` when there were several),
+          ``items``, and the device figures of the job(s) the outputs came from (``inferences``: their samples,
+          ``inference_ms`` the sum, ``inference_each_ms`` the mean; merged figures: the largest load times and
+          peak memory).
+        * A failed job raises one line naming the job, the stage and the hub's reason.
+        """
+        if not items:
+            return []
+        t0 = time.perf_counter()
+        kind = f"{self.stage} inference"
+        per_item = [self._samples(dict(i)) for i in items]
+        digests = [[_sample_digest(s) for s in samples] for samples in per_item]
+        unique: dict[str, dict] = {}
+        for samples, ds in zip(per_item, digests):
+            for s, d in zip(samples, ds):
+                unique.setdefault(d, s)
+        got: dict[str, dict] = {}
+        used: list[tuple] = []
+        prefix = f"{BATCH_PREFIX}{self.hub.api_url}|{self.device}|{self.qairt or ''}|{self._model_tag()}|"
+        if self.ledger:
+            self._from_ledger(prefix, unique, got, used, kind)
+        for group in self._plan([d for d in unique if d not in got], unique):
+            self._run_group(group, unique, got, used, kind, prefix)
+        self.last_profile = self._profile(used, t0, items=len(items))
+        return [self._assemble(dict(inp), [got[d] for d in ds]) for inp, ds in zip(items, digests)]
+
+    def _model_tag(self) -> str:
+        m = self.artifact.manifest
+        return str(m.get("hub_target_model") or (m.get("hub") or {}).get("target_model") or self.artifact.path.name)
+
+    def _from_ledger(self, prefix: str, unique: dict, got: dict, used: list, kind: str) -> None:
+        """Outputs of batch jobs earlier runs submitted (re-attached while running), for the samples they hold."""
+        entries = sorted(self.ledger.entries(prefix).items(), key=lambda kv: -float(kv[1].get("updated") or 0))
+        for key, entry in entries:
+            samples = list(entry.get("samples") or [])
+            hits = [i for i, d in enumerate(samples) if d in unique and d not in got]
+            if not entry.get("job_id") or not hits:
+                continue
+            jid, done = entry["job_id"], entry.get("state") == "done"
+            self.hub.say(f"AI Hub: {'downloading the outputs of' if done else 're-attaching to'} {kind} job {jid}"
+                         f" ({'finished' if done else 'submitted'} earlier; {len(hits)} of its {len(samples)} samples"
+                         " are wanted)")
+            try:
+                job = self.hub.call(f"lookup of inference job {jid}", self.hub.client.get_job, jid)
+                outs, summary = self._fetch(job, kind, REATTACH)
+            except HubNotFound as exc:
+                _forgotten(self.hub, "inference", jid, exc)
+                self.ledger.drop(key)
+                continue
+            except (HubUnreachable, HubJobTimeout):
+                raise
+            except VlmrunError as exc:
+                self.ledger.drop(key)
+                if not done:
+                    raise  # the job failed: the hub's reason
+                self.hub.say(f"AI Hub: the outputs of {kind} job {jid} are gone ({exc}); running those samples again")
+                continue
+            if any(len(v) != len(samples) for v in outs.values()):
+                self.ledger.drop(key)
+                self.hub.say(f"AI Hub: {kind} job {jid} returned {min(len(v) for v in outs.values())} outputs for"
+                             f" {len(samples)} samples; running those samples again")
+                continue
+            if not done:
+                self.ledger.update(key, state="done")
+            for i in hits:
+                got[samples[i]] = {k: v[i] for k, v in outs.items()}
+            used.append((job, len(samples), summary))
+
+    def _plan(self, todo: list[str], unique: dict) -> list[list[str]]:
+        """``todo``'s samples as jobs: grouped by input shapes and dtypes, a group split to fit ``batch_mb``."""
+        groups: dict[tuple, list[str]] = {}
+        for d in todo:
+            s = unique[d]
+            groups.setdefault(tuple((k, a.shape, str(a.dtype)) for k, a in s.items()), []).append(d)
+        if len(groups) > 1:
+            self.hub.say(f"AI Hub: the {self.stage} inputs come in {len(groups)} shapes: one inference job per shape")
+        jobs = []
+        for ds in groups.values():
+            each = sum(a.nbytes for a in unique[ds[0]].values())
+            per_job = max(1, self.batch_bytes // max(1, each))
+            n_jobs = -(-len(ds) // per_job)
+            size = -(-len(ds) // n_jobs)
+            if n_jobs > 1:
+                self.hub.say(f"AI Hub: {len(ds)} {self.stage} samples ({len(ds) * each / 1e6:.0f} MB) exceed"
+                             f" batch_mb {self.batch_bytes / 1e6:g}: {n_jobs} inference jobs of at most {size}")
+            jobs.extend(ds[i : i + size] for i in range(0, len(ds), size))
+        return jobs
+
+    def _run_group(self, ds: list[str], unique: dict, got: dict, used: list, kind: str, prefix: str) -> None:
+        feeds = {name: [unique[d][name] for d in ds] for name in unique[ds[0]]}
+        try:
+            job, outs, summary = self._job(prefix + _digest(feeds), feeds, kind, keep=True,
+                                           record={"samples": ds})
+        except HubTooLarge as exc:
+            mb = sum(a.nbytes for v in feeds.values() for a in v) / 1e6
+            if len(ds) == 1:
+                raise HubTooLarge(f"AI Hub refused one {self.stage} sample of {mb:.1f} MB as too large: {exc}"
+                                  ) from None
+            half = (len(ds) + 1) // 2
+            self.hub.say(f"AI Hub refused the dataset of {len(ds)} {self.stage} samples ({mb:.0f} MB) as too large"
+                         f" (HTTP 413): splitting it into two jobs of {half} and {len(ds) - half}")
+            self._run_group(ds[:half], unique, got, used, kind, prefix)
+            self._run_group(ds[half:], unique, got, used, kind, prefix)
+            return
+        if any(len(v) != len(ds) for v in outs.values()):
+            raise BackendError(f"AI Hub {kind} job {job.job_id} returned {min(len(v) for v in outs.values())}"
+                               f" outputs for {len(ds)} samples ({hubmod.redact(job.url)})")
+        for i, d in enumerate(ds):
+            got[d] = {k: v[i] for k, v in outs.items()}
+        used.append((job, len(ds), summary))
 
 
 def forms(stage: str, options) -> ExportForm:
@@ -748,7 +967,7 @@ def load_stage(backend, stage, ctx):
     hub = hub_for(o)
     state_dir = Path(ctx.store.root) / "state" / art.path.name  # the artifact's state directory (its job ledger)
     return HostedStage(hub, art, stage, device, form.get("seq") if stage == "embed" else None,
-                       state_dir=state_dir, qairt=qairt)
+                       state_dir=state_dir, qairt=qairt, batch_mb=o.get("batch_mb"))
 
 
 @hookimpl
@@ -756,3 +975,12 @@ def run_stage(backend, stage, handle, inputs):
     if not mine(backend, NAME):
         return None
     return handle.run(dict(inputs))
+
+
+@hookimpl
+def run_stage_batch(backend, stage, handle, inputs):
+    """``vlmrun eval``'s data set for one stage in one inference job (as few as the hub allows), outputs split
+    back per item in order: :meth:`HostedStage.run_batch`."""
+    if not mine(backend, NAME):
+        return None
+    return handle.run_batch([dict(i) for i in inputs])

@@ -64,6 +64,10 @@ class HubJobTimeout(BackendError):
     """A job did not finish within the job timeout (it keeps running on the hub)."""
 
 
+class HubTooLarge(BackendError):
+    """The hub refused an upload as too large (HTTP 413; the client says "The uploaded asset is too large")."""
+
+
 def redact(text: object) -> str:
     """``text`` with any known API token replaced by ``***``."""
     s = str(text)
@@ -382,6 +386,8 @@ class Hub:
                                 f" api_token in {config_path()} (`qai-hub configure --api_token ...`)")
         if op.status == 404 or "could not be found" in msg:
             return HubNotFound(f"Qualcomm AI Hub: {op.what}: {msg}")
+        if op.status == 413 or getattr(exc, "status_code", None) == 413:
+            return HubTooLarge(f"Qualcomm AI Hub: {op.what}: refused as too large (HTTP 413): {msg}")
         return BackendError(f"Qualcomm AI Hub: {op.what}: {msg}")
 
     # -- jobs -----------------------------------------------------------------------------------------------
@@ -528,6 +534,11 @@ class Ledger:
         with self._locked():
             return self._read().get(key)
 
+    def entries(self, prefix: str = "") -> dict[str, dict]:
+        """The entries whose keys start with ``prefix`` (one read)."""
+        with self._locked():
+            return {k: v for k, v in self._read().items() if k.startswith(prefix) and isinstance(v, dict)}
+
     def keys(self, prefix: str = "") -> list[str]:
         """The keys starting with ``prefix``."""
         with self._locked():
@@ -540,6 +551,19 @@ class Ledger:
             data[key] = entry
             self._write(data)
             return entry
+
+    def prune(self, prefix: str, keep: int, state: str = "done") -> list[str]:
+        """Forget all but the ``keep`` most recently updated entries in ``state`` under ``prefix``; their keys."""
+        with self._locked():
+            data = self._read()
+            old = sorted((k for k, v in data.items() if k.startswith(prefix) and isinstance(v, dict)
+                          and v.get("state") == state), key=lambda k: data[k].get("updated", 0), reverse=True)
+            gone = old[max(0, keep):]
+            for k in gone:
+                data.pop(k)
+            if gone:
+                self._write(data)
+            return gone
 
     def drop(self, key: str) -> None:
         with self._locked():

@@ -1,0 +1,408 @@
+"""Running layouts over a data set: per-item results cached in the store, worker processes, batched stages.
+
+For each item the reference layout is captured first (every stage-boundary tensor, as ``vlmrun diff`` does),
+then each other layout, teacher-forced on the reference tokens, and compared with :func:`vlmrun.diff.compare`.
+What is kept per (layout, item) is small: the answer text and tokens and the metrics of every checkpoint
+(``<store>/eval/<layout key>/<item key>.json``); the reference also keeps its capture
+(``<item key>.npz``) so a layout added later, or an interrupted run, never recomputes it. All results of an item
+are written once every layout has finished it, so a failed item leaves nothing behind and an interrupted run
+resumes at the first unfinished item.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from ..errors import InputError, UsageError, VlmrunError
+from ..stages import CONTRACTS, STAGES, check_tensor
+from .dataset import Record, Skipped
+
+CACHE_VERSION = 1
+BATCH_STAGES = ("vision", "projector", "embed")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# layout specs
+
+
+@attrs.frozen
+class LayoutSpec:
+    """One layout to evaluate: ``[LABEL=]BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]...``; BASE is a preset or a
+    TOML layout file."""
+
+    label: str
+    base: str | None = None
+    file: str | None = None
+    overrides: Mapping[str, str] = attrs.field(factory=dict)
+    options: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str) -> "LayoutSpec":
+        from ..options import parse_assignment
+
+        text = spec.strip()
+        if not text:
+            raise UsageError("an empty --layout; give a preset (reference, all-npu, ...) or a TOML file")
+        head, *rest = [part.strip() for part in text.split(",")]
+        label, sep, base = head.partition("=")
+        if not sep:
+            label, base = text, head
+        label, base = label.strip(), base.strip()
+        if not label or not base:
+            raise UsageError(f"--layout '{spec}': expected [LABEL=]BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]...")
+        overrides: dict[str, str] = {}
+        options: dict[str, dict[str, str]] = {}
+        for part in rest:
+            if not part:
+                continue
+            lhs, eq, value = part.partition("=")
+            if not eq or not value.strip():
+                raise UsageError(f"--layout '{spec}': '{part}' is not STAGE=BACKEND or STAGE.KEY=VALUE")
+            if "." in lhs:
+                stage, key, val = parse_assignment(part)
+                options.setdefault(stage, {})[key] = val
+            else:
+                stage = lhs.strip()
+                if stage not in STAGES:
+                    raise UsageError(f"--layout '{spec}': unknown stage '{stage}'; stages are {', '.join(STAGES)}")
+                overrides[stage] = value.strip()
+        is_file = base.endswith(".toml") or os.sep in base
+        if is_file and not Path(base).is_file():
+            raise UsageError(f"--layout '{spec}': layout file {base} does not exist")
+        return cls(label, None if is_file else base, base if is_file else None, overrides, options)
+
+    def resolve(self, registry):
+        """The validated :class:`vlmrun.layouts.Layout`."""
+        from .. import layouts
+
+        layout = layouts.resolve(self.base, self.file, self.overrides, self.options)
+        return layouts.validate(layout, registry)
+
+
+def layout_key(layout, registry, model_hash: str, settings) -> str:
+    """What a layout's per-item results depend on: the model, the backends and their options, the plugin
+    versions and the generation settings."""
+    key = {
+        "v": CACHE_VERSION,
+        "model": model_hash,
+        "stages": {s: {"backend": layout.backend(s), "options": dict(layout.stages[s].options)} for s in STAGES},
+        "versions": {p.name: p.version for p in registry.plugins.values()},
+        "max_new_tokens": settings.max_new_tokens,
+        "system": settings.system,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def layout_options(pipe) -> dict:
+    """Each stage's options with its precision (the option, else the backend's own), as the diff records them."""
+    return {s: {"precision": pipe.registry.backend(pipe.layout.backend(s)).precision,
+                **pipe.layout.stages[s].options} for s in STAGES}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the cache
+
+
+class ResultCache:
+    """``<root>/<layout key>/<item key>.json`` (+ ``.npz``: the reference capture), written atomically."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def _path(self, lkey: str, ikey: str, suffix: str) -> Path:
+        return self.root / lkey / f"{ikey}{suffix}"
+
+    def get(self, lkey: str, ikey: str) -> dict | None:
+        try:
+            return json.loads(self._path(lkey, ikey, ".json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def has_capture(self, lkey: str, ikey: str) -> bool:
+        return self._path(lkey, ikey, ".npz").is_file()
+
+    def capture(self, lkey: str, ikey: str):
+        from ..diff.capture import Capture
+
+        path = self._path(lkey, ikey, ".npz")
+        try:
+            return Capture.load(path)
+        except VlmrunError:
+            return None
+
+    def describe_layout(self, lkey: str, info: dict) -> None:
+        d = self.root / lkey
+        d.mkdir(parents=True, exist_ok=True)
+        f = d / "layout.json"
+        if not f.is_file():
+            _atomic_write(f, json.dumps(info, indent=2, default=str).encode())
+
+    def put(self, lkey: str, ikey: str, result: dict, capture=None) -> None:
+        """Write one item's result (and capture); the capture first, so a result never lacks its capture."""
+        d = self.root / lkey
+        d.mkdir(parents=True, exist_ok=True)
+        if capture is not None:
+            import io
+
+            from ..diff.capture import jsonable
+
+            buf = io.BytesIO()
+            np.savez_compressed(buf, **{k: np.asarray(v) for k, v in capture.tensors.items()},
+                                __meta__=np.array(json.dumps(jsonable(capture.meta))))
+            _atomic_write(self._path(lkey, ikey, ".npz"), buf.getvalue())
+        _atomic_write(self._path(lkey, ikey, ".json"), json.dumps(result).encode())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one item
+
+
+def drift_metrics(result) -> dict:
+    """The per-checkpoint metrics of a :class:`vlmrun.diff.DiffResult`, keyed ``stage/tensor``."""
+    out = {}
+    for e in result.entries:
+        if e.stage == "preprocess" and e.tensor == "input_ids":
+            out[f"{e.stage}/{e.tensor}"] = {"mismatches": e.metrics.get("mismatches")}
+            continue
+        keep = ("cosine", "sqnr_db", "max_abs", "rel_l2", "top1_agreement", "top5_overlap", "kl_mean", "steps",
+                "matching_tokens", "match_fraction", "first_divergent_step")
+        out[f"{e.stage}/{e.tensor}"] = {k: e.metrics[k] for k in keep if k in e.metrics}
+    return out
+
+
+@attrs.define
+class Side:
+    """One layout, ready to run in this process."""
+
+    label: str
+    key: str
+    pipe: object
+    is_reference: bool
+    precomputed: dict = attrs.field(factory=dict)  # (stage, digest of inputs) -> outputs (batched stages)
+
+
+def _digest(inputs: Mapping[str, np.ndarray]) -> str:
+    h = hashlib.sha1()
+    for name in sorted(inputs):
+        a = np.ascontiguousarray(inputs[name])
+        h.update(name.encode() + str(a.dtype).encode() + str(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _install_precomputed(side: Side) -> None:
+    """Serve the batched stages' outputs from ``side.precomputed`` (run_stage of other stages unchanged)."""
+    pipe = side.pipe
+    original = type(pipe).run_stage
+
+    def run_stage(stage, inputs, producer="the caller"):
+        hit = side.precomputed.get((stage, _digest(inputs))) if side.precomputed else None
+        if hit is not None:
+            return hit
+        return original(pipe, stage, inputs, producer)
+
+    pipe.run_stage = run_stage
+
+
+def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCache, settings,
+             run_id: str = "") -> dict[str, dict]:
+    """Every layout's result for one item (from the cache when there), the new ones written once all succeeded.
+
+    Returns ``{layout key: result}``. Raises :class:`VlmrunError` for an item that cannot run (nothing written).
+    """
+    from ..diff.capture import capture_pipeline
+    from ..diff.compare import compare
+    from ..diff.thresholds import infer_precision, thresholds_for
+
+    results: dict[str, dict] = {}
+    todo = [s for s in sides if cache.get(s.key, record.key) is None]
+    for s in sides:
+        if s not in todo:
+            results[s.key] = cache.get(s.key, record.key)
+    ref_result = cache.get(ref.key, record.key)
+    need_ref_capture = any(not s.is_reference for s in todo)
+    ref_cap = cache.capture(ref.key, record.key) if (ref_result is not None and need_ref_capture) else None
+    new: list[tuple[Side, dict, object]] = []
+    if ref_result is None or (need_ref_capture and ref_cap is None):
+        t = time.perf_counter()
+        ref_cap = capture_pipeline(ref.pipe, record.image, record.question, settings,
+                                   image_desc=str(record.image))
+        ref_result = {"item": record.key, "text": ref_cap.meta.get("text") or "", "tokens": ref_cap.tokens,
+                      "seconds": time.perf_counter() - t, "run": run_id}
+        new.append((ref, ref_result, ref_cap))
+    results[ref.key] = ref_result
+    for s in todo:
+        if s.is_reference:
+            continue
+        t = time.perf_counter()
+        dev_cap = capture_pipeline(s.pipe, record.image, record.question, settings, ref_cap.tokens,
+                                   image_desc=str(record.image))
+        seconds = time.perf_counter() - t
+        options = layout_options(s.pipe)
+        precision = infer_precision(options)
+        diff = compare(ref_cap, dev_cap, thresholds_for(precision), precision)
+        result = {"item": record.key, "text": dev_cap.meta.get("text") or "", "tokens": dev_cap.tokens,
+                  "seconds": seconds, "run": run_id, "precision": precision, "passed": diff.passed,
+                  "culprit": diff.culprit, "drift": drift_metrics(diff)}
+        new.append((s, result, None))
+        results[s.key] = result
+    for s, result, cap in new:
+        cache.put(s.key, record.key, result, capture=cap)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------------
+# batched stages
+
+
+def batch_capable(registry, backend: str) -> bool:
+    """Does the plugin providing ``backend`` implement ``run_stage_batch``?"""
+    for p in registry.plugins.values():
+        if any(b.name == backend for b in p.backends):
+            return "run_stage_batch" in p.hooks
+    return False
+
+
+def batched_stages(layout, registry) -> list[str]:
+    return [s for s in BATCH_STAGES if batch_capable(registry, layout.backend(s))]
+
+
+def precompute(side: Side, records: Sequence[Record], stages: Sequence[str], progress) -> None:
+    """Run ``stages`` of ``side``'s layout over ``records`` with one ``run_stage_batch`` call per stage (vision
+    first, the projector on its outputs, then embed) and keep the outputs for the per-item runs."""
+    pipe = side.pipe
+    if "run_stage" not in vars(pipe):
+        _install_precomputed(side)
+    dims = pipe.model.dims()
+    prepared = [pipe.prepare(r.image, r.question) for r in records]
+    feeds = {
+        "vision": [{"pixel_values": p.pixel_values} for p in prepared],
+        "embed": [{"input_ids": p.input_ids} for p in prepared],
+    }
+    for stage in stages:
+        if stage == "projector":
+            if "vision" in stages:
+                feats = [side.precomputed[("vision", _digest(f))]["image_features"] for f in feeds["vision"]]
+            else:
+                feats = [pipe.run_stage("vision", f)["image_features"] for f in feeds["vision"]]
+            feeds["projector"] = [{"image_features": f} for f in feats]
+        inputs = feeds[stage]
+        backend = pipe.layout.backend(stage)
+        contract = CONTRACTS[stage]
+        checked = [{s.name: check_tensor(i[s.name], s, dims, "the caller", f"{backend} ({stage})")
+                    for s in contract.inputs} for i in inputs]
+        with progress(f"{side.label}: {stage} on {backend} for {len(inputs)} items in one batch"):
+            outs = pipe.registry.hook.run_stage_batch(backend=backend, stage=stage, handle=pipe.handles[stage],
+                                                     inputs=checked)
+        if outs is None:
+            continue  # declined: per item as usual
+        if len(outs) != len(inputs):
+            raise VlmrunError(f"backend '{backend}' returned {len(outs)} results for a batch of {len(inputs)}"
+                              f" ({stage})")
+        for feed, out in zip(inputs, outs):
+            result = {}
+            for spec in contract.outputs:
+                if spec.name not in out:
+                    raise VlmrunError(f"backend '{backend}' returned no '{spec.name}' from stage '{stage}' (batch)")
+                result[spec.name] = check_tensor(out[spec.name], spec, dims, f"{backend} ({stage})", "eval")
+            side.precomputed[(stage, _digest(feed))] = result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# worker processes
+
+
+@attrs.frozen
+class WorkerConfig:
+    model: str
+    store: str
+    layouts: tuple  # (label, key, Layout, is_reference)
+    settings: object
+    cache_root: str
+    run_id: str = ""
+
+
+_WORKER: dict = {}
+
+
+def _build_sides(config: WorkerConfig, registry=None) -> list[Side]:
+    from .. import plugins
+    from ..pipeline import Pipeline
+    from ..store import ArtifactStore
+
+    registry = registry or plugins.load()
+    store = ArtifactStore(config.store)
+    sides = []
+    for label, key, layout, is_ref in config.layouts:
+        pipe = Pipeline.build(config.model, layout, store=store, registry=registry)
+        sides.append(Side(label, key, pipe, is_ref))
+    return sides
+
+
+def _worker_init(config: WorkerConfig) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _WORKER["config"] = config
+    _WORKER["sides"] = _build_sides(config)
+    _WORKER["cache"] = ResultCache(Path(config.cache_root))
+
+
+def _worker_item(record: Record):
+    sides = _WORKER["sides"]
+    ref = next(s for s in sides if s.is_reference)
+    try:
+        config = _WORKER["config"]
+        return record.key, run_item(record, ref, sides, _WORKER["cache"], config.settings, config.run_id), None
+    except InputError as exc:  # this item's fault (e.g. its prompt does not fit): skipped; others stop the run
+        return record.key, None, str(exc)
+
+
+def run_items(records: Sequence[Record], sides: Sequence[Side], cache: ResultCache, settings, run_id: str = "", *,
+              workers: int = 1, config: WorkerConfig | None = None,
+              on_item: Callable[[Record, dict | None, str | None], None] | None = None) -> None:
+    """Run ``records`` through ``sides`` (the reference first), in this process or in ``workers`` processes
+    (each builds its own pipelines from ``config``; the artifacts are already in the store). ``on_item(record,
+    results, error)`` is called in this process as each item finishes."""
+    ref = next(s for s in sides if s.is_reference)
+    if workers <= 1 or len(records) <= 1:
+        for record in records:
+            try:
+                results, error = run_item(record, ref, sides, cache, settings, run_id), None
+            except InputError as exc:
+                results, error = None, str(exc)
+            if on_item is not None:
+                on_item(record, results, error)
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # runtimes with thread pools do not survive fork
+    by_key = {r.key: r for r in records}
+    pool = ctx.Pool(workers, initializer=_worker_init, initargs=(config,))
+    try:
+        for key, results, error in pool.imap_unordered(_worker_item, records):
+            if on_item is not None:
+                on_item(by_key[key], results, error)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def skipped_from_error(record: Record, error: str) -> Skipped:
+    return Skipped(record.file, record.line, error)
