@@ -51,12 +51,19 @@ def _device_options(f):
 @click.option("--what-if", "what_if", is_flag=False, flag_value="auto", default=None, metavar="[LAYER,...]",
               help="With --locate on a quantized device stage: rebuild it with the located layer (or the LAYERs"
                    " named) kept out of quantization and report what that recovers, with the layout lines.")
+@click.option("--what-if-precision", "what_if_precision", type=click.Choice(["fp", "a16w16"]), default=None,
+              help="With --what-if: what the layer gets: fp (kept out of quantization, option keep_fp) or a16w16"
+                   " (16-bit activations and weights, option keep_a16w16). [default: fp]")
+@click.option("--what-if-eval", "what_if_eval", type=click.IntRange(1), default=None, metavar="N",
+              help="With --what-if: also run vlmrun eval on N items of the held-out set for the device layout before"
+                   " and after the fix, and the reference, and report their accuracy (off by default: it runs the"
+                   " layouts over N items).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as one JSON object instead of a table.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.pass_context
 def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, cache_dir, max_new_tokens,
                  ignore_eos, precision, threshold_specs, thresholds_file, from_dirs, save_dir, report_dir, locate,
-                 what_if, as_json, debug, **device_overrides):
+                 what_if, what_if_precision, what_if_eval, as_json, debug, **device_overrides):
     """Compare a device layout with a reference stage by stage; name the first stage that breaks.
 
     \b
@@ -69,11 +76,17 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
       vlmrun diff --device-vision PLUGIN --precision fp16 --report out/
       vlmrun diff --from host/reference --from phone/device     # compare saved captures
       vlmrun diff --device L.toml --locate --what-if             # which layer drifts, and does fp16 there fix it
+      vlmrun diff --device L.toml --what-if --what-if-precision a16w16   # ... or 16 bits there
+      vlmrun diff --device L.toml --what-if --what-if-eval 40    # ... and the eval accuracy it gives back
     Exit status: 0 every threshold holds, 1 some threshold fails, 2 usage error.
     """
     from . import diff
     from .progress import step
 
+    if what_if_eval is not None and what_if is None:
+        raise click.UsageError("--what-if-eval N evaluates the fix --what-if makes: add --what-if")
+    if what_if_precision is not None and what_if is None:
+        raise click.UsageError("--what-if-precision chooses what --what-if gives the layer: add --what-if")
     if what_if is not None and locate is None:
         locate = "auto"
     if locate is not None and locate != "auto":
@@ -121,7 +134,9 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
             if what_if is not None:
                 layers = None if what_if == "auto" else [x for x in what_if.replace(",", " ").split() if x]
                 result_run.location.what_if = loc_mod.what_if(result_run, result_run.location, layers,
-                                                              progress=step, image=image, prompt=prompt)
+                                                              progress=step, image=image, prompt=prompt,
+                                                              eval_items=what_if_eval,
+                                                              precision=what_if_precision or "fp")
     if save_dir is not None:
         diff.save_run(result_run, save_dir)
         click.echo(f"captures saved to {save_dir} (compare again with --from {save_dir})", err=True)

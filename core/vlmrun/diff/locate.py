@@ -22,10 +22,21 @@ layer with the largest own error. A reference backend that does not take injecti
 injected layer shows them) leaves the own errors out; the largest drop is then the layer that adds the most noise
 power relative to the signal (``10^(-SQNR/10)`` minus the previous layer's).
 
+**Parts.** A device probe of a decoder in parts (qnn_htp's ``decoder_form = "parts"``) reports the part
+boundaries only: the residual stream each part hands to the next (``decoder.layer{hi-1}``) and the logits. Such a
+handle declares ``parts`` (the layer ranges ``[(lo, hi), ...]``, global indices) and ``inside(k)`` (a probe handle
+that also reports the layers of part ``k``, from 1, compiled like the part and cached in the store). The boundaries
+are compared first; then the worst part (the first whose boundary crosses the thresholds, else the one adding the
+most noise power) is probed inside and its layers join the curve, so the first layer named is a layer (global
+index), not a part. :attr:`Location.parts` keeps the boundary pass.
+
 ``--what-if`` (a quantized device stage): the device side is built again with the located layer kept out of
-quantization (the stage option ``keep_fp``, which a backend that can keep layers in float declares) and the diff
-runs again; the result says how much of the stage's and the logits' error that recovers (the share of the noise
-power removed), and the layout-TOML lines that apply it.
+quantization (the stage option ``keep_fp``, which a backend that can keep layers in float declares), or with
+``precision="a16w16"`` (``--what-if-precision a16w16``) quantized with 16-bit activations and weights (the option
+``keep_a16w16``), and the diff runs again; the result says how much of the stage's and the logits' error that recovers (the share of the noise
+power removed), and the layout-TOML lines that apply it. With ``eval_items`` (``--what-if-eval N``) it also runs
+:func:`vlmrun.eval.evaluate` on N items of the default held-out set for the device layout before and after the fix
+(and the reference) and reports their accuracy.
 """
 
 from __future__ import annotations
@@ -46,6 +57,9 @@ LOCATABLE = ("vision", "projector", "decoder")
 STAGE_OF_CHECKPOINT = {"vision": "vision", "projector": "projector", "decoder": "decoder", "generation": "decoder"}
 #: the per-layer precision option a backend declares to take --what-if (comma-separated layer names)
 KEEP_OPTION = "keep_fp"
+#: --what-if-precision -> the per-layer option that applies it, and what it does to the layer
+KEEP_OPTIONS = {"fp": "keep_fp", "a16w16": "keep_a16w16"}
+KEEP_WORDS = {"fp": "kept in float", "a16w16": "quantized at a16w16 (16-bit activations and weights)"}
 LAYER_METRICS = ("sqnr_db", "cosine")
 NOISE_FLOOR = 1e-9  # relative noise power below which no layer is "the largest drop" (SQNR above 90 dB)
 
@@ -92,9 +106,15 @@ class WhatIf:
     snippet: str
     result: object = None  # the DiffResult of the rebuilt side
     eval: dict | None = None
+    precision: str = "fp"  # what the layers got: fp (keep_fp) or a16w16 (keep_a16w16)
+
+    @property
+    def option_name(self) -> str:
+        return KEEP_OPTIONS[self.precision]
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "layers": self.layers, "option": {KEEP_OPTION: self.option},
+        return {"stage": self.stage, "layers": self.layers, "precision": self.precision,
+                "option": {self.option_name: self.option},
                 "before": self.before, "after": self.after, "recovered": self.recovered,
                 "passed_before": self.passed_before, "passed_after": self.passed_after,
                 "layout_toml": self.snippet, "eval": self.eval}
@@ -110,6 +130,9 @@ class Location:
     rows: int | None = None  # decoder: teacher-forced rows compared
     notes: list[str] = attrs.field(factory=list)
     what_if: WhatIf | None = None
+    parts: list[dict] | None = None  # a decoder in parts: the boundary pass, one entry per part
+    probed_part: int | None = None  # the part (from 1) whose layers were probed inside
+    probed_why: str = ""
 
     @property
     def first_failing(self) -> LayerPoint | None:
@@ -146,6 +169,7 @@ class Location:
             "isolated": self.isolated,
             "thresholds": self.thresholds, "rows": self.rows, "notes": self.notes,
             "layers": [p.to_json() for p in self.points],
+            "parts": self.parts, "probed_part": self.probed_part, "probed_why": self.probed_why or None,
             "what_if": self.what_if.to_json() if self.what_if else None,
         }
 
@@ -271,11 +295,56 @@ def locate(ref_pipe, dev_pipe, stage: str, ref_capture, thresholds: Mapping[str,
     points, notes = compare_points(stage, outs["reference"], outs["device"], limits)
     if not points:
         raise BackendError(f"the probes of '{stage}' reported no layer outputs on both sides")
+    parts, probed, why = None, None, ""
+    ranges = getattr(handles["device"], "parts", None) if stage == "decoder" else None
+    if ranges:
+        parts = part_summary(points, ranges)
+        probed, why = worst_part(parts)
+        if probed is None:
+            notes.append(f"parts: {why}; no part probed inside")
+        elif not callable(getattr(handles["device"], "inside", None)):
+            notes.append(f"parts: backend '{dev_pipe.layout.backend(stage)}' probes the part boundaries only")
+            probed = None
+        else:
+            lo, hi = ranges[probed - 1]
+            with progress(f"probing the layers inside decoder part {probed}/{len(ranges)} (layers {lo}-{hi - 1};"
+                          f" {why}) on the device side"):
+                inner = handles["device"].inside(probed)
+                outs["device"] = {**outs["device"], **run_probe(dev_pipe, stage, inner, inputs)}
+            points, notes = compare_points(stage, outs["reference"], outs["device"], limits)
     with progress(f"isolating each layer's own error ({len(points) - 1} reference runs)"):
         isolate(ref_pipe, stage, handles["reference"], inputs, outs["reference"], outs["device"], points, notes)
     rows = inputs["inputs_embeds"].shape[1] if stage == "decoder" else None
     return Location(stage, ref_pipe.layout.backend(stage), dev_pipe.layout.backend(stage), points, limits, rows,
-                    notes)
+                    notes, parts=parts, probed_part=probed, probed_why=why)
+
+
+def part_summary(points: Sequence[LayerPoint], ranges: Sequence[Sequence[int]]) -> list[dict]:
+    """One entry per part from the boundary pass: its layers, its boundary point and that point's metrics."""
+    by_name = {p.name: p for p in points}
+    out = []
+    for k, (lo, hi) in enumerate(ranges, start=1):
+        name = "decoder.lm_head" if k == len(ranges) else f"decoder.layer{hi - 1}"
+        p = by_name.get(name)
+        out.append({"part": k, "layers": [int(lo), int(hi)], "boundary": name,
+                    "sqnr_db": None if p is None else p.metrics.get("sqnr_db"),
+                    "cosine": None if p is None else p.metrics.get("cosine"),
+                    "noise_added": None if p is None or p.note else p.noise_added,
+                    "passed": None if p is None else p.passed})
+    return out
+
+
+def worst_part(parts: Sequence[dict]) -> tuple[int | None, str]:
+    """(the part to probe inside, why): the first whose boundary crosses the thresholds, else the one whose
+    boundary adds the most relative noise power (none when every boundary is exact)."""
+    first = next((p for p in parts if p["passed"] is False), None)
+    if first is not None:
+        return first["part"], f"the first part whose output crosses the thresholds ({first['boundary']})"
+    cands = [p for p in parts if p["noise_added"] is not None]
+    best = max(cands, key=lambda p: p["noise_added"], default=None)
+    if best is None or best["noise_added"] <= NOISE_FLOOR:
+        return None, "every part's output is exact"
+    return best["part"], f"the part adding the most noise power ({best['boundary']})"
 
 
 def isolate(ref_pipe, stage: str, handle, inputs, ref: Mapping[str, np.ndarray], dev: Mapping[str, np.ndarray],
@@ -359,10 +428,15 @@ def layout_snippet(stage: str, backend: str, options: Mapping[str, object]) -> s
 
 
 def what_if(run, location: Location, layers: Sequence[str] | None = None, progress=None, image=None,
-            prompt: str | None = None):
+            prompt: str | None = None, eval_items: int | None = None, dataset=None, precision: str = "fp"):
     """Rebuild the device side with ``layers`` (default: the located layer) kept out of quantization, diff again.
 
+    ``precision`` (``--what-if-precision``): ``fp`` keeps the layers in float (option ``keep_fp``), ``a16w16``
+    quantizes them with 16-bit activations and weights (option ``keep_a16w16``); the rest stays as it was.
+
     ``run`` is the :class:`vlmrun.diff.DiffRun` whose device pipeline is rebuilt (``run.pipelines``).
+    ``eval_items``: also evaluate the device layout before and after the fix, and the reference, on that many items
+    of ``dataset`` (default: the held-out set; :func:`what_if_eval`).
     """
     from ..layouts import Layout, StageAssignment
     from ..pipeline import GenerationSettings, Pipeline
@@ -371,6 +445,9 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     from .compare import compare
 
     progress = progress or no_progress
+    if precision not in KEEP_OPTIONS:
+        raise UsageError(f"--what-if-precision {precision}: choose one of {', '.join(KEEP_OPTIONS)}")
+    option = KEEP_OPTIONS[precision]
     dev_pipe = run.pipelines.get("device")
     if dev_pipe is None:
         raise UsageError("--what-if rebuilds the device side: it needs a live device layout (not --from captures)")
@@ -383,21 +460,28 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
         layers = [target.name]
     a = dev_pipe.layout.stages[stage]
     declared = dev_pipe.registry.options.for_stage(a.backend, stage, str(a.options.get("compiler") or a.backend))
-    if KEEP_OPTION not in declared:
-        raise UsageError(f"--what-if: backend '{a.backend}' has no per-layer precision for {stage} (it declares no"
-                         f" '{KEEP_OPTION}' option)")
+    if option not in declared:
+        raise UsageError(f"--what-if: backend '{a.backend}' has no per-layer precision {precision} for {stage} (it"
+                         f" declares no '{option}' option)")
     info = dev_pipe.registry.backend(a.backend)
-    precision = str(a.options.get("precision") or getattr(info, "precision", None) or "fp32")
-    if precision in ("fp32", "fp16"):
-        raise UsageError(f"--what-if: the device's {stage} runs at {precision}; keeping a layer at higher precision"
+    dev_precision = str(a.options.get("precision") or getattr(info, "precision", None) or "fp32")
+    if dev_precision in ("fp32", "fp16"):
+        raise UsageError(f"--what-if: the device's {stage} runs at {dev_precision}; keeping a layer at higher precision"
                          " applies to quantized precisions (int8, a16w8, ...)")
-    existing = [x.strip() for x in str(a.options.get(KEEP_OPTION) or "").replace(",", " ").split() if x.strip()]
+    existing = [x.strip() for x in str(a.options.get(option) or "").replace(",", " ").split() if x.strip()]
     value = ",".join(dict.fromkeys([*existing, *layers]))
-    options = {**dict(a.options), KEEP_OPTION: value}
+    options = {**dict(a.options), option: value}
+    for other in KEEP_OPTIONS.values():  # a layer gets one precision: drop it from the other option
+        if other != option and a.options.get(other):
+            rest = [x for x in str(a.options[other]).replace(",", " ").split() if x not in layers]
+            if rest:
+                options[other] = ",".join(rest)
+            else:
+                options.pop(other)
     stages = {s: (StageAssignment(a.backend, options) if s == stage else dev_pipe.layout.stages[s])
               for s in dev_pipe.layout.stages}
-    layout = Layout(f"{dev_pipe.layout.name}+{KEEP_OPTION}", stages)
-    with progress(f"what-if: rebuilding {stage} on {a.backend} with {', '.join(layers)} kept in float"):
+    layout = Layout(f"{dev_pipe.layout.name}+{option}", stages)
+    with progress(f"what-if: rebuilding {stage} on {a.backend} with {', '.join(layers)} {KEEP_WORDS[precision]}"):
         pipe = Pipeline.build(dev_pipe.model, layout, store=dev_pipe.store, registry=dev_pipe.registry,
                               progress=dev_pipe.progress)
     ref = run.reference
@@ -425,8 +509,70 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
         after[label] = {k: a2.get(k) for k in pick if k in a2}
         recovered[label] = recovered_share(b.get("sqnr_db"), a2.get("sqnr_db"))
     snippet = layout_snippet(stage, a.backend, {k: v for k, v in options.items()
-                                                if k in ("precision", KEEP_OPTION) or k in a.options})
-    return WhatIf(stage, layers, value, before, after, recovered, run.result.passed, result.passed, snippet, result)
+                                                if k in ("precision", option) or k in a.options})
+    w = WhatIf(stage, layers, value, before, after, recovered, run.result.passed, result.passed, snippet, result,
+               precision=precision)
+    if eval_items:
+        ref_pipe = run.pipelines.get("reference")
+        w.eval = what_if_eval(ref_pipe.layout if ref_pipe is not None else "reference", dev_pipe.layout, layout,
+                              dev_pipe, int(eval_items), dataset=dataset, progress=progress)
+    return w
+
+
+def layout_toml(layout) -> str:
+    """A whole layout as a layout file (every stage's backend and options)."""
+    return "\n\n".join(layout_snippet(s, a.backend, a.options) for s, a in layout.stages.items()) + "\n"
+
+
+def what_if_eval(reference, before, after, pipe, items: int, dataset=None, progress=None) -> dict:
+    """Accuracy of ``before`` and ``after`` (layouts) and of ``reference`` (a layout or a preset name) on ``items``
+    items of ``dataset`` (default: the held-out set), by :func:`vlmrun.eval.evaluate` on ``pipe``'s model, store
+    and plugins (its per-item results are cached in the store, so the reference and an unchanged layout are
+    computed once)."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from .. import eval as ev
+    from ..progress import no_progress
+
+    progress = progress or no_progress
+    t = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vlmrun-what-if-eval-") as tmp:
+        specs = {}
+        for label, lay in (("reference", reference), ("before", before), ("after", after)):
+            if isinstance(lay, str):
+                specs[label] = ev.LayoutSpec(label, base=lay)
+                continue
+            path = Path(tmp) / f"{label}.toml"
+            path.write_text(layout_toml(lay))
+            specs[label] = ev.LayoutSpec(label, file=str(path))
+        with progress(f"what-if: eval on {items} item(s), the device layout before and after the fix and the"
+                      " reference"):
+            got = ev.evaluate([specs["before"], specs["after"]], dataset, reference=specs["reference"],
+                              model=pipe.model, store=pipe.store, registry=pipe.registry, limit=items,
+                              progress=progress)
+    report = got.report
+    entries = report["layouts"]
+    ref_entry = next(e for e in entries if e["is_reference"])
+
+    def entry(label):  # a layout equal to another shares its results (and its entry)
+        return next((e for e in entries if e["label"] == label), None)
+
+    def acc(e):
+        return None if e is None else e["accuracy"]["all"]["accuracy"]
+
+    b, a = entry("before"), entry("after")
+    # a layout with the reference's results (the same layout) is the reference's entry
+    b = b if b is not None else ref_entry
+    a = a if a is not None else (b if layout_toml(after) == layout_toml(before) else ref_entry)
+    return {"items": report["items"], "skipped": report["skipped"], "dataset": report["dataset"],
+            "reference": acc(ref_entry), "before": acc(b), "after": acc(a),
+            "correct": {"reference": ref_entry["accuracy"]["all"]["correct"], "before": b["accuracy"]["all"]["correct"],
+                        "after": a["accuracy"]["all"]["correct"]},
+            "same_answer_as_reference": {"before": b.get("same_answer_as_reference") if b is not ref_entry else 1.0,
+                                         "after": a.get("same_answer_as_reference") if a is not ref_entry else 1.0},
+            "seconds": round(time.perf_counter() - t, 3)}
 
 
 # -- output ----------------------------------------------------------------------------------------------------------
@@ -459,6 +605,16 @@ def format_location(loc: Location) -> str:
         rows.append((p.name, fmt_shape(p.shape), "-" if s is None else f"{s:.1f}",
                      "-" if cos is None else f"{cos:.6f}", "-" if own is None else f"{own:.1f}",
                      "-" if out is None else f"{out:.1f}", bar, status + ("  " + " ".join(mark) if mark else "")))
+    if loc.parts:
+        lines.append(f"parts ({len(loc.parts)}), at their boundaries:")
+        for part in loc.parts:
+            lo, hi = part["layers"]
+            mark = "  <- probed inside (" + loc.probed_why + ")" if part["part"] == loc.probed_part else ""
+            lines.append(f"  part {part['part']}: layers {lo}-{hi - 1} -> {part['boundary']}:"
+                         f" {fmt(part['sqnr_db'])} dB, cosine {fmt(part['cosine'])},"
+                         f" {'ok' if part['passed'] else 'FAIL'}{mark}")
+        if loc.probed_part is None and loc.probed_why:
+            lines.append(f"  no part probed inside: {loc.probed_why}")
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols) - 1)]
     for r in [cols, *rows]:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
@@ -488,7 +644,8 @@ def format_location(loc: Location) -> str:
 
 
 def format_what_if(w: WhatIf) -> list[str]:
-    lines = ["", f"what-if: {', '.join(w.layers)} kept in float ({KEEP_OPTION} = \"{w.option}\"), {w.stage} rebuilt:"]
+    lines = ["", f"what-if: {', '.join(w.layers)} {KEEP_WORDS[w.precision]} ({w.option_name} = \"{w.option}\"),"
+             f" {w.stage} rebuilt:"]
     for label, b in w.before.items():
         a = w.after.get(label, {})
         rec = w.recovered.get(label)
@@ -499,9 +656,15 @@ def format_what_if(w: WhatIf) -> list[str]:
         share = "-" if rec is None else (f"{100 * rec:.0f}%" if math.isfinite(rec) else "worse")
         lines.append(f"  {label}: " + ", ".join(parts) + f"; noise power recovered: {share}")
     if w.eval:
-        b, a = w.eval.get("before"), w.eval.get("after")
-        lines.append(f"  eval accuracy ({w.eval.get('items')} items): {fmt(b)} -> {fmt(a)}"
-                     f" (reference {fmt(w.eval.get('reference'))})")
+        e = w.eval
+
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.1f}%"
+
+        same = e.get("same_answer_as_reference") or {}
+        lines.append(f"  eval accuracy ({e.get('items')} held-out items): {pct(e.get('before'))} ->"
+                     f" {pct(e.get('after'))} (reference {pct(e.get('reference'))}); same answer as the reference:"
+                     f" {pct(same.get('before'))} -> {pct(same.get('after'))}")
     lines.append(f"  thresholds: {'pass' if w.passed_before else 'FAIL'} -> {'pass' if w.passed_after else 'FAIL'}")
     lines.append("  apply it in a layout file (--layout-file):")
     lines.extend("    " + line for line in w.snippet.splitlines())
@@ -559,10 +722,20 @@ def location_html(loc: Location, png: str) -> str:
                     f"<td>{fmt(None if p.own is None else p.own.get('sqnr_db'))}</td>"
                     f"<td>{fmt(None if p.impact is None else p.impact.get('sqnr_db'))}</td>"
                     f"<td>{p.noise_added:.2e}</td><td>{esc(p.note)}</td></tr>")
+    if loc.parts:
+        prow = "".join(
+            f"<tr class='{'ok' if p['passed'] else 'bad'}'><td>{p['part']}</td><td>{p['layers'][0]}-"
+            f"{p['layers'][1] - 1}</td><td>{esc(p['boundary'])}</td><td>{fmt(p['sqnr_db'])}</td>"
+            f"<td>{fmt(p['cosine'])}</td><td>{'probed inside: ' + esc(loc.probed_why) if p['part'] == loc.probed_part else ''}"
+            "</td></tr>" for p in loc.parts)
+        verdict += ("<p>decoder parts at their boundaries first, then the layers inside the worst part:</p><table>"
+                    "<tr><th>part</th><th>layers</th><th>boundary</th><th>SQNR dB</th><th>cosine</th><th></th></tr>"
+                    + prow + "</table>")
     extra = ""
     if loc.what_if is not None:
         w = loc.what_if
-        extra = (f"<h3>What if {esc(', '.join(w.layers))} stayed in float?</h3><pre>"
+        what = "stayed in float" if w.precision == "fp" else "were quantized at a16w16"
+        extra = (f"<h3>What if {esc(', '.join(w.layers))} {what}?</h3><pre>"
                  + esc("\n".join(format_what_if(w)[1:])) + "</pre>")
     return (f"<h2>Layer by layer: {esc(loc.stage)} (--locate)</h2>{verdict}"
             f"<img alt='per-layer SQNR and cosine' src='data:image/png;base64,{png}'>"

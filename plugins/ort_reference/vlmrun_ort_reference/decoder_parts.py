@@ -84,8 +84,12 @@ def part_io(model, lo: int, hi: int, last: bool, rows: int, ctx: int) -> tuple[l
     return ins, outs
 
 
-def _part_module(model, fvlm, form, lo: int, hi: int, last: bool):
-    """The torch module of one part (layers ``lo..hi-1``; the last part adds the final norm and the lm_head)."""
+def _part_module(model, fvlm, form, lo: int, hi: int, last: bool, probe: bool = False):
+    """The torch module of one part (layers ``lo..hi-1``; the last part adds the final norm and the lm_head).
+
+    ``probe``: the outputs also hold the residual stream after each layer but the part's last (whose stream is
+    ``residual_{hi}`` already), and in the last part after its last layer and the final norm too
+    (:func:`export_part_probe`)."""
     torch, _ = _torch()
     from .onnx_export import rms_norm_of
 
@@ -117,7 +121,7 @@ def _part_module(model, fvlm, form, lo: int, hi: int, last: bool):
                 a, b = t[..., :half], t[..., half:]
                 return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
-            outs = []
+            outs, seen_h = [], []
             for j, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 xn = norm(layer.input_layernorm, h)
@@ -137,7 +141,15 @@ def _part_module(model, fvlm, form, lo: int, hi: int, last: bool):
                 h = h + attn.o_proj(o)
                 h = h + layer.mlp(norm(layer.post_attention_layernorm, h))
                 outs += [k_out, v_out]
-            first = self.lm_head(norm(self.norm, h)) if last else h
+                seen_h.append(h)
+            if last:
+                normed = norm(self.norm, h)
+                first = self.lm_head(normed)
+            else:
+                first = h
+            if probe:
+                extra = seen_h if last else seen_h[:-1]
+                return (first, *outs, *extra, *([normed] if last else []))
             return (first, *outs)
 
     return Part().eval()  # a fresh wrapper is in train mode; the exporter would restore that flag tree-wide
@@ -191,3 +203,54 @@ def export_parts(model, form, out_dir: Path) -> dict:
     (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
     return {"files": [*files, "parts.json"], "form": form.label(), "opset": OPSET, "torch": torch.__version__,
             "parts": P, "ar": ar, "ctx": ctx, "layers": desc["layers"]}
+
+
+def probe_part_outputs(lo: int, hi: int, last: bool) -> list[tuple[str, str]]:
+    """The probe points of part ``lo..hi-1`` as ``(probe name, graph output)`` pairs in network order: the
+    residual stream after each layer (``decoder.layer{l}``, global index; a non-last part's last one is its
+    ``residual_{hi}`` output), then in the last part ``decoder.norm`` and ``decoder.lm_head`` (= ``logits``)."""
+    from .probes import graph_output
+
+    pairs = [(f"decoder.layer{l}", graph_output(f"decoder.layer{l}")) for l in range(lo, hi if last else hi - 1)]
+    if last:
+        pairs += [("decoder.norm", graph_output("decoder.norm")), ("decoder.lm_head", "logits")]
+    else:
+        pairs.append((f"decoder.layer{hi - 1}", f"residual_{hi}"))
+    return pairs
+
+
+def export_part_probe(model, form, out_dir: Path) -> dict:
+    """The probe of one part (``decoder/parts`` with ``probe`` and ``part = k``, from 1): every graph of the
+    normal form (the calibration of a quantized part runs the float graphs of all parts in order), with part
+    ``k``'s prompt graph replaced by the same graph plus the residual stream after each of its layers
+    (:func:`probe_part_outputs`; only outputs are added, so its inputs, nodes and main outputs are the normal
+    graph's). ``parts.json`` says which part is probed (``probe_part``) and the manifest lists
+    ``probe_outputs`` as every probe form does."""
+    from vlmrun.errors import UsageError
+    from vlmrun.stages import ExportForm
+
+    base = ExportForm(form.stage, form.kind, tuple((k, v) for k, v in form.params if k not in ("probe", "part")))
+    manifest = export_parts(model, base, out_dir)
+    desc = json.loads((out_dir / "parts.json").read_text())
+    k = int(form.get("part") or 0)
+    if not 1 <= k <= len(desc["parts"]):
+        raise UsageError(f"{form.label()}: part {k} is not one of the form's {len(desc['parts'])} parts")
+    p = desc["parts"][k - 1]
+    lo, hi = p["layers"]
+    last = bool(p["last"])
+    ar, ctx = desc["ar"], desc["ctx"]
+    pairs = probe_part_outputs(lo, hi, last)
+    ins, outs = part_io(model, lo, hi, last, ar, ctx)
+    H = model.hidden_size
+    extra = [{"name": g, "shape": [1, ar, H], "dtype": "float32"} for _, g in pairs if g.startswith("probe_")]
+    g = p["graphs"]["prompt"]
+    for f in g["files"]:
+        (out_dir / f).unlink()
+    module = _part_module(model, model.load_torch(), form, lo, hi, last, probe=True)
+    written = _export_graph(module, ins, outs + extra, out_dir / g["file"])
+    files = [f for f in manifest["files"] if f not in g["files"]] + written
+    g.update({"files": written, "outputs": outs + extra})
+    desc["probe_part"] = k
+    (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
+    return {**manifest, "files": files, "form": form.label(), "probe_part": k, "probe_layers": [lo, hi],
+            "probe_outputs": [list(x) for x in pairs]}

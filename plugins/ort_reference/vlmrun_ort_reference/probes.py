@@ -107,6 +107,10 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
 
     if form.stage not in STAGES:
         return None
+    if form.kind == "decoder/parts":  # one part's layers (the parts form: decoder_parts.export_part_probe)
+        from .decoder_parts import export_part_probe
+
+        return export_part_probe(model, form, out_dir)
     torch, _ = _torch()
     if form.stage == "decoder":
         built = build_wrapper(model, form)  # _decoder_wrapper adds the probe outputs itself

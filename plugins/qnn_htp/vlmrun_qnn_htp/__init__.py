@@ -31,6 +31,8 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 ``keep_fp``         int8/a16w8: layers kept out of quantization (run in fp16), comma-separated: layer names as
                     ``vlmrun diff --locate`` prints them (``vision.stage2``, ``decoder.layer1``) or node-name
                     prefixes starting with ``/`` (:mod:`.probe`)
+``keep_a16w16``      int8/a16w8: layers quantized with 16-bit activations and weights (the rest stays at the
+                    stage's precision), the same entries as ``keep_fp``
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
                     ``native_outputs``, ``timeout``; the decoder on a phone needs engine ``genie`` (the SDK's
                     genie-t2t-run on the phone's HTP, :mod:`.genie_phone`; ``ndk_root`` for libc++_shared.so)
@@ -130,6 +132,18 @@ def stage_options(stage: str, options) -> dict:
         if stage == "decoder" and str(o.get("decoder_form") or "fixed").lower() == "parts":
             raise UsageError("keep_fp is not available for decoder_form = \"parts\" yet")
         out["keep_fp"] = keep_fp
+    keep16 = parse_keep_fp(o.get("keep_a16w16"))  # per-layer 16-bit: same entries, quantized at a16w16
+    check_keep_fp(stage, keep16, out["precision"], "keep_a16w16")
+    if keep16:
+        if form == "parts":
+            raise UsageError("keep_a16w16 is not available for decoder_form = \"parts\" yet")
+        if str(o.get("toolchain") or "onnxruntime").lower() == "sdk":
+            raise UsageError("keep_a16w16 needs toolchain = \"onnxruntime\" (the SDK's converter quantizes the"
+                             " stage itself)")
+        both = sorted(set(keep16) & set(keep_fp))
+        if both:
+            raise UsageError(f"{stage}: {', '.join(both)} is in both keep_fp and keep_a16w16; choose one")
+        out["keep_a16w16"] = keep16
     target = str(o.get("target") or "local").lower()
     if target not in ("local", "android"):
         raise UsageError(f"target '{target}' is not one of local, android")
@@ -214,6 +228,9 @@ def register_options(register):
         Option(NAME, "keep_fp", str, stages=("vision", "projector", "decoder"),
                help="int8/a16w8: layers kept in fp16, comma-separated: names as vlmrun diff --locate prints them"
                     " (vision.stage2, decoder.layer1) or node-name prefixes starting with /"),
+        Option(NAME, "keep_a16w16", str, stages=("vision", "projector", "decoder"),
+               help="int8/a16w8: layers quantized at 16 bits (activations and weights), comma-separated: names as"
+                    " vlmrun diff --locate prints them or node-name prefixes starting with /"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph; longer inputs run in chunks"),
         Option(NAME, "native_outputs", bool, default=False,
@@ -353,7 +370,8 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
                 extra = {"quantization": {"calibration": label, "samples": len(feeds), "by": "qnn-onnx-converter"}}
             else:
                 qdq = work / f"{name}.qdq.onnx"
-                facts = quant.quantize_qdq(src, qdq, feeds, precision, work, keep_fp=options.get("keep_fp"))
+                facts = quant.quantize_qdq(src, qdq, feeds, precision, work, keep_fp=options.get("keep_fp"),
+                                           keep_a16w16=options.get("keep_a16w16"))
                 extra = {"quantization": {**facts, "calibration": label,
                                           "quantize_s": round(time.perf_counter() - t0, 3)}}
                 src = qdq
@@ -433,6 +451,10 @@ def _compiled(ctx, stage: str, opts: dict, form: ExportForm):
         from .probe import keep_fp_key
 
         key_opts["keep_fp"] = keep_fp_key(ctx, form, opts["keep_fp"])
+    if opts.get("keep_a16w16"):  # layers quantized at 16 bits (activations and weights), resolved the same way
+        from .probe import keep_fp_key
+
+        key_opts["keep_a16w16"] = keep_fp_key(ctx, form, opts["keep_a16w16"], "keep_a16w16")
     return ctx.compiled(src, key_opts, kind)
 
 

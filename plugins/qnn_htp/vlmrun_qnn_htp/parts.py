@@ -412,6 +412,10 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     share = options.get("weight_sharing", "on") == "on"
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
+    if desc.get("probe_part"):  # one part's probe graph (vlmrun diff --locate): probe.compile_part_probe
+        from .probe import compile_part_probe
+
+        return compile_part_probe(model, source, options, out_dir, context=context)
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
     limit = int(options.get("part_limit_mb") or DEFAULT_PART_LIMIT_MB) * 1_000_000
     work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-parts-"))

@@ -10,10 +10,21 @@ path's scales and offsets are the normal graph's (``tests/test_locate.py`` compa
 The decoder's probe is the prefill (AR-N) graph; a teacher-forced sequence runs through it in AR-N chunks from
 an empty cache, the host keeping the KV slots as :class:`.decoder.FixedKVDecoder` does.
 
-**The parts form** (``decoder_form = "parts"``) is probed at its part boundaries, with no extra compile: the
-stage's own part binaries run the sequence in prompt-graph chunks and the residual stream each part hands to the
-next (``residual_{l}``) is the reference's ``decoder.layer{l-1}``; the last part's logits are ``decoder.lm_head``.
-The layers inside a part are not probed yet.
+**The parts form** (``decoder_form = "parts"``) is probed at its part boundaries first, with no extra compile:
+the stage's own part binaries run the sequence in prompt-graph chunks and the residual stream each part hands to
+the next (``residual_{l}``) is the reference's ``decoder.layer{l-1}``; the last part's logits are
+``decoder.lm_head``. Then the layers inside one part (the core picks the worst, :func:`vlmrun.diff.locate.locate`):
+:meth:`PartsProbe.inside` compiles that part's probe graph (export ``decoder/parts`` with ``probe`` and
+``part = k``: the part's prompt graph plus the residual stream after each of its layers, named
+``decoder.layer{l}`` with the global layer index) by :func:`compile_part_probe`, with the stage's precision, options
+and compile key, and the same quantization recipe and calibration feeds as the part itself
+(:func:`.parts.calibration_feeds` over the float graphs of every part, then :func:`.parts.quantize_graph`), cached in
+the store like any artifact; the sequence then runs through the stage's part binaries with that part's prompt
+binary swapped for the probe binary. Its main outputs are the part's (``tests/test_locate.py`` compares them).
+
+The probe handle's contract for the core (read by ``getattr``): ``parts``, the layer ranges ``[(lo, hi), ...]`` of
+the parts (global indices, ``hi`` exclusive), and ``inside(k)``, a probe handle (for ``run_probe``) that also
+reports the layers of part ``k`` (from 1).
 
 **keep_fp.** The option ``keep_fp`` (comma-separated) keeps layers out of int8/a16w8 quantization: probe names
 (``vision.stage2``, ``projector.linear_1``, ``decoder.layer1``, ``decoder.lm_head``) or node-name prefixes of
@@ -21,6 +32,12 @@ the exported graph (starting with ``/``, e.g. ``/tower/stages.2/``). A layer is 
 point and the previous one (:func:`excluded_nodes`, resolved on the quantizer's
 preprocessed graph); those nodes are left in float (``nodes_to_exclude``), so the HTP runs them in fp16 between
 a dequantize and a quantize. The resolved layer boundaries key the binary.
+
+**keep_a16w16.** The same entries, the same node sets (:func:`excluded_nodes`), quantized at 16 bits instead of
+left in float: those nodes' activations (outputs) as uint16 and their weights (Conv/MatMul/Gemm weights as
+symmetric int16, other constant inputs as uint16) through onnxruntime's per-tensor overrides
+(``TensorQuantOverrides``: :func:`.quant.a16w16_overrides`); onnxruntime's mixed-precision fixer adds the 8 <-> 16-bit
+conversions at the layer's borders. The rest of the stage keeps its precision.
 """
 
 from __future__ import annotations
@@ -42,21 +59,25 @@ def parse_keep_fp(value) -> tuple[str, ...]:
     return tuple(dict.fromkeys(str(i).strip() for i in items if str(i).strip()))
 
 
-def check_keep_fp(stage: str, names: tuple[str, ...], precision: str) -> None:
+#: what each per-layer precision option does, for its messages
+KEEP_WHAT = {"keep_fp": "keeps layers out of quantization", "keep_a16w16": "quantizes layers at 16 bits (a16w16)"}
+
+
+def check_keep_fp(stage: str, names: tuple[str, ...], precision: str, option: str = "keep_fp") -> None:
     if not names:
         return
     if precision == "fp16":
-        raise UsageError(f"{stage}: keep_fp keeps layers out of quantization; precision fp16 quantizes nothing"
-                         " (use int8 or a16w8)")
+        raise UsageError(f"{stage}: {option} {KEEP_WHAT.get(option, 'sets per-layer precision')}; precision fp16"
+                         " quantizes nothing (use int8 or a16w8)")
     if stage not in PROBE_STAGES:
-        raise UsageError(f"{stage}: keep_fp applies to vision, projector and decoder (embed is a table lookup)")
+        raise UsageError(f"{stage}: {option} applies to vision, projector and decoder (embed is a table lookup)")
     for n in names:
         if not n.startswith("/") and not n.startswith(stage + "."):
-            raise UsageError(f"{stage}: keep_fp entry '{n}' is neither a layer of this stage ({stage}.<layer>, as"
+            raise UsageError(f"{stage}: {option} entry '{n}' is neither a layer of this stage ({stage}.<layer>, as"
                              " vlmrun diff --locate names them) nor a node-name prefix starting with '/'")
 
 
-def keep_fp_key(ctx, form: ExportForm, names: tuple[str, ...]) -> list[list]:
+def keep_fp_key(ctx, form: ExportForm, names: tuple[str, ...], option: str = "keep_fp") -> list[list]:
     """The compile-key entry of ``keep_fp`` for ``form``: ``[layer, previous boundary tensor, boundary tensor]`` per
     layer, ``[prefix]`` per node-name prefix.
 
@@ -75,19 +96,19 @@ def keep_fp_key(ctx, form: ExportForm, names: tuple[str, ...]) -> list[list]:
         tensor_of = {n.name: n.output[0] for n in graph.node}
         for name in layers:
             if name not in order:
-                raise UsageError(f"keep_fp: '{name}' is not a layer of stage '{form.stage}'; its layers are"
+                raise UsageError(f"{option}: '{name}' is not a layer of stage '{form.stage}'; its layers are"
                                  f" {', '.join(order)}")
             k = order.index(name)
             bounds = [nodes.get(order[k - 1]) if k else None, nodes.get(name)]
             if any(b is not None and b not in tensor_of for b in bounds) or bounds[1] is None:
-                raise BackendError(f"keep_fp: the boundary nodes of {name} ({bounds}) are not in the graph of"
+                raise BackendError(f"{option}: the boundary nodes of {name} ({bounds}) are not in the graph of"
                                    f" {form.label()}; run with --rebuild")
             out.append([name, *(tensor_of[b] if b else None for b in bounds)])
     out += [[p] for p in names if p.startswith("/")]
     return out
 
 
-def excluded_nodes(proto, keep_fp: list[list]) -> list[str]:
+def excluded_nodes(proto, keep_fp: list[list], option: str = "keep_fp") -> list[str]:
     """Node names of ``proto`` (the graph being quantized) that ``keep_fp`` (:func:`keep_fp_key`) keeps in float:
     per layer, the nodes its output tensor depends on that the previous layer's output does not."""
     names = [n.name for n in proto.graph.node]
@@ -108,13 +129,13 @@ def excluded_nodes(proto, keep_fp: list[list]) -> list[str]:
         if len(entry) == 1:
             hits = {n for n in names if n.startswith(entry[0])}
             if not hits:
-                raise UsageError(f"keep_fp: no node of the graph starts with '{entry[0]}'")
+                raise UsageError(f"{option}: no node of the graph starts with '{entry[0]}'")
             out |= hits
             continue
         layer, prev, tensor = entry
         missing = [t for t in (prev, tensor) if t and t not in producers]
         if missing:
-            raise BackendError(f"keep_fp: layer {layer}: tensor {missing[0]} is not in the graph being quantized"
+            raise BackendError(f"{option}: layer {layer}: tensor {missing[0]} is not in the graph being quantized"
                                " (the export changed?); run with --rebuild")
         out |= ancestors(tensor) - (ancestors(prev) if prev else set())
     return sorted(out)
@@ -187,7 +208,14 @@ def load_probe(ctx, stage: str, opts: dict, soc, compiled, stage_handle=None) ->
         raise UsageError("probes run on the local HTP backend (target = \"local\"); a phone's qnn-net-run path"
                          " does not run them yet")
     if stage == "decoder" and opts.get("decoder_form") == "parts":
-        return PartsProbe(stage_handle())
+        from vlmrun.stages import ExportForm
+
+        from .parts import plan
+
+        p = plan(ctx.model, opts)  # the stage's own export form (as load_stage builds it)
+        form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],
+                             layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
+        return PartsProbe(stage_handle(), form=form, compiled=compiled, exported=ctx.exported, soc=soc)
     if stage == "decoder" and opts.get("engine") != "host":
         raise UsageError("decoder probes are the fixed form's host engine (engine = \"host\") or the parts form")
     form = forms(stage, opts)[0]  # the decoder: the prefill (AR-N) form comes first
@@ -199,13 +227,107 @@ def load_probe(ctx, stage: str, opts: dict, soc, compiled, stage_handle=None) ->
     return ProbeHandle(stage, session, art, dict(source.manifest), ctx.model)
 
 
+def part_probe_form(form: ExportForm, k: int) -> ExportForm:
+    """The probe form of part ``k`` (from 1) of the parts form ``form``."""
+    return ExportForm(form.stage, form.kind, tuple(sorted({**dict(form.params), "probe": True, "part": k}.items())))
+
+
+def compile_part_probe(model, source, options: dict, out_dir, context=None) -> dict:
+    """Compile the probe graph of one part (the ``decoder/parts`` probe export ``source``, ``parts.json`` with
+    ``probe_part``) into ``out_dir``: the part's prompt graph with its layer outputs, quantized exactly as
+    :func:`.parts.compile_parts` quantizes that part (the same calibration feeds, recorded from the float graphs
+    of every part; the same recipe), one binary, not weight-shared; the manifest."""
+    import json
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from vlmrun_qualcomm import socs
+    from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
+
+    from . import ep, parts, quant
+
+    soc = socs.soc(options.get("soc"))
+    precision = options["precision"]
+    src_dir = Path(source.path)
+    desc = json.loads((src_dir / "parts.json").read_text())
+    k, P = int(desc["probe_part"]), len(desc["parts"])
+    part = desc["parts"][k - 1]
+    src = src_dir / part["graphs"]["prompt"]["file"]
+    work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-part-probe-"))
+    t_all = time.perf_counter()
+    extra: dict = {"probe_part": {"part": k, "of": P, "layers": part["layers"]}}
+    try:
+        if precision != "fp16":
+            t0 = time.perf_counter()
+            files = quant.calibration_files(options.get("calibration_images"))
+            feeds, label = parts.calibration_feeds(model, src_dir, desc, files, quant._require(context))
+            dst = work / f"part{k}_prompt_probe.qdq.onnx"
+            facts = parts.quantize_graph(src, dst, feeds[(k, "prompt")], precision, work)
+            extra["quantization"] = {**facts, "calibration": label,
+                                     "quantize_s": round(time.perf_counter() - t0, 3)}
+            src = dst
+        wrapper = Path(out_dir) / f"part{k}_of_{P}_prompt_probe_ctx.onnx"
+        what = f"decoder part {k}/{P} probe graph ({precision})"
+        t0 = time.perf_counter()
+        try:
+            parts._compile_session(src, wrapper, soc, False, stop=False)
+        except Exception as exc:
+            raise BackendError(f"QNN HTP ({soc.name}/{soc.arch}) could not compile {what}: {ep._one_line(exc)}"
+                               ) from None
+        compile_s = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info = describe_ctx_onnx(wrapper)
+    if info["non_qnn_nodes"] or len(info["graphs"]) != 1:
+        raise BackendError(f"{what}: expected one EPContext graph on QNN, got {info['graphs']}"
+                           f" ({', '.join(info['non_qnn_nodes'][:3]) or 'no other nodes'})")
+    out_dir = Path(out_dir)
+    return ContextManifest(
+        files=[wrapper.name, *info["binaries"]], graphs=info["graphs"], inputs=info["inputs"],
+        outputs=info["outputs"], stage="decoder", precision=precision, compiler="qnn_htp",
+        qnn_version=ep.qnn_version(), ep_sdk_version=info["ep_sdk_version"], soc=soc.name, soc_model=soc.soc_model,
+        arch=soc.arch, source_form=source.manifest.get("form", "decoder/parts"), compile_s=round(compile_s, 3),
+        binary_bytes={b: (out_dir / b).stat().st_size for b in info["binaries"]},
+        extra={**extra, "compile_wall_s": round(time.perf_counter() - t_all, 3)},
+    ).to_dict()
+
+
 class PartsProbe(StageHandle):
     """The parts form's boundaries: the stage's part binaries over a teacher-forced sequence, every part's output
-    kept (see the module docstring)."""
+    kept; with ``part`` (:meth:`inside`), that part's prompt binary swapped for its probe binary, whose layer
+    outputs are kept too (see the module docstring)."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, form: ExportForm | None = None, compiled=None, exported=None, soc=None,
+                 part: int | None = None, graph=None, manifest: dict | None = None, artifact=None):
         self.handle = handle
-        self.artifacts = tuple(getattr(handle, "artifacts", ()))
+        self.form, self._compiled, self._exported, self.soc = form, compiled, exported, soc
+        self.part, self.graph, self.manifest = part, graph, manifest or {}
+        self.artifacts = tuple(getattr(handle, "artifacts", ())) + ((artifact,) if artifact is not None else ())
+
+    @property
+    def parts(self) -> list[tuple[int, int]]:
+        """The layer ranges of the parts, ``[(lo, hi), ...]`` (global layer indices, ``hi`` exclusive)."""
+        return [tuple(p["layers"]) for p in self.handle.parts["parts"]]
+
+    def inside(self, k: int) -> "PartsProbe":
+        """The probe that also reports the layers of part ``k`` (from 1): its probe binary compiled like the part
+        (cached in the store), swapped in for the part's prompt binary."""
+        from . import ep
+        from .parts import _HtpGraph
+
+        if self._compiled is None or self.form is None:
+            raise BackendError("this parts probe cannot look inside a part (no compile context)")
+        if not 1 <= k <= len(self.parts):
+            raise UsageError(f"probe: part {k} is not one of the decoder's {len(self.parts)} parts")
+        form = part_probe_form(self.form, k)
+        art = self._compiled(form)
+        ep.check_binary(art.manifest, art.file(), self.soc, f"decoder part {k} probe ({art.path.name})")
+        source = self._exported(form)
+        graph = _HtpGraph(art.file(), self.soc, f"decoder part {k}/{len(self.parts)} probe")
+        return PartsProbe(self.handle, self.form, self._compiled, self._exported, self.soc, k, graph,
+                          dict(source.manifest), art)
 
     def run(self, inputs: dict) -> dict:
         import re
@@ -229,6 +351,10 @@ class PartsProbe(StageHandle):
 
         rows = []
         dec.graphs[ar] = Keep()
+        swapped = None
+        if self.part is not None:  # this part's prompt binary -> its probe binary (same inputs, more outputs)
+            swapped = inner.runners[self.part - 1]
+            inner.runners[self.part - 1] = self.graph
         try:
             dec.reset()
             for i in range(0, T, ar):
@@ -237,11 +363,19 @@ class PartsProbe(StageHandle):
                 rows.append(n)
         finally:
             dec.graphs[ar] = inner
-        logits = np.concatenate([c["logits"].reshape(1, ar, -1)[:, :n] for c, n in zip(calls, rows)], axis=1)
+            if swapped is not None:
+                inner.runners[self.part - 1] = swapped
+
+        def rows_of(name):
+            return np.concatenate([c[name].reshape(1, ar, -1)[:, :n] for c, n in zip(calls, rows)], axis=1)
+
+        logits = rows_of("logits")
         out = {"logits": logits}
         bounds = sorted((int(m.group(1)), k) for k in calls[0] if (m := re.fullmatch(r"residual_(\d+)", k)))
         for hi, name in bounds:
-            out[f"decoder.layer{hi - 1}"] = np.concatenate(
-                [c[name].reshape(1, ar, -1)[:, :n] for c, n in zip(calls, rows)], axis=1)
+            out[f"decoder.layer{hi - 1}"] = rows_of(name)
+        for name, graph_name in self.manifest.get("probe_outputs") or ():  # the layers inside the swapped part
+            if graph_name in calls[0]:
+                out[name] = rows_of(graph_name)
         out["decoder.lm_head"] = logits
         return out

@@ -4,6 +4,7 @@
 * ``get_qnn_qdq_config(per_channel=True, weight_type=QInt8, MinMax)``
 * LayerNormalization gamma as asymmetric uint8 (the only form the HTP accepted)
 * Softmax outputs at 16 bits (8-bit Softmax zeroes attention over many keys)
+* option ``keep_a16w16``: the named layers' activations and weights at 16 bits (per-tensor overrides)
 
 ``precision``: ``int8`` = a8w8 with 16-bit Softmax; ``a16w8`` = 16-bit activations, 8-bit weights.
 Calibration: images from a folder (preprocessed like real inputs) or, when none is given, random data that
@@ -197,10 +198,12 @@ class _Reader:
         pass
 
 
-def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path, keep_fp=None) -> dict:
+def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path, keep_fp=None,
+                 keep_a16w16=None) -> dict:
     """Write a QDQ model of ``src`` to ``dst``; return the quantization facts for the manifest.
 
-    ``keep_fp``: layers / node prefixes left in float (:func:`.probe.excluded_nodes`, option ``keep_fp``)."""
+    ``keep_fp``: layers / node prefixes left in float (:func:`.probe.excluded_nodes`, option ``keep_fp``);
+    ``keep_a16w16``: layers / node prefixes quantized at 16 bits, activations and weights (:func:`a16w16_overrides`)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
@@ -228,6 +231,12 @@ def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: 
         from .probe import excluded_nodes
 
         excluded = excluded_nodes(proto, keep_fp)
+    wide, wide_facts = [], {}
+    if keep_a16w16:
+        from .probe import excluded_nodes
+
+        wide = sorted(set(excluded_nodes(proto, keep_a16w16, "keep_a16w16")) - set(excluded))
+        wide_facts = a16w16_overrides(proto, wide, overrides)
     config = get_qnn_qdq_config(
         str(model_in), _Reader(feeds), calibrate_method=CalibrationMethod.MinMax, activation_type=act,
         weight_type=QuantType.QInt8, per_channel=True, init_overrides=overrides or None,
@@ -248,7 +257,79 @@ def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: 
         facts["softmax_input"] = f"calibrated max - {SOFTMAX_SPAN:g} .. max (the additive mask saturates)"
     if keep_fp:
         facts["kept_fp"] = {"layers": [e[0] for e in keep_fp], "nodes": len(excluded)}
+    if keep_a16w16:
+        facts["a16w16"] = {"layers": [e[0] for e in keep_a16w16], "nodes": len(wide), **wide_facts,
+                           "qdq_16bit": count_16bit_qdq(dst, wide)}
     return facts
+
+
+#: the inputs of these ops that are weights (quantized as symmetric int16 under keep_a16w16); biases stay int32
+WEIGHT_INPUTS = {"Conv": (1,), "ConvTranspose": (1,), "MatMul": (1,), "Gemm": (1,)}
+BIAS_INPUTS = {"Conv": (2,), "ConvTranspose": (2,), "Gemm": (2,), "LayerNormalization": (2,)}
+#: constant inputs left at the stage's recipe: the HTP rejects LayerNormalization with a 16-bit gamma
+#: ("Unsupported nodes in QNN EP: LayerNormalization" with a QUInt16 gamma; QUInt8 asymmetric, as above, compiles)
+RECIPE_INPUTS = {"LayerNormalization": (1,)}
+
+
+def a16w16_overrides(proto, nodes, overrides: dict) -> dict:
+    """Add 16-bit tensor overrides (onnxruntime's ``TensorQuantOverrides``) for the nodes named ``nodes`` of
+    ``proto`` to ``overrides``, in place: every float output as QUInt16 (ranges already set stay), every float
+    weight input (:data:`WEIGHT_INPUTS`) as symmetric QInt16 (per-channel where the stage's recipe is), other float
+    constant inputs (elementwise constants) as QUInt16; biases are int32 from their input scales; LayerNorm gamma
+    keeps the stage's QUInt8 (:data:`RECIPE_INPUTS`, counted as ``kept_8bit``).
+    ``get_qnn_qdq_config`` then converts 8 <-> 16 bits where the layer meets the rest of the graph. Returns the
+    counts for the manifest."""
+    import onnx
+    from onnxruntime.quantization import QuantType
+
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    g = inferred.graph
+    float_t = {v.name for v in (*g.value_info, *g.output, *g.input)
+               if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in floats}
+    inits = {i.name: i for i in proto.graph.initializer}
+    chosen = set(nodes)
+    acts, weights, consts, kept = set(), set(), set(), set()
+    for node in proto.graph.node:
+        if node.name not in chosen:
+            continue
+        for o in node.output:
+            if o in float_t:
+                overrides.setdefault(o, [{}])[0]["quant_type"] = QuantType.QUInt16
+                acts.add(o)
+        for k, name in enumerate(node.input):
+            init = inits.get(name)
+            if init is None or init.data_type not in floats or k in BIAS_INPUTS.get(node.op_type, ()):
+                continue
+            if k in RECIPE_INPUTS.get(node.op_type, ()):
+                kept.add(name)
+                continue
+            if k in WEIGHT_INPUTS.get(node.op_type, ()):
+                overrides[name] = [{"quant_type": QuantType.QInt16, "symmetric": True}]
+                weights.add(name)
+            else:
+                overrides[name] = [{"quant_type": QuantType.QUInt16, "symmetric": False}]
+                consts.add(name)
+    return {"activations": len(acts), "weights": len(weights), "constants": len(consts), "kept_8bit": len(kept)}
+
+
+def count_16bit_qdq(path: Path, nodes) -> dict:
+    """16-bit QuantizeLinear / DequantizeLinear nodes of the QDQ model at ``path``: in all, and those feeding or fed
+    by the nodes named ``nodes`` (the layers kept at a16w16)."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(path), load_external_data=False)
+    zp = {i.name: numpy_helper.to_array(i).dtype.name for i in m.graph.initializer}
+    chosen = set(nodes)
+    touch = {t for n in m.graph.node if n.name in chosen for t in (*n.input, *n.output)}
+    total = near = 0
+    for n in m.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2 \
+                and zp.get(n.input[2]) in ("uint16", "int16"):
+            total += 1
+            near += bool(touch.intersection((*n.input, *n.output)))
+    return {"total": total, "at_layers": near}
 
 
 SOFTMAX_SPAN = 64.0  # Softmax is shift-invariant: logits this far below the max weigh < 1e-27
