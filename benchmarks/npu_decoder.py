@@ -123,6 +123,8 @@ def child_compile(spec) -> dict:
                    total_bytes=d["total_bytes"], weight_bytes=d["weight_bytes"],
                    bytes_over_weights=d["bytes_over_weights"], limit_bytes=d["limit_bytes"],
                    qnn_compile_s=m.get("compile_s"), compile_wall_s=m.get("compile_wall_s"),
+                   binary_bytes=m.get("binary_bytes"),
+                   prompt_binaries=[p["graphs"]["prompt"]["binary"] for p in d["parts"]],
                    quantize_s=(m.get("quantization") or {}).get("quantize_s"),
                    source_sha256=[p["source_sha256"] for p in d["parts"]])
     else:
@@ -249,6 +251,33 @@ def child_try_shared(spec) -> dict:
     return out
 
 
+def dense_vocab(model_dir: str) -> str:
+    """A copy of the full-size random model whose all-zero embedding rows (beyond the tiny tokenizer's few hundred
+    tokens) are random like the others: the tied lm_head becomes dense, as in a real checkpoint."""
+    import numpy as np
+    import shutil
+    from safetensors.numpy import load_file, save_file
+
+    out = model_dir.rstrip("/") + "-dense"
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors"))
+    rng = np.random.default_rng(0)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for k, t in tensors.items():
+            if k.endswith("embed_tokens.weight"):
+                zero = np.abs(t).sum(1) == 0
+                std = float(t[~zero].std()) or 0.02
+                t[zero] = rng.standard_normal((int(zero.sum()), t.shape[1])).astype(t.dtype) * std
+        save_file(tensors, str(Path(tmp) / f.name), metadata={"format": "pt"})
+        del tensors
+    os.replace(tmp, out)
+    return out
+
+
 CHILDREN = {"prepare": child_prepare, "export": child_export, "compile": child_compile, "run": child_run,
             "try_shared": child_try_shared}
 
@@ -285,6 +314,11 @@ def main():
     ap.add_argument("--parts", type=int, default=0, help="parts (0: the fewest under the 1000 MB limit)")
     ap.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "vlmrun-bench"))
     ap.add_argument("--log", default=None, help="children's stderr (default: a temporary file)")
+    ap.add_argument("--dense-vocab", action="store_true",
+                    help="full size: fill the embedding rows the tiny tokenizer leaves at zero with random values, so"
+                         " the tied lm_head is dense like a real checkpoint's (QNN stores zero weights compactly)")
+    ap.add_argument("--sizes-only", action="store_true",
+                    help="export and compile only (weight-shared parts, fixed form): bytes and compile cost")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -302,13 +336,16 @@ def main():
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             print("building the full-size random FastVLM (once) ...", file=sys.stderr)
             make_tiny(args.model, image_size=1024, full_size=True)
+    if args.dense_vocab:
+        args.model = dense_vocab(args.model)
     work = Path(tempfile.mkdtemp(prefix="vlmrun-bench-npu-"))
     log_path = Path(args.log) if args.log else work / "children.log"
     ctx = args.context_length or (1024 if args.full_size else 256)
     spec = {"cache_dir": args.cache_dir, "model": args.model, "ctx": ctx, "ar": args.prefill_ar,
             "fixed_ar": args.fixed_ar, "parts": args.parts, "steps": args.steps,
             "gen_steps": args.gen_steps or args.steps, "ref_file": str(work / "reference.npz")}
-    result = {"model": "FastVLM-0.5B dims (random weights)" if args.full_size else (args.model or "tiny default"),
+    result = {"model": ("FastVLM-0.5B dims (random weights" + (", dense vocabulary rows)" if args.dense_vocab else ")")
+                        if args.full_size else (args.model or "tiny default")),
               "context_length": ctx, "steps": args.steps, "forms": {}}
     with open(log_path, "a") as log:
         def step(kind, **more):
@@ -319,7 +356,7 @@ def main():
         from vlmrun_qnn_htp import ep
 
         result["versions"] = ep.versions()
-        result["reference"] = step("prepare")
+        result["reference"] = {} if args.sizes_only else step("prepare")
         if result["reference"].get("failed"):
             raise SystemExit(f"the reference run failed; see {log_path}")
         combos = [] if args.no_fixed else [("fixed", "fp16")]
@@ -329,10 +366,14 @@ def main():
             entry = {"export": step("export", form=form, precision=precision)}
             if form == "fixed":
                 entry["compile"] = step("compile", form=form, precision=precision)
-                entry["run"] = step("run", form=form, precision=precision, genie=False)
+                if not args.sizes_only:
+                    entry["run"] = step("run", form=form, precision=precision, genie=False)
             else:
                 phone = step("compile", form=form, precision=precision, sharing="on")
                 entry["compile"] = phone
+                if args.sizes_only:
+                    result["forms"][key] = entry
+                    continue
                 if not phone.get("failed"):  # what the emulator does with the weight-shared binaries
                     entry["shared_here"] = step("try_shared", artifact=phone["artifacts"][0])
                 twin = step("compile", form=form, precision=precision, sharing="off")
@@ -340,6 +381,10 @@ def main():
                                                                      "child_wall_s", "failed")}
                 entry["same_graphs"] = (phone.get("source_sha256") == twin.get("source_sha256")
                                         and phone.get("source_sha256") is not None)
+                if twin.get("binary_bytes") and phone.get("total_bytes"):  # each prompt-graph binary: one copy of
+                    one = sum(twin["binary_bytes"][b] for b in twin["prompt_binaries"])  # its part's weights, as
+                    entry["one_copy_bytes"] = one  # QNN stores them, plus one graph
+                    entry["bytes_over_one_copy"] = round(phone["total_bytes"] / one, 4)
                 entry["run"] = step("run", form=form, precision=precision, sharing="off", genie=True)
             result["forms"][key] = entry
     result["log"] = str(log_path)
