@@ -579,7 +579,9 @@ def test_qnn_htp_keep_a16w16_what_if(model, store, clean, capsys):
     with capsys.disabled():
         print(f"\n{layer}: vision.image_features SQNR int8 {before:.2f} dB, keep_fp {wfp.after['vision.image_features']['sqnr_db']:.2f}"
               f" dB, keep_a16w16 {after:.2f} dB; a16w16: {q}")
-    assert after > before
+    # the 16-bit rebuild changes the stage output; whether it recovers depends on the layer (trained model,
+    # vision.stage0: int8 16.12 dB, keep_a16w16 15.95 dB, keep_fp 17.12 dB), and the report says which
+    assert after != pytest.approx(before, abs=1e-3)
     assert w16.recovered["vision.image_features"] == pytest.approx(loc.recovered_share(before, after))
     with pytest.raises(UsageError, match="fp16 quantizes nothing"):
         vision_on_htp(("vision",), precision="fp16", keep_a16w16="vision.stage1")

@@ -58,6 +58,21 @@ def hub(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hub_store(cache_dir, tmp_path_factory):
+    """This module's own store: the session's exports, without the hub binaries other tests' fake hubs compiled
+    (this module's fake hub does not know them; a real hub would not either once it forgot them)."""
+    import shutil
+
+    from vlmrun.store import ArtifactStore
+
+    root = tmp_path_factory.mktemp("qaihub-batch-store")
+    if (cache_dir / "artifacts").exists():
+        shutil.copytree(cache_dir / "artifacts", root / "artifacts",
+                        ignore=shutil.ignore_patterns("*qnn*", "*htp*", "*qaihub*"))
+    return ArtifactStore(root)
+
+
+@pytest.fixture(scope="module")
 def registry():
     from vlmrun import plugins
 
@@ -109,11 +124,11 @@ def hosted_results(run) -> dict:
 
 
 @pytest.fixture(scope="module")
-def first_run(hub, tiny_model, store, registry, tmp_path_factory):
+def first_run(hub, tiny_model, hub_store, registry, tmp_path_factory):
     data = heldout_items(tmp_path_factory.mktemp("heldout"), 0, N)
     jobs0, compiles0 = len(hub.inference_jobs), len(hub.compile_options)
     spy = Spy()
-    run = evaluate(data, store, tiny_model, registry, spy)
+    run = evaluate(data, hub_store, tiny_model, registry, spy)
     return {"data": data, "run": run, "spy": spy, "jobs": hub.inference_jobs[jobs0:],
             "compiles": len(hub.compile_options) - compiles0}
 
@@ -182,22 +197,22 @@ def results_of(run, key):
             for ikey, res in run.results[key].items()}
 
 
-def test_rerun_resubmits_nothing(first_run, hub, tiny_model, store, registry, capfd):
+def test_rerun_resubmits_nothing(first_run, hub, tiny_model, hub_store, registry, capfd):
     run0 = first_run["run"]
     hosted_key = list(run0.results)[1]
     capfd.readouterr()
     posts0 = hub.count("POST", "jobs")
-    again = evaluate(first_run["data"], store, tiny_model, registry)
+    again = evaluate(first_run["data"], hub_store, tiny_model, registry)
     assert hub.count("POST", "jobs") == posts0  # everything cached: not even a lookup of the batch jobs
     assert results_of(again, hosted_key) == results_of(run0, hosted_key)
     # an eval interrupted after the batch jobs finished, with half of the items unfinished: the rerun batches
     # those again and the ledger serves them from the finished jobs (downloaded again), submitting nothing
-    cache = Path(store.root) / "eval" / hosted_key
+    cache = Path(hub_store.root) / "eval" / hosted_key
     dropped = [r.key for r in run0.records[: N // 2]]
     for ikey in dropped:
         (cache / f"{ikey}.json").unlink()
     spy = Spy()
-    resumed = evaluate(first_run["data"], store, tiny_model, registry, spy)
+    resumed = evaluate(first_run["data"], hub_store, tiny_model, registry, spy)
     err = capfd.readouterr().err
     assert hub.count("POST", "jobs") == posts0, err
     assert [len(c["records"]) for c in spy.calls] == [len(dropped)]
@@ -208,7 +223,7 @@ def test_rerun_resubmits_nothing(first_run, hub, tiny_model, store, registry, ca
     assert TOKEN not in err
 
 
-def test_failed_batch_job_is_one_line(hub, tiny_model, store, registry, tmp_path, capfd):
+def test_failed_batch_job_is_one_line(hub, tiny_model, hub_store, registry, tmp_path, capfd):
     from vlmrun.cli import main
 
     data = heldout_items(tmp_path / "other", N, 2)  # items no batch job has run yet
@@ -217,7 +232,7 @@ def test_failed_batch_job_is_one_line(hub, tiny_model, store, registry, tmp_path
     jobs0 = len(hub.inference_jobs)
     capfd.readouterr()
     try:
-        code = main(["eval", str(data), "-L", HOSTED, "--cache-dir", str(store.root), "--image-size", "256",
+        code = main(["eval", str(data), "-L", HOSTED, "--cache-dir", str(hub_store.root), "--image-size", "256",
                      "--max-new-tokens", str(MAX_NEW)])
     finally:
         hub.fail_inference = None
@@ -229,7 +244,7 @@ def test_failed_batch_job_is_one_line(hub, tiny_model, store, registry, tmp_path
     assert failed["samples"] == 2 and len(hub.inference_jobs) == jobs0 + 1  # one job for the batch, then stop
     # the failed job is not re-attached: the rerun submits new jobs and finishes (embed's chunks may all be in
     # the first run's embed job already: the prompts' shared chunks are sent once)
-    run = evaluate(data, store, tiny_model, registry)
+    run = evaluate(data, hub_store, tiny_model, registry)
     new = [(j["name"], j["samples"]) for j in hub.inference_jobs[jobs0 + 1:]]
     assert new[:2] == [("vlmrun vision batch of 2", 2), ("vlmrun projector batch of 2", 2)], new
     assert len(new) <= 3 and all(name.startswith("vlmrun embed batch") for name, _ in new[2:])
@@ -249,10 +264,10 @@ def pixel_batch(model, n, seed):
     return [{"pixel_values": rng.standard_normal((1, 3, s, s)).astype(np.float32)} for _ in range(n)]
 
 
-def test_large_batches_split_into_as_few_jobs_as_fit(hub, tiny_model, store, registry, first_run, capfd):
+def test_large_batches_split_into_as_few_jobs_as_fit(hub, tiny_model, hub_store, registry, first_run, capfd):
     items = pixel_batch(tiny_model, 3, seed=11)
     each_mb = items[0]["pixel_values"].nbytes / 1e6
-    pipe = hosted_vision(tiny_model, store, registry, batch_mb=2.5 * each_mb)  # 2 samples per job
+    pipe = hosted_vision(tiny_model, hub_store, registry, batch_mb=2.5 * each_mb)  # 2 samples per job
     hook = pipe.registry.hook
     jobs0 = len(hub.inference_jobs)
     outs = hook.run_stage_batch(backend="qaihub", stage="vision", handle=pipe.handles["vision"], inputs=items)
@@ -266,7 +281,7 @@ def test_large_batches_split_into_as_few_jobs_as_fit(hub, tiny_model, store, reg
     hub.max_dataset_bytes = int(2.5 * each_mb * 1e6)
     jobs0 = len(hub.inference_jobs)
     try:
-        big = hosted_vision(tiny_model, store, registry)  # default batch_mb: one job of 4 asked for
+        big = hosted_vision(tiny_model, hub_store, registry)  # default batch_mb: one job of 4 asked for
         refused = hook.run_stage_batch(backend="qaihub", stage="vision", handle=big.handles["vision"], inputs=more)
         with pytest.raises(BackendError) as exc:  # one sample above the limit: one line
             hub.max_dataset_bytes = 1000
@@ -283,16 +298,16 @@ def test_large_batches_split_into_as_few_jobs_as_fit(hub, tiny_model, store, reg
     for inp, out in [*zip(items, outs)][-1:] + [*zip(more, refused)][-1:]:
         single = pipe.handles["vision"].run(inp)
         np.testing.assert_allclose(out["image_features"], single["image_features"], rtol=1e-5, atol=1e-5)
-    ledger = json.loads(next(Path(store.root, "state").glob(
+    ledger = json.loads(next(Path(hub_store.root, "state").glob(
         f"{pipe.handles['vision'].artifact.path.name}/qaihub-jobs.json")).read_text())
     done = [e for k, e in ledger.items() if k.startswith("inference-batch|") and e["state"] == "done"]
     assert {j["id"] for j in jobs} <= {e["job_id"] for e in done}
 
 
-def test_interrupted_batch_job_is_reattached(hub, tiny_model, store, registry, first_run, capfd, monkeypatch):
+def test_interrupted_batch_job_is_reattached(hub, tiny_model, hub_store, registry, first_run, capfd, monkeypatch):
     from vlmrun_qaihub import hub as hubmod
 
-    pipe = hosted_vision(tiny_model, store, registry)
+    pipe = hosted_vision(tiny_model, hub_store, registry)
     items = pixel_batch(tiny_model, 2, seed=21)
 
     def interrupt(_s):
@@ -311,7 +326,7 @@ def test_interrupted_batch_job_is_reattached(hub, tiny_model, store, registry, f
     err = capfd.readouterr().err
     job_id = err.split("interrupted: AI Hub vision inference job ")[1].split()[0]
     assert "rerun the same command to re-attach" in err and hub.count("POST", "jobs") == posts0 + 1
-    again = hosted_vision(tiny_model, store, registry)  # "the rerun"
+    again = hosted_vision(tiny_model, hub_store, registry)  # "the rerun"
     outs = again.registry.hook.run_stage_batch(backend="qaihub", stage="vision", handle=again.handles["vision"],
                                                inputs=items)
     assert f"re-attaching to vision inference job {job_id}" in capfd.readouterr().err

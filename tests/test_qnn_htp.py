@@ -102,7 +102,7 @@ def test_every_stage_compiles_for_sm8750_with_manifest(htp_pipe):
         for t in (*m["inputs"], *m["outputs"]):
             assert t["name"] and t["dtype"] and all(isinstance(d, int) and d > 0 for d in t["shape"]), t
     dec = {tuple(a.manifest["inputs"][0]["shape"]) for a in htp_pipe.handles["decoder"].artifacts}
-    assert dec == {(1, 32, 64), (1, 1, 64)}
+    assert dec == {(1, 32, htp_pipe.model.hidden_size), (1, 1, htp_pipe.model.hidden_size)}
 
 
 def test_second_run_loads_from_store_without_compiling(htp_pipe, tiny_model, cache_dir, registry, monkeypatch):
@@ -276,7 +276,7 @@ def test_cli_compile_all_npu_int8(htp_pipe, cache_dir):
         assert m["precision"] == "int8" and m["quantization"]["softmax"] == "QUInt16", a["stage"]
         assert m["quantization"]["calibration"]
     dec = [json.loads((Path(a["path"]) / "manifest.json").read_text()) for a in arts if a["stage"] == "decoder"]
-    assert {tuple(m["inputs"][0]["shape"]) for m in dec} == {(1, 64, 64), (1, 1, 64)}
+    assert {tuple(m["inputs"][0]["shape"]) for m in dec} == {(1, 64, htp_pipe.model.hidden_size), (1, 1, htp_pipe.model.hidden_size)}
     assert all("demo image" in m["quantization"]["calibration"] for m in dec)
 
 

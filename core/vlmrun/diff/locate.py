@@ -22,7 +22,7 @@ layer with the largest own error. A reference backend that does not take injecti
 injected layer shows them) leaves the own errors out; the largest drop is then the layer that adds the most noise
 power relative to the signal (``10^(-SQNR/10)`` minus the previous layer's).
 
-**Parts.** A device probe of a decoder in parts (qnn_htp's ``decoder_form = "parts"``) reports the part
+**Parts.** A device probe of a decoder in parts (a backend's multi-part decoder form) reports the part
 boundaries only: the residual stream each part hands to the next (``decoder.layer{hi-1}``) and the logits. Such a
 handle declares ``parts`` (the layer ranges ``[(lo, hi), ...]``, global indices) and ``inside(k)`` (a probe handle
 that also reports the layers of part ``k``, from 1, compiled like the part and cached in the store). The boundaries
