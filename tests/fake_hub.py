@@ -61,6 +61,7 @@ the environment to point vlmrun at it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import itertools
 import os
@@ -115,6 +116,31 @@ def write_client_ini(path: Path, token: str, url: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"[api]\napi_token = {token}\napi_url = {url}\nweb_url = {url}/web/\nverbose = False\n")
     return path
+
+
+@contextlib.contextmanager
+def serving(token: str, ini_dir: Path):
+    """A started FakeHub with the qai-hub client pointed at it (``QAIHUB_CLIENT_INI``, no proxy for 127.0.0.1,
+    no ``VLMRUN_QAIHUB_TIMEOUT``, fast polling); the environment and the client are restored afterwards."""
+    import qai_hub.client
+
+    server = FakeHub(token).start()
+    ini = write_client_ini(Path(ini_dir) / "client.ini", token, server.url)
+    saved = {k: os.environ.get(k) for k in ("QAIHUB_CLIENT_INI", "NO_PROXY", "no_proxy", "VLMRUN_QAIHUB_TIMEOUT")}
+    os.environ.update(QAIHUB_CLIENT_INI=str(ini), NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    os.environ.pop("VLMRUN_QAIHUB_TIMEOUT", None)
+    interval = qai_hub.client.Job._polling_interval
+    qai_hub.client.Job._polling_interval = 0.05  # tests only: poll fast
+    try:
+        yield server
+    finally:
+        qai_hub.client.Job._polling_interval = interval
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
 
 
 def _qairt(options: str) -> str | None:

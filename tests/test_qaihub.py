@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import secrets
 import threading
@@ -26,7 +25,7 @@ from conftest import cosine
 pytest.importorskip("onnxruntime_qnn")
 pytest.importorskip("qai_hub")
 
-from fake_hub import FakeHub, closed_port_url, write_client_ini  # noqa: E402
+from fake_hub import FakeHub, serving, closed_port_url, write_client_ini  # noqa: E402
 from vlmrun import Pipeline  # noqa: E402
 from vlmrun.errors import BackendError, UsageError, VlmrunError  # noqa: E402
 from vlmrun.layouts import Layout, StageAssignment  # noqa: E402
@@ -38,23 +37,8 @@ ELITE, GEN3, S25 = "Snapdragon 8 Elite QRD", "Snapdragon 8 Gen 3 QRD", "Samsung 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    import qai_hub.client
-
-    server = FakeHub(TOKEN).start()
-    ini = write_client_ini(tmp_path_factory.mktemp("qaihub") / "client.ini", TOKEN, server.url)
-    saved = {k: os.environ.get(k) for k in ("QAIHUB_CLIENT_INI", "NO_PROXY", "no_proxy", "VLMRUN_QAIHUB_TIMEOUT")}
-    os.environ.update(QAIHUB_CLIENT_INI=str(ini), NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
-    os.environ.pop("VLMRUN_QAIHUB_TIMEOUT", None)
-    interval = qai_hub.client.Job._polling_interval
-    qai_hub.client.Job._polling_interval = 0.05  # tests only: poll fast
-    yield server
-    qai_hub.client.Job._polling_interval = interval
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+    with serving(TOKEN, tmp_path_factory.mktemp("qaihub")) as server:
+        yield server
 
 
 @pytest.fixture

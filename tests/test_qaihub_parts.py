@@ -11,7 +11,6 @@ Tiny model, 2 parts, AR-16, context 128 (as tests/test_npu_decoder.py).
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import time
@@ -26,7 +25,7 @@ from conftest import cosine
 pytest.importorskip("onnxruntime_qnn")
 pytest.importorskip("qai_hub")
 
-from fake_hub import FakeHub, write_client_ini  # noqa: E402
+from fake_hub import serving  # noqa: E402
 from qai_hub.public_api_pb2 import JOB_STATE_DONE as DONE  # noqa: E402
 from vlmrun import Pipeline  # noqa: E402
 from vlmrun.errors import BackendError, UsageError  # noqa: E402
@@ -42,23 +41,8 @@ PROMPT = "Hi?"
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    import qai_hub.client
-
-    server = FakeHub(TOKEN).start()
-    ini = write_client_ini(tmp_path_factory.mktemp("qaihub-parts") / "client.ini", TOKEN, server.url)
-    saved = {k: os.environ.get(k) for k in ("QAIHUB_CLIENT_INI", "NO_PROXY", "no_proxy", "VLMRUN_QAIHUB_TIMEOUT")}
-    os.environ.update(QAIHUB_CLIENT_INI=str(ini), NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
-    os.environ.pop("VLMRUN_QAIHUB_TIMEOUT", None)
-    interval = qai_hub.client.Job._polling_interval
-    qai_hub.client.Job._polling_interval = 0.05  # tests only: poll fast
-    yield server
-    qai_hub.client.Job._polling_interval = interval
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+    with serving(TOKEN, tmp_path_factory.mktemp("qaihub-parts")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
