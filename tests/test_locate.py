@@ -662,3 +662,74 @@ def test_qnn_htp_parts_form_boundaries_then_inside_the_worst_part(model, store, 
     assert art.manifest["probe_part"] == {"part": k, "of": 2, "layers": [lo, hi]}
     assert "QUInt16" in art.manifest["quantization"]["activation"]
     assert art.path == handle.inside(k).artifacts[-1].path
+
+
+def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean):
+    """keep_fp / keep_a16w16 in the parts form: a decoder layer's nodes are found in its part's prompt AND token
+    graphs (the same node count in both, none in the other part), the binaries are keyed by them, and keeping every
+    layer in float takes the w8a16 logits most of the way to fp16 (the nodes really left quantization); the
+    what-if on the located layer rebuilds the parts and reports the change; prefixes and unknown layers are usage
+    errors."""
+    pytest.importorskip("onnxruntime_qnn")
+    pytest.importorskip("vlmrun_qnn_htp.parts")
+    from vlmrun import Pipeline
+    from vlmrun.errors import UsageError
+    from vlmrun.layouts import Layout, StageAssignment
+    from vlmrun.stages import STAGES
+
+    ref = clean.pipelines["reference"]
+    if "decoder_form" not in ref.registry.options.for_stage("qnn_htp", "decoder"):
+        pytest.skip("qnn_htp has no parts form here")
+    L = model.num_layers
+
+    def parts_on_htp(**extra):
+        opts = {"context_length": 256, "decoder_form": "parts", "parts": 2, "precision": "w8a16", **extra}
+        lay = Layout("parts", {s: StageAssignment("qnn_htp" if s == "decoder" else "ort_reference",
+                                                  opts if s == "decoder" else {}) for s in STAGES})
+        return Pipeline.build(model, lay, store=store, registry=ref.registry)
+
+    def logits(pipe):
+        run = diff.run(ref, pipe, prompt=PROMPT, model=model, store=store, max_new_tokens=N, ignore_eos=True)
+        run.pipelines["reference"] = ref
+        return run, run.result.entry("decoder", "logits").metrics
+
+    plain_pipe = parts_on_htp()
+    run, plain = logits(plain_pipe)
+    everything = [f"decoder.layer{i}" for i in range(L)] + ["decoder.norm", "decoder.lm_head"]
+    kept_pipe = parts_on_htp(keep_fp=",".join(everything))
+    _, kept = logits(kept_pipe)
+    art = kept_pipe.handles["decoder"].artifacts[0]
+    per_graph = art.manifest["quantization"]["kept_fp"]
+    ranges = [tuple(p["layers"]) for p in art.manifest["decoder_parts"]["parts"]]
+    assert sorted(per_graph) == ["part1_prompt", "part1_token", "part2_prompt", "part2_token"]
+    for k, (lo, hi) in enumerate(ranges, start=1):
+        layers = [f"decoder.layer{i}" for i in range(lo, hi)] + (["decoder.norm", "decoder.lm_head"] if k == 2 else [])
+        assert per_graph[f"part{k}_prompt"]["layers"] == per_graph[f"part{k}_token"]["layers"] == layers
+        assert per_graph[f"part{k}_prompt"]["nodes"] == per_graph[f"part{k}_token"]["nodes"] > 0
+    assert art.path != plain_pipe.handles["decoder"].artifacts[0].path  # keyed: its own binaries
+    # measured on the trained tiny model: w8a16 32.1 dB, every layer kept in float 43.0 dB (fp16 parts ~55 dB)
+    assert kept["sqnr_db"] > plain["sqnr_db"] + 6.0, (plain, kept)
+
+    one = f"decoder.layer{ranges[0][0] + 1 if ranges[0][1] - ranges[0][0] > 1 else ranges[0][0]}"
+    wide_pipe = parts_on_htp(keep_a16w16=one)
+    q = wide_pipe.handles["decoder"].artifacts[0].manifest["quantization"]["a16w16"]
+    assert sorted(q) == ["part1_prompt", "part1_token"]  # only the part holding the layer
+    for kind in ("prompt", "token"):
+        assert q[f"part1_{kind}"]["layers"] == [one]
+        assert q[f"part1_{kind}"]["weights"] == 7  # q, k, v, o, gate, up, down projections at int16
+    assert q["part1_prompt"]["nodes"] == q["part1_token"]["nodes"] > 0
+
+    found = loc.locate(ref, plain_pipe, "decoder", run.reference, {"decoder": {"sqnr_db": 60.0, "cosine": 0.99999}})
+    target = found.first_failing or found.largest_drop
+    assert target is not None and target.name in everything
+    w = loc.what_if(run, found, [target.name])
+    assert w.option == target.name and 'decoder_form = "parts"' in w.snippet and f'keep_fp = "{target.name}"' in w.snippet
+    after = w.after["decoder.logits"]["sqnr_db"]
+    assert w.before["decoder.logits"]["sqnr_db"] == pytest.approx(plain["sqnr_db"])
+    assert after != pytest.approx(plain["sqnr_db"], abs=1e-3)  # rebuilt with the layer in float: the logits moved
+    assert w.recovered["decoder.logits"] == pytest.approx(loc.recovered_share(plain["sqnr_db"], after))
+
+    with pytest.raises(UsageError, match="node-name prefixes"):
+        parts_on_htp(keep_fp="/Add_5")
+    with pytest.raises(UsageError, match="its layers are"):
+        parts_on_htp(keep_a16w16=f"decoder.layer{L + 3}")

@@ -225,7 +225,7 @@ def export_part_probe(model, form, out_dir: Path) -> dict:
     ``k``'s prompt graph replaced by the same graph plus the residual stream after each of its layers
     (:func:`probe_part_outputs`; only outputs are added, so its inputs, nodes and main outputs are the normal
     graph's). ``parts.json`` says which part is probed (``probe_part``) and the manifest lists
-    ``probe_outputs`` as every probe form does."""
+    ``probe_outputs`` and ``probe_nodes`` as every probe form does."""
     from vlmrun.errors import UsageError
     from vlmrun.stages import ExportForm
 
@@ -252,5 +252,12 @@ def export_part_probe(model, form, out_dir: Path) -> dict:
     g.update({"files": written, "outputs": outs + extra})
     desc["probe_part"] = k
     (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
+    import onnx
+
+    proto = onnx.load(str(out_dir / g["file"]), load_external_data=False)
+    producers = {o: n.name for n in proto.graph.node for o in n.output}
     return {**manifest, "files": files, "form": form.label(), "probe_part": k, "probe_layers": [lo, hi],
-            "probe_outputs": [list(x) for x in pairs]}
+            "probe_outputs": [list(x) for x in pairs],
+            # the node producing each probe point, named as in the part's normal graphs (probe outputs are added
+            # to the same nodes): qnn_htp resolves keep_fp / keep_a16w16 layers with it
+            "probe_nodes": {name: producers.get(out) for name, out in pairs}}

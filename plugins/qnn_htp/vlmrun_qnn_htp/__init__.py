@@ -28,11 +28,12 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
                     1000 MB); ``weight_sharing``: ``auto`` (shared except on the x86_64 emulator, which cannot load
                     shared binaries), ``on`` or ``off``; ``prefill_ar`` defaults to 128 there (capped at the hidden size)
 ``embed_seq``       static sequence length of the embed graph; longer inputs run in chunks (default 32)
-``keep_fp``         int8/a16w8: layers kept out of quantization (run in fp16), comma-separated: layer names as
-                    ``vlmrun diff --locate`` prints them (``vision.stage2``, ``decoder.layer1``) or node-name
-                    prefixes starting with ``/`` (:mod:`.probe`)
-``keep_a16w16``      int8/a16w8: layers quantized with 16-bit activations and weights (the rest stays at the
-                    stage's precision), the same entries as ``keep_fp``
+``keep_fp``         int8/a16w8/w8a16/w4a16: layers kept out of quantization (run in fp16), comma-separated: layer
+                    names as ``vlmrun diff --locate`` prints them (``vision.stage2``, ``decoder.layer1``) or node-name
+                    prefixes starting with ``/`` (not in the parts form); in the parts form the layer's nodes in
+                    its part's prompt and token graphs (:mod:`.probe`)
+``keep_a16w16``     int8/a16w8/w8a16/w4a16: layers quantized with 16-bit activations and weights (the rest stays
+                    at the stage's precision), the same entries as ``keep_fp``
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
                     ``native_outputs``, ``timeout``; the decoder on a phone needs engine ``genie`` (the SDK's
                     genie-t2t-run on the phone's HTP, :mod:`.genie_phone`; ``ndk_root`` for libc++_shared.so)
@@ -129,14 +130,10 @@ def stage_options(stage: str, options) -> dict:
     keep_fp = parse_keep_fp(o.get("keep_fp"))
     check_keep_fp(stage, keep_fp, out["precision"])
     if keep_fp:
-        if stage == "decoder" and str(o.get("decoder_form") or "fixed").lower() == "parts":
-            raise UsageError("keep_fp is not available for decoder_form = \"parts\" yet")
         out["keep_fp"] = keep_fp
     keep16 = parse_keep_fp(o.get("keep_a16w16"))  # per-layer 16-bit: same entries, quantized at a16w16
     check_keep_fp(stage, keep16, out["precision"], "keep_a16w16")
     if keep16:
-        if form == "parts":
-            raise UsageError("keep_a16w16 is not available for decoder_form = \"parts\" yet")
         if str(o.get("toolchain") or "onnxruntime").lower() == "sdk":
             raise UsageError("keep_a16w16 needs toolchain = \"onnxruntime\" (the SDK's converter quantizes the"
                              " stage itself)")
@@ -447,14 +444,12 @@ def _compiled(ctx, stage: str, opts: dict, form: ExportForm):
     key_opts = compile_key(opts)
     if opts.get("calibration_images"):
         key_opts["calibration_images"] = opts["calibration_images"]
-    if opts.get("keep_fp"):  # layers left in float: their boundaries in this form's graph (probe.py)
-        from .probe import keep_fp_key
+    for option in ("keep_fp", "keep_a16w16"):  # per-layer precision: the layers' boundaries in this form's graphs
+        if opts.get(option):  # keep_fp: left in float; keep_a16w16: activations and weights at 16 bits (probe.py)
+            from .probe import keep_fp_key, parts_keep_key
 
-        key_opts["keep_fp"] = keep_fp_key(ctx, form, opts["keep_fp"])
-    if opts.get("keep_a16w16"):  # layers quantized at 16 bits (activations and weights), resolved the same way
-        from .probe import keep_fp_key
-
-        key_opts["keep_a16w16"] = keep_fp_key(ctx, form, opts["keep_a16w16"], "keep_a16w16")
+            resolve = parts_keep_key if form.kind == "decoder/parts" else keep_fp_key
+            key_opts[option] = resolve(ctx, form, opts[option], option)
     return ctx.compiled(src, key_opts, kind)
 
 

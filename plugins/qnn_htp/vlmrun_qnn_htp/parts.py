@@ -292,8 +292,12 @@ def _softmax_ranges(model_in: Path, feeds: list[dict], work: Path, big: bool) ->
     return ranges
 
 
-def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path) -> dict:
-    """A QDQ model of one part graph: 16-bit activations, int8/int4 per-channel symmetric MatMul weights."""
+def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path, keep_fp=None,
+                   keep_a16w16=None) -> dict:
+    """A QDQ model of one part graph: 16-bit activations, int8/int4 per-channel symmetric MatMul weights.
+
+    ``keep_fp`` / ``keep_a16w16``: this graph's entries of the per-layer options (:func:`.probe.part_keep`): the
+    layers' nodes left in float, or with 16-bit weights too (:func:`.quant.a16w16_overrides`)."""
     import logging
 
     import onnx
@@ -316,11 +320,22 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
             n_mm += 1
     for name, (lo, hi) in _softmax_ranges(model_in, feeds, work, big).items():
         overrides.setdefault(name, [{}])[0].update({"rmin": np.float32(lo), "rmax": np.float32(hi)})
+    excluded, wide, kept = [], [], {}
+    if keep_fp or keep_a16w16:
+        from .probe import excluded_nodes
+
+        excluded = excluded_nodes(proto, keep_fp) if keep_fp else []
+        if keep_a16w16:
+            wide = sorted(set(excluded_nodes(proto, keep_a16w16, "keep_a16w16")) - set(excluded))
+            kept["a16w16"] = {"layers": [e[0] for e in keep_a16w16], "nodes": len(wide),
+                              **quant.a16w16_overrides(proto, wide, overrides)}
+        if keep_fp:
+            kept["kept_fp"] = {"layers": [e[0] for e in keep_fp], "nodes": len(excluded)}
     del proto
     config = get_qnn_qdq_config(
         str(model_in), quant._Reader(feeds), calibrate_method=CalibrationMethod.MinMax,
         activation_type=QuantType.QUInt16, weight_type=QuantType.QInt8, per_channel=True,
-        init_overrides=overrides or None,
+        init_overrides=overrides or None, nodes_to_exclude=excluded or None,
     )
     config.use_external_data_format = big
     root = logging.getLogger()
@@ -334,7 +349,7 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
         f.unlink()
     return {"activation": "QUInt16", "weights": f"{'QInt4' if precision == 'w4a16' else 'QInt8'} per-channel"
             f" symmetric ({n_mm} MatMul weights)", "other_weights": "QInt8", "mask_range": f"[{MASK_CLIP:g}, 0]",
-            "softmax_input": f"calibrated max - {quant.SOFTMAX_SPAN:g} .. max"}
+            "softmax_input": f"calibrated max - {quant.SOFTMAX_SPAN:g} .. max", **kept}
 
 
 # -- compile ------------------------------------------------------------------------------------------------------
@@ -407,6 +422,8 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     """Compile every part of the ``decoder/parts`` export ``source`` into ``out_dir``; the manifest."""
     from vlmrun_qualcomm import socs
 
+    from .probe import part_keep
+
     soc = socs.soc(options.get("soc"))
     precision = options["precision"]
     share = options.get("weight_sharing", "on") == "on"
@@ -428,7 +445,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
             files = quant.calibration_files(options.get("calibration_images"))
             feeds, label = calibration_feeds(model, src_dir, desc, files, quant._require(context))
             quant_s += time.perf_counter() - t0
-        parts, wrappers, binaries, graphs, facts = [], [], [], [], None
+        parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], [], None, {}
         compile_s = 0.0
         for p in desc["parts"]:
             k = p["index"]
@@ -439,7 +456,12 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                 if precision != "fp16":
                     t0 = time.perf_counter()
                     dst = work / f"part{k}_{kind}.qdq.onnx"
-                    facts = quantize_graph(srcs[kind], dst, feeds.pop((k, kind)), precision, work)
+                    facts = quantize_graph(srcs[kind], dst, feeds.pop((k, kind)), precision, work,
+                                           keep_fp=part_keep(options.get("keep_fp"), k, kind),
+                                           keep_a16w16=part_keep(options.get("keep_a16w16"), k, kind))
+                    for option in ("kept_fp", "a16w16"):  # per-layer precision: what each graph got
+                        if option in facts:
+                            per_layer.setdefault(option, {})[f"part{k}_{kind}"] = facts.pop(option)
                     srcs[kind] = dst
                     quant_s += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -502,7 +524,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         "loads_on_emulator": not share,
     }
     if precision != "fp16":
-        extra["quantization"] = {**(facts or {}), "calibration": label, "quantize_s": round(quant_s, 3)}
+        extra["quantization"] = {**(facts or {}), **per_layer, "calibration": label, "quantize_s": round(quant_s, 3)}
     return ContextManifest(
         files=[*wrappers, *binaries], graphs=graphs, inputs=first["inputs"], outputs=last["outputs"],
         stage="decoder", precision=precision, compiler="qnn_htp", qnn_version=ep.qnn_version(),

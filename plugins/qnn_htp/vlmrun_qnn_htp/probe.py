@@ -38,6 +38,13 @@ left in float: those nodes' activations (outputs) as uint16 and their weights (C
 symmetric int16, other constant inputs as uint16) through onnxruntime's per-tensor overrides
 (``TensorQuantOverrides``: :func:`.quant.a16w16_overrides`); onnxruntime's mixed-precision fixer adds the 8 <-> 16-bit
 conversions at the layer's borders. The rest of the stage keeps its precision.
+
+**Per-layer precision in the parts form** (w8a16/w4a16): ``decoder.layer{l}``, ``decoder.norm`` and
+``decoder.lm_head`` name the nodes of that layer in its part's prompt AND token graphs (:func:`parts_keep_key`:
+the boundaries from the part's probe export, the same node names in both graphs, which are traced from one
+module); both graphs of the part are quantized with them (:func:`.parts.quantize_graph`), so the weight-shared
+binary still holds one recipe per layer. Node-name prefixes are refused there (every part graph has the same
+node names).
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ def check_keep_fp(stage: str, names: tuple[str, ...], precision: str, option: st
         return
     if precision == "fp16":
         raise UsageError(f"{stage}: {option} {KEEP_WHAT.get(option, 'sets per-layer precision')}; precision fp16"
-                         " quantizes nothing (use int8 or a16w8)")
+                         " quantizes nothing (use int8 or a16w8; w8a16 or w4a16 in the decoder's parts form)")
     if stage not in PROBE_STAGES:
         raise UsageError(f"{stage}: {option} applies to vision, projector and decoder (embed is a table lookup)")
     for n in names:
@@ -106,6 +113,69 @@ def keep_fp_key(ctx, form: ExportForm, names: tuple[str, ...], option: str = "ke
             out.append([name, *(tensor_of[b] if b else None for b in bounds)])
     out += [[p] for p in names if p.startswith("/")]
     return out
+
+
+def parts_keep_key(ctx, form: ExportForm, names: tuple[str, ...], option: str = "keep_fp") -> list[dict]:
+    """The compile-key entry of ``keep_fp`` / ``keep_a16w16`` for the parts form ``form`` (``decoder/parts``, or one
+    part's probe form): per layer, ``{"layer", "part", "prompt": [previous boundary, boundary], "token": [...]}``,
+    the part holding the layer and its boundary tensors in that part's prompt and token graphs of ``form``.
+
+    The boundaries come from the part's probe form (``probe_nodes``, :func:`part_probe_form`), named by the node
+    that produces them: the part's prompt and token graphs are traced from the same module and share node names.
+    A part's first layer starts at the part's input (no previous boundary). Node-name prefixes are refused: every
+    part graph uses the same node names, so a prefix would not say which part."""
+    import json
+
+    import onnx
+
+    prefixes = [n for n in names if n.startswith("/")]
+    if prefixes:
+        raise UsageError(f"{option}: node-name prefixes ('{prefixes[0]}') do not apply to decoder_form = \"parts\""
+                         " (all its part graphs use the same node names); name layers: decoder.layer<i>,"
+                         " decoder.norm, decoder.lm_head")
+    base = ExportForm(form.stage, form.kind, tuple((k, v) for k, v in form.params if k not in ("probe", "part")))
+    src = ctx.exported(form)
+    desc = json.loads((src.path / "parts.json").read_text())
+    ranges = [tuple(p["layers"]) for p in desc["parts"]]
+    valid = [f"decoder.layer{i}" for i in range(ranges[-1][1])] + ["decoder.norm", "decoder.lm_head"]
+    graphs: dict = {}
+    out: list[dict] = []
+    for name in names:
+        if name not in valid:
+            raise UsageError(f"{option}: '{name}' is not a layer of stage 'decoder'; its layers are"
+                             f" {', '.join(valid)}")
+        if name.startswith("decoder.layer"):
+            layer = int(name[len("decoder.layer"):])
+            k = next(i for i, (lo, hi) in enumerate(ranges, start=1) if lo <= layer < hi)
+        else:
+            k = len(ranges)
+        probe = ctx.exported(part_probe_form(base, k))
+        order = [p[0] for p in probe.manifest.get("probe_outputs") or ()]
+        nodes = probe.manifest.get("probe_nodes")
+        if not nodes or name not in order:
+            raise BackendError(f"{option}: the probe export of decoder part {k} ({probe.path.name}) does not name"
+                               " its layers' nodes (an older export); run with --rebuild")
+        i = order.index(name)
+        bounds = [nodes.get(order[i - 1]) if i else None, nodes.get(name)]
+        entry: dict = {"layer": name, "part": k}
+        for kind in ("prompt", "token"):
+            if (k, kind) not in graphs:
+                g = onnx.load(str(src.path / desc["parts"][k - 1]["graphs"][kind]["file"]),
+                              load_external_data=False).graph
+                graphs[(k, kind)] = {n.name: n.output[0] for n in g.node}
+            tensor_of = graphs[(k, kind)]
+            if bounds[1] is None or any(b is not None and b not in tensor_of for b in bounds):
+                raise BackendError(f"{option}: the boundary nodes of {name} ({bounds}) are not in the {kind} graph of"
+                                   f" decoder part {k} ({form.label()}); run with --rebuild")
+            entry[kind] = [tensor_of[b] if b else None for b in bounds]
+        out.append(entry)
+    return out
+
+
+def part_keep(key, k: int, kind: str) -> list[list] | None:
+    """The entries of a :func:`parts_keep_key` value for part ``k``'s ``kind`` graph, as :func:`excluded_nodes`
+    takes them (None when the part keeps no layer)."""
+    return [[e["layer"], *e[kind]] for e in key or () if int(e["part"]) == int(k)] or None
 
 
 def excluded_nodes(proto, keep_fp: list[list], option: str = "keep_fp") -> list[str]:
@@ -264,7 +334,9 @@ def compile_part_probe(model, source, options: dict, out_dir, context=None) -> d
             files = quant.calibration_files(options.get("calibration_images"))
             feeds, label = parts.calibration_feeds(model, src_dir, desc, files, quant._require(context))
             dst = work / f"part{k}_prompt_probe.qdq.onnx"
-            facts = parts.quantize_graph(src, dst, feeds[(k, "prompt")], precision, work)
+            facts = parts.quantize_graph(src, dst, feeds[(k, "prompt")], precision, work,
+                                         keep_fp=part_keep(options.get("keep_fp"), k, "prompt"),
+                                         keep_a16w16=part_keep(options.get("keep_a16w16"), k, "prompt"))
             extra["quantization"] = {**facts, "calibration": label,
                                      "quantize_s": round(time.perf_counter() - t0, 3)}
             src = dst
