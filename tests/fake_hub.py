@@ -28,7 +28,10 @@ the server:
 ``compile_options`` / ``inference_options`` the options string of each job submitted; ``inference_jobs`` each
 inference job submitted: id, name, ``samples`` (how many its input dataset holds: the client sends a dataset of
 input name -> list of N arrays, and the job runs every sample, its outputs a list of N per output, in order) and
-the input shapes of its first sample. A compile job whose
+the input shapes of its first sample; ``jobs[id]["calibration"]``, a compile job's calibration dataset id (None
+without), and :meth:`FakeHub.dataset_digest`, a digest of a dataset's arrays (this fake does not quantize: it
+compiles the float graph whatever ``--quantize_full_type`` says, but records the calibration data it was given).
+A compile job whose
 options pin ``--qairt_version X`` records X as the target model's QAIRT/QNN SDK version (the binary itself is
 built by the local onnxruntime-qnn).
 
@@ -468,6 +471,23 @@ class FakeHub:
         return {"samples": len(next(iter(entries.values()))),
                 "shapes": {k: tuple(np.asarray(v[0]).shape) for k, v in entries.items()}}
 
+    def dataset_digest(self, did: str) -> str:
+        """A digest of an uploaded dataset's arrays (input names, sample order, shapes, dtypes and values)."""
+        import hashlib
+
+        import h5py
+        from qai_hub.util.dataset_entries_converters import h5_to_dataset_entries
+
+        with h5py.File(io.BytesIO(self.datasets[did]["data"]), "r") as h5f:
+            entries = h5_to_dataset_entries(h5f)
+        h = hashlib.sha256()
+        for name in sorted(entries):
+            for a in entries[name]:
+                a = np.ascontiguousarray(a)
+                h.update(f"{name}|{a.dtype}|{a.shape}|".encode())
+                h.update(a.tobytes())
+        return h.hexdigest()
+
     def web_page(self, rel: str) -> str:
         """The plain-text page behind a job or model link (``<url>/web/jobs/<id>/``)."""
         parts = [p for p in rel.split("/") if p]
@@ -687,7 +707,8 @@ class FakeHub:
                             hub.compile_options.append(cj.options)
                             hub.jobs[jid] = {"id": jid, "kind": "compile", "model_id": cj.model.model_id,
                                              "device": dev, "options": cj.options, "name": cj.name, "polls": 0,
-                                             "created": created}
+                                             "created": created,
+                                             "calibration": cj.calibration_dataset.dataset_id or None}
                             tid = hub.new_id("m")
                             dlc = _runtime(cj.options) == "qnn_dlc"
                             hub.models[tid] = {"name": f"{cj.name}.{'dlc' if dlc else 'bin'}", "data": b"",

@@ -34,6 +34,13 @@ Per-stage options (``vlmrun plugins --options``):
 ``batch_mb``        megabytes of inputs one batch inference job uploads at most (default 1024, vlmrun's own cap)
 =================== ============================================================================================
 
+Per-layer precision (qnn_htp's ``keep_fp`` / ``keep_a16w16``, which ``vlmrun diff --what-if`` sets) is refused
+with ``--compiler qaihub``, before any export or upload (:func:`check_per_layer_precision`): the hub quantizes the
+stage itself, as a whole (``--quantize_full_type``), and vlmrun sends it no per-layer precision, so a rebuild with
+those options would compile the same binary again and report that keeping the layer recovers nothing.
+``vlmrun diff --locate`` itself works on hub-compiled stages: qnn_htp compiles the stage's probe form through the
+same compile hook, i.e. as one more compile job on the hub with the stage's options (``tests/test_qaihub_probe.py``).
+
 The device, the QAIRT version, the hub options and the calibration sample count key the compiled artifact, so
 changing any of them compiles again. Jobs are recorded in a ledger in the artifact's state directory
 (``<store>/state/<artifact>/qaihub-jobs.json``), keyed by the hub (api_url), the device and the options: a rerun
@@ -87,6 +94,8 @@ REATTACH = "rerun the same command to re-attach to it"
 REBUILD_NOTE = "--rebuild never re-attaches: a rerun with --rebuild submits a new job"
 
 QUANT_FLAGS = {"int8": "--quantize_full_type int8", "a16w8": "--quantize_full_type w8a16"}
+#: qnn_htp's per-layer precision options (vlmrun diff --what-if) and what each would do to the layer
+PER_LAYER = {"keep_fp": "keeps layers out of quantization", "keep_a16w16": "quantizes layers at a16w16"}
 
 
 # -- options ---------------------------------------------------------------------------------------------------
@@ -152,6 +161,26 @@ def compile_options(precision: str, extra: str = "", qairt: str | None = None) -
     if extra:
         opts.append(str(extra).strip())
     return " ".join(opts)
+
+
+def check_per_layer_precision(stage: str, options) -> None:
+    """A one-line UsageError when a stage compiled on the hub asks for per-layer precision (qnn_htp's ``keep_fp`` /
+    ``keep_a16w16``, which ``vlmrun diff --what-if`` sets): the hub quantizes the stage itself, as a whole, and
+    vlmrun sends it no per-layer precision, so the option would be ignored (the same binary compiled again)."""
+    o = dict(options or {})
+    asked = [k for k in PER_LAYER if o.get(k) not in (None, "", (), [])]
+    if not asked:
+        return
+    opt = asked[0]
+    precision = str(o.get("precision") or "fp16").lower()
+    how = f" ({QUANT_FLAGS[precision]})" if precision in QUANT_FLAGS else " (at int8 or a16w8)"
+    alt = (", or quantize the whole stage with 16-bit activations on the hub (precision = \"a16w8\")"
+           if precision == "int8" else "")
+    raise UsageError(f"{stage}: {opt} ({PER_LAYER[opt]}; vlmrun diff --what-if sets it) is not available with"
+                     f" --compiler qaihub: AI Hub quantizes the stage itself, as a whole{how}, and takes no"
+                     " per-layer precision from vlmrun, so the rebuilt binary would be the same; to try it, compile"
+                     f" {stage} locally with qnn_htp's quantizer (drop --compiler qaihub / compiler = \"qaihub\") and"
+                     f" locate against that build{alt}")
 
 
 # -- devices ---------------------------------------------------------------------------------------------------
@@ -313,11 +342,21 @@ def register_options(register):
 
 
 @hookimpl
+def preflight(backend, stage, model, options):
+    """A stage compiled on the hub for another backend (``--compiler qaihub``) takes no per-layer precision: refused
+    here, before anything is exported or uploaded (:func:`check_per_layer_precision`)."""
+    o = dict(options or {})
+    if str(o.get("compiler") or backend) == NAME and backend != NAME:
+        check_per_layer_precision(stage, o)
+
+
+@hookimpl
 def compile(backend, request):
     if not mine(backend, NAME):
         return None
     merged = {**dict(request.stage_options or {}), **dict(request.options or {})}
     if request.target != NAME:
+        check_per_layer_precision(request.stage, merged)  # preflight skipped (a StageContext built by hand)
         # for another backend `device` is its own (qnn_htp: the adb serial of a phone); the hub device is
         # `hub_device`, or `device` when that backend's stage stays on this machine
         device = merged.pop("device", None)
