@@ -306,6 +306,8 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
 
     big = _is_big(src)
     pre = work / f"{src.stem}.pre.onnx"
+    times = {}
+    t0 = time.perf_counter()
     ok = qnn_preprocess_model(str(src), str(pre), fuse_layernorm=True, save_as_external_data=big,
                               all_tensors_to_one_file=True, external_data_location=pre.name + ".data")
     model_in = pre if ok else src
@@ -318,8 +320,11 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
         if node.op_type == "MatMul" and len(node.input) > 1 and len(dims.get(node.input[1], [])) == 2:
             overrides[node.input[1]] = [{"quant_type": wq, "symmetric": True, "axis": 1}]  # [K, N]: per output
             n_mm += 1
+    times["preprocess_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     for name, (lo, hi) in _softmax_ranges(model_in, feeds, work, big).items():
         overrides.setdefault(name, [{}])[0].update({"rmin": np.float32(lo), "rmax": np.float32(hi)})
+    times["softmax_ranges_s"] = time.perf_counter() - t0
     excluded, wide, kept = [], [], {}
     if keep_fp or keep_a16w16:
         from .probe import excluded_nodes
@@ -338,18 +343,24 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
         init_overrides=overrides or None, nodes_to_exclude=excluded or None,
     )
     config.use_external_data_format = big
+    # MinMax over the feeds one at a time (ranges merged feed by feed, the same min/max): the calibrator otherwise
+    # holds every intermediate tensor of every feed until the end, gigabytes per AR-128 feed at full size
+    config.extra_options["CalibStridedMinMax"] = 1
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime.quantization warns through the root logger
+    t0 = time.perf_counter()
     try:
         quantize(str(model_in), str(dst), config)
     finally:
         root.setLevel(level)
+    times["calibrate_quantize_s"] = time.perf_counter() - t0
     for f in work.glob(f"{src.stem}.pre.onnx*"):
         f.unlink()
     return {"activation": "QUInt16", "weights": f"{'QInt4' if precision == 'w4a16' else 'QInt8'} per-channel"
             f" symmetric ({n_mm} MatMul weights)", "other_weights": "QInt8", "mask_range": f"[{MASK_CLIP:g}, 0]",
-            "softmax_input": f"calibrated max - {quant.SOFTMAX_SPAN:g} .. max", **kept}
+            "softmax_input": f"calibrated max - {quant.SOFTMAX_SPAN:g} .. max", "calibration_feeds": len(feeds),
+            "times": {k: round(v, 3) for k, v in times.items()}, **kept}
 
 
 # -- compile ------------------------------------------------------------------------------------------------------
@@ -439,12 +450,13 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     extra: dict = {}
     t_all = time.perf_counter()
     try:
-        feeds, label, quant_s = {}, None, 0.0
+        feeds, label, quant_s, q_times = {}, None, 0.0, {}
         if precision != "fp16":
             t0 = time.perf_counter()
             files = quant.calibration_files(options.get("calibration_images"))
             feeds, label = calibration_feeds(model, src_dir, desc, files, quant._require(context))
             quant_s += time.perf_counter() - t0
+            q_times["record_feeds_s"] = time.perf_counter() - t0
         parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], [], None, {}
         compile_s = 0.0
         for p in desc["parts"]:
@@ -459,6 +471,8 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                     facts = quantize_graph(srcs[kind], dst, feeds.pop((k, kind)), precision, work,
                                            keep_fp=part_keep(options.get("keep_fp"), k, kind),
                                            keep_a16w16=part_keep(options.get("keep_a16w16"), k, kind))
+                    for step, sec in facts.pop("times", {}).items():  # where the quantization time goes
+                        q_times[step] = q_times.get(step, 0.0) + sec
                     for option in ("kept_fp", "a16w16"):  # per-layer precision: what each graph got
                         if option in facts:
                             per_layer.setdefault(option, {})[f"part{k}_{kind}"] = facts.pop(option)
@@ -504,27 +518,20 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         compile_s_total = round(compile_s, 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for e in parts:
-        for b in e["binaries"]:
-            size = (out_dir / b).stat().st_size
-            if size > limit:
-                raise BackendError(f"decoder part {e['index']}/{P}: its binary {b} is {size / 1e6:.0f} MB, over the"
-                                   f" {limit / 1e6:.0f} MB part limit; compile with parts = {P + 1} (or raise"
-                                   " part_limit_mb)")
-    mm, other, head = weight_counts(model)
-    bits = WEIGHT_BITS[precision]
-    weight_bytes = int((model.num_layers * mm + head) * bits / 8 + model.num_layers * other * 2)
+    check_part_limits(out_dir, parts, limit)
+    weights = weight_bytes(model, precision)
     total = sum(e["bytes"] for e in parts)
     first, last = parts[0]["graphs"]["prompt"], parts[-1]["graphs"]["prompt"]
     extra["decoder_parts"] = {
         "ar": ar, "ctx": ctx, "parts": parts, "count": P, "layers": desc["layers"],
         "weight_sharing": share, "graphs_per_binary": 2 if share else 1,
         "binaries_in_order": binaries, "total_bytes": total, "limit_bytes": limit,
-        "weight_bytes": weight_bytes, "bytes_over_weights": round(total / weight_bytes, 4),
+        "weight_bytes": weights, "bytes_over_weights": round(total / weights, 4),
         "loads_on_emulator": not share,
     }
     if precision != "fp16":
-        extra["quantization"] = {**(facts or {}), **per_layer, "calibration": label, "quantize_s": round(quant_s, 3)}
+        extra["quantization"] = {**(facts or {}), **per_layer, "calibration": label, "quantize_s": round(quant_s, 3),
+                                 "times": {k: round(v, 3) for k, v in q_times.items()}}
     return ContextManifest(
         files=[*wrappers, *binaries], graphs=graphs, inputs=first["inputs"], outputs=last["outputs"],
         stage="decoder", precision=precision, compiler="qnn_htp", qnn_version=ep.qnn_version(),
@@ -533,6 +540,25 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         compile_s=compile_s_total, binary_bytes={b: (out_dir / b).stat().st_size for b in binaries},
         extra={**extra, "compile_wall_s": round(time.perf_counter() - t_all, 3)},
     ).to_dict()
+
+
+def weight_bytes(model, precision: str) -> int:
+    """Bytes of one copy of the decoder's weights at ``precision``: the MatMul weights and the lm_head at the
+    precision's weight bits, the rest (norms, biases) at 16 bits; what ``bytes_over_weights`` divides by."""
+    mm, other, head = weight_counts(model)
+    return int((model.num_layers * mm + head) * WEIGHT_BITS[precision] / 8 + model.num_layers * other * 2)
+
+
+def check_part_limits(out_dir: Path, parts: list[dict], limit: int, where: str = "") -> None:
+    """BackendError when a part's binary (``parts``: the manifest's entries) is over ``limit`` bytes."""
+    P = len(parts)
+    for e in parts:
+        for b in e["binaries"]:
+            size = (Path(out_dir) / b).stat().st_size
+            if size > limit:
+                raise BackendError(f"decoder part {e['index']}/{P}: its binary {b}{where} is {size / 1e6:.0f} MB,"
+                                   f" over the {limit / 1e6:.0f} MB part limit; compile with parts = {P + 1} (or"
+                                   " raise part_limit_mb)")
 
 
 # -- running ------------------------------------------------------------------------------------------------------

@@ -188,14 +188,24 @@ def _decoder_samples(model, source, files, context) -> tuple[list[dict], str]:
 
 
 class _Reader:
+    """onnxruntime's CalibrationDataReader over a list of feeds; ``set_range`` lets the calibrator take them in
+    strides (``CalibStridedMinMax``: ranges merged stride by stride, so only one stride's activations are held)."""
+
     def __init__(self, feeds):
-        self._it = iter(feeds)
+        self.feeds = list(feeds)
+        self._it = iter(self.feeds)
+
+    def __len__(self):
+        return len(self.feeds)
 
     def get_next(self):
         return next(self._it, None)
 
+    def set_range(self, start_index: int, end_index: int):
+        self._it = iter(self.feeds[start_index:end_index])
+
     def rewind(self):  # some ORT versions call it
-        pass
+        self._it = iter(self.feeds)
 
 
 def quantize_qdq(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path, keep_fp=None,
