@@ -244,6 +244,17 @@ def check_device_soc(dev: HubDevice, want: socs.Soc | None) -> None:
                          f" binary is for {want.name} ({want.arch}); choose a device with that SoC or change --soc")
 
 
+def built_for(dev: HubDevice, want: socs.Soc | None, soc_model, what: str) -> tuple[socs.Soc | None, int | None]:
+    """(the SoC, its soc_model number) that the hub's binary metadata (``soc_model``) says ``what`` was built for;
+    BackendError when that is not ``want``, the SoC asked for."""
+    soc_model_n = int(soc_model) if soc_model and str(soc_model).isdigit() else None
+    got = socs.by_soc_model(soc_model_n) or dev.soc
+    if want is not None and got is not None and got.name != want.name:
+        raise BackendError(f"AI Hub device {dev.name!r} built {what} for {got.name}/{got.arch} but {want.name} was"
+                           f" asked for; choose a device with that SoC (--device) or --soc {got.name}")
+    return want or got, soc_model_n
+
+
 def expected_soc(options: dict, target: str) -> socs.Soc | None:
     """The SoC the binary must be for: qnn_htp's ``soc`` (default SM8750); for hosted runs the device's own
     unless ``soc`` was given."""
@@ -552,14 +563,7 @@ def _finish_compile(hub, job, dev, want, stage, source, options, precision, hub_
         qnn = qairt  # the hub did not say: the version it was asked for
     graphs = [g for g in (meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_GRAPH_NAMES) or "").replace(";", ",").split(",")
               if g.strip()]
-    soc_model = meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_SOC_MODEL)
-    soc_model_n = int(soc_model) if soc_model and str(soc_model).isdigit() else None
-    built_for = socs.by_soc_model(soc_model_n) or dev.soc
-    if want is not None and built_for is not None and built_for.name != want.name:
-        raise BackendError(f"AI Hub device {dev.name!r} built the binary for {built_for.name}/{built_for.arch} but"
-                           f" {want.name} was asked for; choose a device with that SoC (--device) or --soc"
-                           f" {built_for.name}")
-    soc = want or built_for
+    soc, soc_model_n = built_for(dev, want, meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_SOC_MODEL), "the binary")
     arch = soc.arch if soc else None
     hexagon = meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_HEXAGON_VERSION)
     if hexagon and not arch:

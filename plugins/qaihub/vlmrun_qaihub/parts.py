@@ -158,10 +158,9 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     import qai_hub
     from qai_hub.client import ModelMetadataKey
     from vlmrun_qnn_htp import parts as qparts  # the form is qnn_htp's: its manifest and arithmetic come from there
-    from vlmrun_qualcomm import socs
     from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
-    from . import check_device_soc, device_of, expected_soc, make_device, qairt_version_of, resolve_device
+    from . import built_for, check_device_soc, device_of, expected_soc, make_device, qairt_version_of, resolve_device
 
     t0 = time.perf_counter()
     precision = str(options.get("precision") or "fp16").lower()
@@ -295,13 +294,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
         entry["bytes"] = sum((out_dir / b).stat().st_size for b in entry["binaries"])
         parts.append(entry)
 
-    soc_model_n = int(soc_model) if soc_model and str(soc_model).isdigit() else None
-    built_for = socs.by_soc_model(soc_model_n) or dev.soc
-    if want is not None and built_for is not None and built_for.name != want.name:
-        raise BackendError(f"AI Hub device {dev.name!r} built the decoder parts for {built_for.name}/{built_for.arch}"
-                           f" but {want.name} was asked for; choose a device with that SoC (--device) or --soc"
-                           f" {built_for.name}")
-    soc = want or built_for
+    soc, soc_model_n = built_for(dev, want, soc_model, "the decoder parts")
     if not qnn and qairt and qairt[0].isdigit():
         qnn = qairt
     sdk = f"v{str(qnn).lstrip('vV')}" if qnn else None
@@ -313,14 +306,8 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
             wrappers.append(g["wrapper"])
             graphs.append(g["name"])
         binaries += e["binaries"]
-        for b in e["binaries"]:
-            size = (out_dir / b).stat().st_size
-            if size > limit:
-                raise BackendError(f"decoder part {e['index']}/{P}: its binary {b} from AI Hub is {size / 1e6:.0f} MB,"
-                                   f" over the {limit / 1e6:.0f} MB part limit; compile with parts = {P + 1} (or raise"
-                                   " part_limit_mb)")
-    mm, other, head = qparts.weight_counts(model)
-    weight_bytes = int((model.num_layers * mm + head) * 2 + model.num_layers * other * 2)
+    qparts.check_part_limits(out_dir, parts, limit, " from AI Hub")
+    weight_bytes = qparts.weight_bytes(model, precision)
     total = sum(e["bytes"] for e in parts)
     first, last = parts[0]["graphs"]["prompt"], parts[-1]["graphs"]["prompt"]
     link_ids = [e["hub_link_job"] for e in parts] if share else []
