@@ -68,6 +68,7 @@ WEIGHT_BITS = {"fp16": 16, "w8a16": 8, "w4a16": 4}
 OVERHEAD = 1.08  # estimated binary bytes / weight bytes (graph, I/O and spill buffers, biases), from measurements
 MASK_CLIP = -100.0  # quantized forms: the mask range the calibration sees (larger negatives saturate here)
 GEN_STEPS = 8  # greedy tokens decoded after each calibration prompt
+PROMPT_GEN_STEPS = 8  # ... for the prompt graph's calibration (each a whole AR-N call for one real row)
 MAX_SAMPLES = 64  # calibration feeds kept per graph
 CALIBRATION = "parts-demo-image-v1"  # the calibration key when no images are given
 EMULATOR_REFUSAL = ("the x86_64 HTP emulator of onnxruntime-qnn cannot load weight-shared context binaries (QNN:"
@@ -219,7 +220,8 @@ def calibration_feeds(model, src_dir: Path, desc: dict, files, context) -> tuple
               for f in context.reference_inputs(files or None, prompts)]
     out: dict = {}
     for kind, rows in (("prompt", ar), ("token", 1)):
-        calls = sum(-(-e.shape[1] // rows) + GEN_STEPS for e in embeds)
+        steps = PROMPT_GEN_STEPS if kind == "prompt" else GEN_STEPS
+        calls = sum(-(-e.shape[1] // rows) + steps for e in embeds)
         keep = set(np.unique(np.linspace(0, calls - 1, min(calls, MAX_SAMPLES)).round().astype(int)).tolist())
         runners = [_CpuGraph(src_dir / p["graphs"][kind]["file"]) for p in desc["parts"]]
         chain = _Chain(runners, keep, MASK_CLIP)
@@ -227,7 +229,7 @@ def calibration_feeds(model, src_dir: Path, desc: dict, files, context) -> tuple
         for e in embeds:
             dec.reset()
             logits = dec.prefill(e)
-            for _ in range(GEN_STEPS):
+            for _ in range(steps):
                 if dec.n_past + rows > ctx:
                     break
                 tok = int(np.argmax(logits[0, -1]))
@@ -245,6 +247,16 @@ def calibration_feeds(model, src_dir: Path, desc: dict, files, context) -> tuple
 
 
 # -- quantization -------------------------------------------------------------------------------------------------
+def peak_rss_mb() -> int | None:
+    """This process's peak resident memory so far, in MB (None where the OS does not say)."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux: kilobytes
+    except (ImportError, OSError):
+        return None
+
+
 def _is_big(path: Path) -> bool:
     return any(path.parent.glob(path.name + ".data")) or path.stat().st_size > 512 * 1024 * 1024
 
@@ -321,10 +333,12 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
             overrides[node.input[1]] = [{"quant_type": wq, "symmetric": True, "axis": 1}]  # [K, N]: per output
             n_mm += 1
     times["preprocess_s"] = time.perf_counter() - t0
+    peaks = {"preprocess": peak_rss_mb()}
     t0 = time.perf_counter()
     for name, (lo, hi) in _softmax_ranges(model_in, feeds, work, big).items():
         overrides.setdefault(name, [{}])[0].update({"rmin": np.float32(lo), "rmax": np.float32(hi)})
     times["softmax_ranges_s"] = time.perf_counter() - t0
+    peaks["softmax_ranges"] = peak_rss_mb()
     excluded, wide, kept = [], [], {}
     if keep_fp or keep_a16w16:
         from .probe import excluded_nodes
@@ -355,12 +369,13 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
     finally:
         root.setLevel(level)
     times["calibrate_quantize_s"] = time.perf_counter() - t0
+    peaks["calibrate_quantize"] = peak_rss_mb()
     for f in work.glob(f"{src.stem}.pre.onnx*"):
         f.unlink()
     return {"activation": "QUInt16", "weights": f"{'QInt4' if precision == 'w4a16' else 'QInt8'} per-channel"
             f" symmetric ({n_mm} MatMul weights)", "other_weights": "QInt8", "mask_range": f"[{MASK_CLIP:g}, 0]",
             "softmax_input": f"calibrated max - {quant.SOFTMAX_SPAN:g} .. max", "calibration_feeds": len(feeds),
-            "times": {k: round(v, 3) for k, v in times.items()}, **kept}
+            "times": {k: round(v, 3) for k, v in times.items()}, "peak_rss_mb_after": peaks, **kept}
 
 
 # -- compile ------------------------------------------------------------------------------------------------------
@@ -450,13 +465,14 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     extra: dict = {}
     t_all = time.perf_counter()
     try:
-        feeds, label, quant_s, q_times = {}, None, 0.0, {}
+        feeds, label, quant_s, q_times, q_peaks = {}, None, 0.0, {}, {}
         if precision != "fp16":
             t0 = time.perf_counter()
             files = quant.calibration_files(options.get("calibration_images"))
             feeds, label = calibration_feeds(model, src_dir, desc, files, quant._require(context))
             quant_s += time.perf_counter() - t0
             q_times["record_feeds_s"] = time.perf_counter() - t0
+            q_peaks["record_feeds"] = peak_rss_mb()
         parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], [], None, {}
         compile_s = 0.0
         for p in desc["parts"]:
@@ -473,6 +489,8 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                                            keep_a16w16=part_keep(options.get("keep_a16w16"), k, kind))
                     for step, sec in facts.pop("times", {}).items():  # where the quantization time goes
                         q_times[step] = q_times.get(step, 0.0) + sec
+                    for step, mb in facts.pop("peak_rss_mb_after", {}).items():  # and the memory (running peak)
+                        q_peaks[f"part{k}_{kind}_{step}"] = mb
                     for option in ("kept_fp", "a16w16"):  # per-layer precision: what each graph got
                         if option in facts:
                             per_layer.setdefault(option, {})[f"part{k}_{kind}"] = facts.pop(option)
@@ -490,6 +508,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                     rejected = ep.unsupported_nodes(srcs[kind], soc)
                     why = (f"unsupported op(s) {', '.join(rejected[:5])}" if rejected else ep._one_line(exc))
                     raise BackendError(f"QNN HTP ({soc.name}/{soc.arch}) could not compile {what}: {why}") from None
+                q_peaks[f"part{k}_{kind}_qnn_compile"] = peak_rss_mb()
                 info = describe_ctx_onnx(wrapper)
                 if info["non_qnn_nodes"] or len(info["graphs"]) != 1 or len(info["binaries"]) != 1:
                     raise BackendError(f"{what}: expected one EPContext graph on QNN, got {info['graphs']}"
@@ -529,6 +548,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         "weight_bytes": weights, "bytes_over_weights": round(total / weights, 4),
         "loads_on_emulator": not share,
     }
+    extra["peak_rss_mb_after"] = q_peaks  # the compile's running peak after each step (where the memory goes)
     if precision != "fp16":
         extra["quantization"] = {**(facts or {}), **per_layer, "calibration": label, "quantize_s": round(quant_s, 3),
                                  "times": {k: round(v, 3) for k, v in q_times.items()}}
