@@ -304,50 +304,6 @@ def _softmax_ranges(model_in: Path, feeds: list[dict], work: Path, big: bool) ->
     return ranges
 
 
-def calibrate_min_max(model_in: Path, feeds: list[dict], config, work: Path) -> Path:
-    """onnxruntime's MinMax calibration of ``model_in`` for ``config`` (a ``get_qnn_qdq_config`` result), written as
-    onnxruntime's calibration cache (``save_tensors_data``) for ``quantize_static(calibration_cache_path=...)``.
-
-    The same calibrator class, tensors and ranges as ``quantize_static`` computes itself, run leaner: one feed at a
-    time, in a session without weight pre-packing or memory arena, and freed before quantizing. On the tiny model's
-    part graphs the QDQ models equal those of ``quantize`` with the reader, except where the unpacked MatMul kernel
-    rounds differently (AR-1 graphs: scales within 3e-7 relative, a zero point off by one). Inside ``quantize_static`` the calibration also deep-copies and re-saves the
-    (opset-bumped) model next to the copy it quantizes: at full size that is the compile's memory peak."""
-    import onnxruntime as ort
-    from onnxruntime.quantization.calibrate import MinMaxCalibrater, save_tensors_data
-    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
-
-    class LeanMinMax(MinMaxCalibrater):
-        def create_inference_session(self):
-            so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            so.enable_cpu_mem_arena = False
-            so.add_session_config_entry("session.disable_prepacking", "1")
-            so.log_severity_level = 3
-            self.infer_session = ort.InferenceSession(self.augmented_model_path, sess_options=so,
-                                                      providers=["CPUExecutionProvider"])
-
-    extra = config.extra_options or {}
-    op_types = list(config.op_types_to_quantize or set(QLinearOpsRegistry) | set(QDQRegistry))
-    aug = work / "calibration_augmented.onnx"
-    cal = LeanMinMax(model_in, op_types, str(aug), symmetric=extra.get("CalibTensorRangeSymmetric", False),
-                     use_external_data_format=config.use_external_data_format,
-                     moving_average=extra.get("CalibMovingAverage", False),
-                     averaging_constant=extra.get("CalibMovingAverageConstant", 0.01))
-    try:
-        cal.augment_graph()
-        cal.create_inference_session()
-        for f in feeds:  # ranges merged feed by feed (collect_data computes and clears each time)
-            cal.collect_data(quant._Reader([f]))
-        cache = work / f"{model_in.stem}.calibration.json"
-        save_tensors_data(cal.compute_data(), cache)
-    finally:
-        del cal
-        for f in work.glob(aug.name + "*"):
-            f.unlink()
-    return cache
-
-
 def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work: Path, keep_fp=None,
                    keep_a16w16=None) -> dict:
     """A QDQ model of one part graph: 16-bit activations, int8/int4 per-channel symmetric MatMul weights.
@@ -357,7 +313,7 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
     import logging
 
     import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantType, quantize_static
+    from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
 
     big = _is_big(src)
@@ -401,27 +357,19 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
         init_overrides=overrides or None, nodes_to_exclude=excluded or None,
     )
     config.use_external_data_format = big
+    # MinMax over the feeds one at a time (ranges merged feed by feed, the same min/max): the calibrator otherwise
+    # holds every intermediate tensor of every feed until the end, gigabytes per AR-128 feed at full size
+    config.extra_options["CalibStridedMinMax"] = 1
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime.quantization warns through the root logger
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
-        cache = calibrate_min_max(model_in, feeds, config, work)
-        times["calibrate_s"] = time.perf_counter() - t0
-        peaks["calibrate"] = peak_rss_mb()
-        t0 = time.perf_counter()
-        quantize_static(str(model_in), str(dst), calibration_data_reader=None, quant_format=config.quant_format,
-                        op_types_to_quantize=config.op_types_to_quantize, per_channel=config.per_channel,
-                        reduce_range=config.reduce_range, activation_type=config.activation_type,
-                        weight_type=config.weight_type, nodes_to_quantize=config.nodes_to_quantize,
-                        nodes_to_exclude=config.nodes_to_exclude,
-                        use_external_data_format=config.use_external_data_format,
-                        calibrate_method=config.calibrate_method, extra_options=config.extra_options,
-                        calibration_cache_path=cache)
-        times["quantize_s"] = time.perf_counter() - t0
-        peaks["quantize"] = peak_rss_mb()
+        quantize(str(model_in), str(dst), config)
     finally:
         root.setLevel(level)
+    times["calibrate_quantize_s"] = time.perf_counter() - t0
+    peaks["calibrate_quantize"] = peak_rss_mb()
     for f in work.glob(f"{src.stem}.pre.onnx*"):
         f.unlink()
     return {"activation": "QUInt16", "weights": f"{'QInt4' if precision == 'w4a16' else 'QInt8'} per-channel"
