@@ -257,6 +257,35 @@ def peak_rss_mb() -> int | None:
         return None
 
 
+def release_memory() -> None:
+    """Give freed heap back to the OS (glibc keeps it otherwise): the parse of a 2 GB graph leaves gigabytes of
+    freed protobuf heap that would still count in the next step's peak."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def spill_feeds(feeds: list[dict], path: Path) -> Path:
+    """Write calibration feeds to ``path`` (.npz) so they are not held while other graphs are quantized."""
+    np.savez(path, **{f"{i}/{name}": v for i, f in enumerate(feeds) for name, v in f.items()})
+    return path
+
+
+def load_feeds(path: Path) -> list[dict]:
+    with np.load(path) as z:
+        out: dict[int, dict] = {}
+        for key in z.files:
+            i, name = key.split("/", 1)
+            out.setdefault(int(i), {})[name] = z[key]
+    return [out[i] for i in sorted(out)]
+
+
 def _is_big(path: Path) -> bool:
     return any(path.parent.glob(path.name + ".data")) or path.stat().st_size > 512 * 1024 * 1024
 
@@ -351,6 +380,7 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], precision: str, work
         if keep_fp:
             kept["kept_fp"] = {"layers": [e[0] for e in keep_fp], "nodes": len(excluded)}
     del proto
+    release_memory()
     config = get_qnn_qdq_config(
         str(model_in), quant._Reader(feeds), calibrate_method=CalibrationMethod.MinMax,
         activation_type=QuantType.QUInt16, weight_type=QuantType.QInt8, per_channel=True,
@@ -471,6 +501,9 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
             t0 = time.perf_counter()
             files = quant.calibration_files(options.get("calibration_images"))
             feeds, label = calibration_feeds(model, src_dir, desc, files, quant._require(context))
+            # on disk until their graph is quantized: only one graph's feeds are in memory at a time
+            feeds = {key: spill_feeds(f, work / f"feeds_part{key[0]}_{key[1]}.npz") for key, f in feeds.items()}
+            release_memory()
             quant_s += time.perf_counter() - t0
             q_times["record_feeds_s"] = time.perf_counter() - t0
             q_peaks["record_feeds"] = peak_rss_mb()
@@ -485,7 +518,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                 if precision != "fp16":
                     t0 = time.perf_counter()
                     dst = work / f"part{k}_{kind}.qdq.onnx"
-                    facts = quantize_graph(srcs[kind], dst, feeds.pop((k, kind)), precision, work,
+                    facts = quantize_graph(srcs[kind], dst, load_feeds(feeds.pop((k, kind))), precision, work,
                                            keep_fp=part_keep(options.get("keep_fp"), k, kind),
                                            keep_a16w16=part_keep(options.get("keep_a16w16"), k, kind))
                     for step, sec in facts.pop("times", {}).items():  # where the quantization time goes
@@ -496,6 +529,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                         if option in facts:
                             per_layer.setdefault(option, {})[f"part{k}_{kind}"] = facts.pop(option)
                     srcs[kind] = dst
+                    release_memory()
                     quant_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             entry = {"index": k, "layers": p["layers"], "graphs": {}, "binaries": [],
@@ -509,6 +543,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                     rejected = ep.unsupported_nodes(srcs[kind], soc)
                     why = (f"unsupported op(s) {', '.join(rejected[:5])}" if rejected else ep._one_line(exc))
                     raise BackendError(f"QNN HTP ({soc.name}/{soc.arch}) could not compile {what}: {why}") from None
+                release_memory()
                 q_peaks[f"part{k}_{kind}_qnn_compile"] = peak_rss_mb()
                 info = describe_ctx_onnx(wrapper)
                 if info["non_qnn_nodes"] or len(info["graphs"]) != 1 or len(info["binaries"]) != 1:
