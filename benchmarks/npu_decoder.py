@@ -88,8 +88,8 @@ def child_export(spec) -> dict:
     from vlmrun import plugins
     from vlmrun.pipeline import export_artifact
     from vlmrun.stages import ExportForm
-    from vlmrun_qnn_htp import forms, stage_options
-    from vlmrun_qnn_htp.parts import plan
+    from vlmrun_qnn_htp.options import forms, stage_options
+    from vlmrun_qualcomm.parts import plan
 
     store, model = _model(spec)
     opts = stage_options("decoder", _decoder_opts(spec, spec["form"], spec["precision"], "on"))

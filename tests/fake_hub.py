@@ -38,7 +38,7 @@ built by the local onnxruntime-qnn).
 Graph names: ``--qnn_graph_name NAME`` (or the client's ``--qnn_options context_enable_graphs=NAME``) names the
 compiled graph. The real hub writes NAME as given; this fake rewrites onnxruntime-qnn's graph name inside the
 binary in place, which keeps its length, so NAME is zero-padded to that length before a ``_<k>_of_<P>`` suffix
-(else at its end with ``_``), the way ``vlmrun_qnn_htp.parts.genie_name`` pads; a NAME longer than
+(else at its end with ``_``), the way ``vlmrun_qnn_htp.genie_names.genie_name`` pads; a NAME longer than
 onnxruntime-qnn's fails the job.
 
 Link jobs (``submit_link_job``: ``POST jobs`` with ``Job.link_job``: ``models`` a ModelList of model ids, ``device``,
@@ -52,7 +52,7 @@ inputs or graph names repeat. What the fake's "DLC" is: not QNN's DLC format (no
 the uploaded ONNX kept as it was uploaded (one file, or a zip of the model directory), with the graph name
 and I/O the compile job gave it; only the link job compiles. The link job compiles its DLCs with
 onnxruntime-qnn on the HTP emulator into ONE context binary holding every graph with shared weights, the same
-mechanism ``vlmrun_qnn_htp.parts`` uses locally for ``weight_sharing = "on"`` (``ep.share_ep_contexts`` on every
+mechanism ``vlmrun_qnn_htp.parts_compile`` uses locally for ``weight_sharing = "on"`` (``ep.share_ep_contexts`` on every
 session, ``ep.stop_share_ep_contexts`` on the last), names the graphs as asked (above), and gives the target
 model (MODEL_TYPE_QNN_CONTEXT_BINARY) the graph names in its metadata and input/output specs per graph
 (``graph_name``). ``link_jobs`` records each link job submitted (id, model ids, device, options).
@@ -184,7 +184,7 @@ def _fit_name(want: str, old: str) -> str:
 
 def _rename_graph(binary: Path, wrapper: Path | None, old: str, new: str) -> None:
     """Rename graph ``old`` in a context binary (same length) and in the EPContext wrapper over it."""
-    from vlmrun_qnn_htp.parts import rename_graph
+    from vlmrun_qnn_htp.genie_names import rename_graph
 
     rename_graph(binary, old, new)
     if wrapper is not None:
@@ -373,7 +373,7 @@ class FakeHub:
     def _link(self, job_id: str):
         """One context binary holding every input's graph, weights shared (see the module docstring)."""
         from vlmrun_qnn_htp import ep
-        from vlmrun_qnn_htp.parts import _compile_session
+        from vlmrun_qnn_htp.ep import compile_session as _compile_session
         from vlmrun_qualcomm.manifest import describe_ctx_onnx
 
         job = self.jobs[job_id]

@@ -447,17 +447,19 @@ def test_qnn_htp_int8_probe_keeps_the_main_path(model, store, clean, tmp_path):
     from vlmrun.layouts import Layout, StageAssignment
     from vlmrun.pipeline import export_artifact
     from vlmrun.stages import STAGES, ExportForm
-    from vlmrun_qnn_htp import quant
+    from vlmrun_qnn_htp import calibration
+    from vlmrun_qnn_htp.quantizer import quantize
+    from vlmrun_qnn_htp.recipe import Recipe
 
     ref = clean.pipelines["reference"]
     # the quantization of the normal and the probe graph, on the same calibration feeds
-    feeds, _ = quant.calibration_samples("vision", model, None)
+    feeds, _ = calibration.calibration_samples("vision", model, None)
     params = {}
     for form in (ExportForm.of("vision"), ExportForm.of("vision").probe()):
         art = export_artifact(ref.registry, store, model, form)
         work = tmp_path / form.label().replace("/", "_")
         work.mkdir()
-        quant.quantize_qdq(art.file(), work / "q.onnx", feeds, "int8", work)
+        quantize(art.file(), work / "q.onnx", feeds, Recipe("int8"), work)
         params[form.is_probe] = _qdq_params(work / "q.onnx")
     normal, probe = params[False], params[True]
     assert len(normal) > 50
@@ -562,14 +564,16 @@ def test_qnn_htp_keep_a16w16_what_if(model, store, clean, capsys):
 
     from vlmrun.pipeline import export_artifact
     from vlmrun.stages import ExportForm
-    from vlmrun_qnn_htp import quant
+    from vlmrun_qnn_htp import calibration
+    from vlmrun_qnn_htp.quantizer import quantize
+    from vlmrun_qnn_htp.recipe import Recipe
 
-    feeds, _ = quant.calibration_samples("vision", model, None)
+    feeds, _ = calibration.calibration_samples("vision", model, None)
     src = export_artifact(ref.registry, store, model, ExportForm.of("vision"))
     key = art.manifest["key"]["options"]["keep_a16w16"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        facts = quant.quantize_qdq(src.file(), work / "q.onnx", feeds, "int8", work, keep_a16w16=key)
+        facts = quantize(src.file(), work / "q.onnx", feeds, Recipe("int8"), work, {"keep_a16w16": key})
         bits = _qdq_bits(work / "q.onnx")
     assert facts["a16w16"]["nodes"] == q["nodes"]
     assert bits.get("uint16", 0) > 0 and bits.get("int16", 0) > 0 and bits.get("uint8", 0) > bits["uint16"]
@@ -617,7 +621,7 @@ def test_qnn_htp_parts_form_boundaries_then_inside_the_worst_part(model, store, 
     probe binary (compiled at w8a16 like the part, cached) reports its layers, and its main outputs equal the
     part's: the boundaries and the logits are the same with the probe binary swapped in."""
     pytest.importorskip("onnxruntime_qnn")
-    pytest.importorskip("vlmrun_qnn_htp.parts")
+    pytest.importorskip("vlmrun_qnn_htp.parts_compile")
     from vlmrun import Pipeline
     from vlmrun.layouts import Layout, StageAssignment
     from vlmrun.stages import STAGES
@@ -671,7 +675,7 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
     what-if on the located layer rebuilds the parts and reports the change; prefixes and unknown layers are usage
     errors."""
     pytest.importorskip("onnxruntime_qnn")
-    pytest.importorskip("vlmrun_qnn_htp.parts")
+    pytest.importorskip("vlmrun_qnn_htp.parts_compile")
     from vlmrun import Pipeline
     from vlmrun.errors import UsageError
     from vlmrun.layouts import Layout, StageAssignment

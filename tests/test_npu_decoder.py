@@ -92,7 +92,7 @@ def full_size_model(**over):
 
 
 def test_plan_picks_the_fewest_parts_under_the_limit():
-    from vlmrun_qnn_htp import parts
+    from vlmrun_qualcomm import parts
 
     m = full_size_model()
     opts = {"weight_sharing": "on", "parts": 0, "part_limit_mb": 1000, "prefill_ar": 128, "context_length": 1024}

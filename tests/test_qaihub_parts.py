@@ -91,7 +91,7 @@ def part_export(tiny_model, store, registry):
     from vlmrun.stages import ExportForm
 
     L = tiny_model.num_layers
-    from vlmrun_qnn_htp.parts import plan
+    from vlmrun_qualcomm.parts import plan
 
     p = plan(tiny_model, {"precision": "fp16", "parts": P, "part_limit_mb": 1000, "prefill_ar": AR,
                           "context_length": CTX})
@@ -128,7 +128,7 @@ def test_compile_jobs_then_one_link_job_per_part(linked, hub, tiny_model, store,
 
 
 def test_manifest_is_qnn_htps_parts_manifest_with_the_jobs(linked, hub, tiny_model, store, registry):
-    from vlmrun_qnn_htp.parts import graph_digest
+    from vlmrun_qualcomm.parts import graph_digest
     from vlmrun_qualcomm.manifest import describe_ctx_onnx
 
     art = linked.pipe.handles["decoder"].artifact

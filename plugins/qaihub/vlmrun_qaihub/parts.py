@@ -157,7 +157,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     """Compile every part of the ``decoder/parts`` export ``source`` on the hub into ``out_dir``; the manifest."""
     import qai_hub
     from qai_hub.client import ModelMetadataKey
-    from vlmrun_qnn_htp import parts as qparts  # the form is qnn_htp's: its manifest and arithmetic come from there
+    from vlmrun_qualcomm import parts as qparts  # the form's arithmetic, shared with qnn_htp
     from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
     from . import built_for, check_device_soc, device_of, expected_soc, make_device, qairt_version_of, resolve_device

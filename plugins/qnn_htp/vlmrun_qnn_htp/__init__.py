@@ -1,7 +1,12 @@
 """vlmrun plugin ``qnn_htp``: FastVLM stages as QNN context binaries on the Qualcomm HTP.
 
 Compile: ONNX -> QNN context binary with onnxruntime-qnn (EPContext, embed mode 0, CPU fallback disabled,
-static shapes, ``soc_model`` from :mod:`vlmrun_qualcomm.socs`), fp16 by default or int8 via static QDQ (:mod:`.quant`).
+static shapes, ``soc_model`` from :mod:`vlmrun_qualcomm.socs`), fp16 by default or quantized by the stage's recipe
+(:mod:`.recipe`, :mod:`.quantizer`; calibration data: :mod:`.calibration`).
+Where things are: options (:mod:`.options`), the onnxruntime-qnn session and EP checks (:mod:`.ep`), the fixed
+forms' handles (:mod:`.handles`), the parts form (:mod:`.parts_compile`, :mod:`.parts_run`, Genie naming in
+:mod:`.genie_names`), Genie engines (:mod:`.genie_engine`, :mod:`.genie_phone`), probes and per-layer precision
+(:mod:`.probe`, :mod:`.layers`), the phone (:mod:`.netrun`), the SDK's own tools (:mod:`.sdk_compile`).
 Run: locally on the HTP backend of onnxruntime-qnn (the v79 emulator on x86_64, the NPU on a Snapdragon
 host), or with ``target = "android"`` on a phone through the SDK's ``qnn-net-run`` over adb (:mod:`.netrun`).
 Decode: a host-driven fixed-KV loop over an AR-N prefill graph and an AR-1 graph (:mod:`.decoder`).
@@ -22,7 +27,7 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
                     squaring, so fp16 does not overflow on massive activations) or ``plain`` (transformers' form;
                     overflows in fp16 once |x| > 256, kept to show the failure)
 ``decoder_form``    ``fixed`` (default: one fp16/int8 graph per binary, AR-N + AR-1, host engine) or ``parts``: Qualcomm's
-                    shipping form (:mod:`.parts`): P parts, each a prompt (AR-N) and a token (AR-1) graph in Genie's
+                    shipping form (:mod:`.parts_compile`): P parts, each a prompt (AR-N) and a token (AR-1) graph in Genie's
                     I/O layout, ``fp16``/``w8a16``/``w4a16``, both graphs of a part in one weight-shared binary
 ``parts``           parts: number of parts (0 = the fewest whose binaries stay under ``part_limit_mb``, default
                     1000 MB); ``weight_sharing``: ``auto`` (shared except on the x86_64 emulator, which cannot load
@@ -34,6 +39,11 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
                     its part's prompt and token graphs (:mod:`.probe`)
 ``keep_a16w16``     int8/a16w8/w8a16/w4a16: layers quantized with 16-bit activations and weights (the rest stays
                     at the stage's precision), the same entries as ``keep_fp``
+``layer_precision`` per-layer map ``LAYER=fp16|a16w16|w8|w4`` (:mod:`.layers`)
+``quantizer``       quantized precisions: ``onnxruntime`` (default) or ``aimet`` (AIMET-ONNX, the ``aimet`` extra);
+                    with ``weight_scheme`` (``per_channel``, ``lpbq``: AIMET w4a16's default), ``block_size`` (64),
+                    ``algorithm`` (``minmax``, ``seq_mse``, ``adaround``), ``seq_mse_candidates``,
+                    ``adaround_iterations``: the recipe (:mod:`.recipe`, applied by :mod:`.quantizer`)
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
                     ``native_outputs``, ``timeout``; the decoder on a phone needs engine ``genie`` (the SDK's
                     genie-t2t-run on the phone's HTP, :mod:`.genie_phone`; ``ndk_root`` for libc++_shared.so)
@@ -53,9 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun import hookimpl
-from vlmrun.errors import BackendError, UsageError
-from vlmrun.handles import DecoderHandle as DecoderHandleBase
-from vlmrun.handles import StageHandle
+from vlmrun.errors import BackendError
 from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import STAGES, ExportForm
@@ -63,137 +71,20 @@ from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest
 from vlmrun_qualcomm.sdk import Sdk, newer_than, phone_options
 
-from . import ep, quant
+from . import calibration, ep, recipe
+from .handles import ChunkedEmbed, DecoderHandle, LocalStage
+from .layers import LAYER_OPTIONS
+from .options import (DECODER_FORMS, DEFAULT_CONTEXT, DEFAULT_EMBED_SEQ, DEFAULT_PREFILL_AR, ENGINES, NAME,
+                      PRECISIONS, RMSNORMS, TOOLCHAINS, binary_version, compile_key, forms, stage_options)
+from .quantizer import io_quant, quantize
 
-NAME = "qnn_htp"
 __version__ = "0.1.0"
-
-PRECISIONS = ("fp16", "int8", "a16w8", "w8a16", "w4a16")  # w8a16, w4a16: decoder_form = "parts" only
-DECODER_FORMS = ("fixed", "parts")
-ENGINES = ("host", "genie")
-RMSNORMS = ("safe", "plain")  # the decoder exports' RMSNorm (vlmrun_ort_reference.onnx_export.safe_rms_norm)
-TOOLCHAINS = ("onnxruntime", "sdk")
-DEFAULT_CONTEXT = 512
-DEFAULT_PREFILL_AR = 64
-DEFAULT_EMBED_SEQ = 32
-
-
-# -- options -----------------------------------------------------------------------------------------------
-def stage_options(stage: str, options) -> dict:
-    """Normalise a stage's layout options (UsageError for bad values)."""
-    o = dict(options or {})
-    precision = str(o.get("precision") or "fp16").lower()
-    if precision not in PRECISIONS:
-        raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
-    out = {"precision": precision, "soc": socs.soc(o.get("soc")).name}
-    form = str(o.get("decoder_form") or "fixed").lower() if stage == "decoder" else "fixed"
-    if form not in DECODER_FORMS:
-        raise UsageError(f"decoder_form '{form}' is not one of {', '.join(DECODER_FORMS)}")
-    if precision in ("w8a16", "w4a16") and form != "parts":
-        raise UsageError(f"precision {precision} is the decoder's parts form only (decoder_form = \"parts\");"
-                         " other stages and the fixed decoder take int8 or a16w8")
-    if form == "parts":
-        from . import parts
-
-        out.update(parts.normalise(o, precision))
-    if precision != "fp16":
-        cal = o.get("calibration_images") if stage != "embed" else None  # embed calibrates on token ids
-        out["calibration_images"] = str(Path(cal).expanduser().resolve()) if cal else None
-        default = {"embed": quant.EMBED_CALIBRATION, "decoder": quant.DECODER_CALIBRATION}.get(stage, "random")
-        out["calibration"] = quant.calibration_digest(cal) or default
-        if form == "parts" and not out["calibration_images"]:
-            out["calibration"] = parts.CALIBRATION
-        if stage == "decoder" and str(o.get("engine") or "host") == "genie" and form != "parts":
-            raise UsageError(f"precision {precision} is not available for the genie decoder engine on qnn_htp;"
-                             " use fp16 or engine = host")
-    if stage == "decoder":
-        ctx = int(o.get("context_length") or DEFAULT_CONTEXT)
-        ar = int(o.get("prefill_ar") or DEFAULT_PREFILL_AR)
-        if ctx < 8:
-            raise UsageError(f"context_length {ctx} is too small")
-        out["context_length"] = ctx
-        out["prefill_ar"] = max(1, min(ar, ctx // 2)) if form != "parts" else out["prefill_ar"]
-        out["decoder_form"] = form
-        engine = str(o.get("engine") or "host")
-        if engine not in ENGINES:
-            raise UsageError(f"decoder engine '{engine}' is not provided by qnn_htp (engines: {', '.join(ENGINES)});"
-                             " a Genie engine comes with its own plugin")
-        out["engine"] = engine
-        rmsnorm = str(o.get("rmsnorm") or "safe").lower()
-        if rmsnorm not in RMSNORMS:
-            raise UsageError(f"rmsnorm '{rmsnorm}' is not one of {', '.join(RMSNORMS)}")
-        out["rmsnorm"] = rmsnorm
-    if stage == "embed":
-        out["embed_seq"] = int(o.get("embed_seq") or DEFAULT_EMBED_SEQ)
-    from .probe import check_keep_fp, parse_keep_fp  # per-layer precision (vlmrun diff --what-if)
-
-    keep_fp = parse_keep_fp(o.get("keep_fp"))
-    check_keep_fp(stage, keep_fp, out["precision"])
-    if keep_fp:
-        out["keep_fp"] = keep_fp
-    keep16 = parse_keep_fp(o.get("keep_a16w16"))  # per-layer 16-bit: same entries, quantized at a16w16
-    check_keep_fp(stage, keep16, out["precision"], "keep_a16w16")
-    if keep16:
-        if str(o.get("toolchain") or "onnxruntime").lower() == "sdk":
-            raise UsageError("keep_a16w16 needs toolchain = \"onnxruntime\" (the SDK's converter quantizes the"
-                             " stage itself)")
-        both = sorted(set(keep16) & set(keep_fp))
-        if both:
-            raise UsageError(f"{stage}: {', '.join(both)} is in both keep_fp and keep_a16w16; choose one")
-        out["keep_a16w16"] = keep16
-    target = str(o.get("target") or "local").lower()
-    if target not in ("local", "android"):
-        raise UsageError(f"target '{target}' is not one of local, android")
-    if target == "android" and stage == "decoder" and out.get("engine") != "genie":
-        raise UsageError("the decoder's host engine cannot run on a phone (qnn-net-run runs one graph per call);"
-                         " use --decoder-engine genie: Genie's genie-t2t-run decodes on the phone's HTP")
-    out["target"] = target
-    toolchain = str(o.get("toolchain") or "onnxruntime").lower()
-    if toolchain not in TOOLCHAINS:
-        raise UsageError(f"toolchain '{toolchain}' is not one of {', '.join(TOOLCHAINS)}")
-    if toolchain == "sdk" and stage == "decoder":
-        raise UsageError("toolchain = \"sdk\" compiles vision, projector and embed; the decoder compiles with"
-                         " onnxruntime-qnn")
-    out["toolchain"] = toolchain
-    if toolchain == "sdk":
-        out["sdk_root"] = str(o["sdk_root"]) if o.get("sdk_root") else None
-    return out
-
-
-def compile_key(opts: dict) -> dict:
-    """The options that determine the binary's bytes (they key the artifact store)."""
-    keep = ("precision", "soc", "calibration", "weight_sharing", "part_limit_mb")  # the last two: parts form
-    key = {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
-    if opts.get("toolchain") == "sdk":  # the SDK's tools, its QNN version (the onnxruntime default keys as before)
-        sdk = Sdk.find(opts.get("sdk_root"))
-        key.update(toolchain="sdk", qnn=sdk.version(), sdk_root=str(sdk.root))
-    return key
-
-
-def binary_version(opts: dict, options) -> str | None:
-    """The QNN version the stage's binary will carry, when it is known before compiling."""
-    compiler = str(dict(options or {}).get("compiler") or NAME)
-    if compiler != NAME:
-        v = dict(options or {}).get("qairt_version")  # the qaihub plugin's pin of the hub's QAIRT version
-        return str(v) if v else None
-    return Sdk.find(opts.get("sdk_root")).version() if opts.get("toolchain") == "sdk" else ep.qnn_version()
-
-
-def forms(stage: str, opts: dict) -> list[ExportForm]:
-    if stage == "decoder":
-        ctx = opts["context_length"]
-        ars = sorted({opts["prefill_ar"], 1}, reverse=True)
-        norm = opts.get("rmsnorm") or "safe"  # fp16-safe RMSNorm unless asked otherwise
-        if opts.get("engine") == "genie":
-            return [ExportForm.of("decoder", "decoder/genie", ar=ar, ctx=ctx, input="embeds", rmsnorm=norm)
-                    for ar in ars]
-        return [ExportForm.of("decoder", "decoder/fixed", ar=ar, ctx=ctx, rmsnorm=norm) for ar in ars]
-    if stage == "embed":
-        return [ExportForm.of("embed", seq=opts["embed_seq"])]
-    return [ExportForm.of(stage)]
 
 
 # -- hooks -------------------------------------------------------------------------------------------------
+Q_STAGES = ("vision", "projector", "embed", "decoder")
+
+
 @hookimpl
 def register_options(register):
     for o in (
@@ -228,6 +119,24 @@ def register_options(register):
         Option(NAME, "keep_a16w16", str, stages=("vision", "projector", "decoder"),
                help="int8/a16w8: layers quantized at 16 bits (activations and weights), comma-separated: names as"
                     " vlmrun diff --locate prints them or node-name prefixes starting with /"),
+        Option(NAME, "quantizer", str, stages=Q_STAGES, choices=recipe.QUANTIZERS, default="onnxruntime",
+               flag="--quantizer", help="quantization engine: onnxruntime (QDQ tools, min-max) or aimet (AIMET-ONNX,"
+                    f" Qualcomm's toolkit: LPBQ, Sequential MSE, AdaRound; {recipe.AIMET_EXTRA})"),
+        Option(NAME, "weight_scheme", str, stages=Q_STAGES, choices=recipe.WEIGHT_SCHEMES,
+               help="weights: per_channel, or lpbq (4-bit blocks along the input channel, AIMET, w4a16; the"
+                    " default there)"),
+        Option(NAME, "block_size", int, stages=("decoder",), default=recipe.DEFAULT_BLOCK_SIZE, minimum=1,
+               flag="--block-size", help="LPBQ block size along the input channel (must divide it)"),
+        Option(NAME, "algorithm", str, stages=Q_STAGES, choices=recipe.ALGORITHMS, default="minmax",
+               flag="--quant-algorithm", help="how weight encodings are chosen: minmax, seq_mse (Sequential MSE)"
+                    " or adaround (AIMET)"),
+        Option(NAME, "seq_mse_candidates", int, stages=Q_STAGES, default=recipe.DEFAULT_SEQ_MSE_CANDIDATES,
+               minimum=1, help="Sequential MSE: encoding candidates tried per weight"),
+        Option(NAME, "adaround_iterations", int, stages=Q_STAGES, default=recipe.DEFAULT_ADAROUND_ITERATIONS,
+               minimum=1, help="AdaRound: optimisation steps per layer"),
+        Option(NAME, "layer_precision", str, stages=("vision", "projector", "decoder"),
+               help="per-layer precision map, LAYER=fp16|a16w16|w8|w4 comma-separated (e.g. decoder.lm_head=w8):"
+                    " what vlmrun tune writes"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph; longer inputs run in chunks"),
         Option(NAME, "native_outputs", bool, default=False,
@@ -298,6 +207,8 @@ def preflight(backend, stage, model, options):
         return
     opts = stage_options(stage, options)
     o = dict(options or {})
+    if stage == "decoder":  # an LPBQ block that does not divide the weights' input channels: before any export
+        recipe.check_block_size(recipe.from_key(opts), model)
     if opts["toolchain"] == "sdk" and str(o.get("compiler") or NAME) == NAME:
         sdk = Sdk.find(opts.get("sdk_root"))
         sdk.require_compile_tools('for toolchain = "sdk"')
@@ -345,8 +256,8 @@ def _compile_binary(src: Path, out_dir: Path, name: str, soc, precision: str, op
 def compile_stage(stage, model, source, options, out_dir: Path, context=None) -> dict:
     """Compile ``source`` into a context binary in ``out_dir``; ``context`` (a CompileContext) gives int8
     calibration its reference activations."""
-    if str(source.manifest.get("form", "")).startswith("decoder/parts"):  # every part, both graphs (parts.py)
-        from .parts import compile_parts
+    if str(source.manifest.get("form", "")).startswith("decoder/parts"):  # every part, both graphs
+        from .parts_compile import compile_parts
 
         return compile_parts(model, source, options, out_dir, context=context)
     soc = socs.soc(options.get("soc"))
@@ -361,15 +272,16 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
         feeds = None
         if precision != "fp16":
             t0 = time.perf_counter()
-            feeds, label = quant.calibration_samples(stage, model, options.get("calibration_images"), source=source,
-                                                      context=context)
+            feeds, label = calibration.calibration_samples(stage, model, options.get("calibration_images"),
+                                                            source=source, context=context)
             if options.get("toolchain") == "sdk":  # the SDK's converter quantizes from the samples itself
                 extra = {"quantization": {"calibration": label, "samples": len(feeds), "by": "qnn-onnx-converter"}}
             else:
                 qdq = work / f"{name}.qdq.onnx"
-                facts = quant.quantize_qdq(src, qdq, feeds, precision, work, keep_fp=options.get("keep_fp"),
-                                           keep_a16w16=options.get("keep_a16w16"))
-                extra = {"quantization": {**facts, "calibration": label,
+                layers = {o: options[o] for o in LAYER_OPTIONS if options.get(o)}
+                facts = quantize(src, qdq, feeds, recipe.from_key(options), work, layers)
+                facts.pop("peak_rss_mb_after", None)
+                extra = {"quantization": {**facts, "io_quant": io_quant(qdq), "calibration": label,
                                           "quantize_s": round(time.perf_counter() - t0, 3)}}
                 src = qdq
         info, more = _compile_binary(src, out_dir, name, soc, precision, options, work, feeds, what)
@@ -385,68 +297,15 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
                            io_quant=io_q, extra=extra).to_dict()
 
 
-class LocalStage(StageHandle):
-    """A compiled non-decoder stage on the local HTP backend."""
-
-    def __init__(self, session: ep.HtpSession, artifact):
-        self.session = session
-        self.artifact = artifact
-        self.artifacts = (artifact,)
-        self.load_s = session.load_s
-
-    def run(self, inputs: dict) -> dict:
-        feeds = {}
-        for name, (shape, dtype) in self.session.inputs.items():
-            feeds[name] = np.ascontiguousarray(inputs[name], dtype=dtype)
-        return self.session.run(feeds)
-
-
-class ChunkedEmbed(StageHandle):
-    """The static-shape embed graph (seq E) over any length: pad with token 0, run in chunks, slice."""
-
-    def __init__(self, runner: StageHandle, seq: int):
-        self.runner = runner
-        self.seq = seq
-        self.artifacts = runner.artifacts
-        self.artifact = runner.artifacts[0] if runner.artifacts else None
-        self.load_s = runner.load_s
-
-    def run(self, inputs: dict) -> dict:
-        ids = np.asarray(inputs["input_ids"], dtype=np.int64)
-        T, E = ids.shape[1], self.seq
-        parts = []
-        for i in range(0, T, E):
-            chunk = np.zeros((1, E), np.int64)
-            n = min(E, T - i)
-            chunk[0, :n] = ids[0, i : i + n]
-            out = self.runner.run({"input_ids": chunk})["inputs_embeds"]
-            if not isinstance(out, np.ndarray):  # QuantizedTensor from a phone
-                out = out.dequantize()
-            parts.append(out[:, :n])
-        return {"inputs_embeds": np.concatenate(parts, axis=1).astype(np.float32)}
-
-
-class DecoderHandle(DecoderHandleBase):
-    def __init__(self, decoder, artifacts, load_s):
-        self.decoder = decoder
-        self.artifacts = list(artifacts)
-        self.load_s = load_s
-
-    @property
-    def context_length(self) -> int:
-        """The context the graphs were compiled for (the core checks prompt lengths against it)."""
-        return self.decoder.ctx
-
-
 def _compiled(ctx, stage: str, opts: dict, form: ExportForm):
     src = ctx.exported(form)
     kind = f"{form.label()}-{opts['precision']}-{opts['soc']}"
     key_opts = compile_key(opts)
     if opts.get("calibration_images"):
         key_opts["calibration_images"] = opts["calibration_images"]
-    for option in ("keep_fp", "keep_a16w16"):  # per-layer precision: the layers' boundaries in this form's graphs
-        if opts.get(option):  # keep_fp: left in float; keep_a16w16: activations and weights at 16 bits (probe.py)
-            from .probe import keep_fp_key, parts_keep_key
+    for option in LAYER_OPTIONS:  # per-layer precision: the layers' boundaries in this form's graphs (layers.py)
+        if opts.get(option):
+            from .layers import keep_fp_key, parts_keep_key
 
             resolve = parts_keep_key if form.kind == "decoder/parts" else keep_fp_key
             key_opts[option] = resolve(ctx, form, opts[option], option)
@@ -460,7 +319,9 @@ def load_stage(backend, stage, ctx):
     opts = stage_options(stage, ctx.options)
     soc = socs.soc(opts["soc"])
     if opts.get("decoder_form") == "parts":
-        from .parts import load_parts, plan
+        from vlmrun_qualcomm.parts import plan
+
+        from .parts_run import load_parts
 
         p = plan(ctx.model, opts)
         form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],

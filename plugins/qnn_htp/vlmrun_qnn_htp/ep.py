@@ -97,6 +97,26 @@ def session_options(soc: Soc, *, fallback: bool = False, context_path: Path | No
     return ort, so
 
 
+def is_emulator() -> bool:
+    """True where the local HTP backend is onnxruntime-qnn's x86_64 emulator (not an NPU)."""
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def compile_session(src: Path, ctx_path: Path, soc: Soc, share: bool = False, stop: bool = False) -> None:
+    """Compile ``src`` into the EPContext wrapper ``ctx_path`` (and its binary) by opening a session on it;
+    ``share``: onnxruntime-qnn's ``ep.share_ep_contexts`` (graphs of consecutive sessions in one weight-shared
+    binary, written when ``stop``)."""
+    ort, so = session_options(soc, context_path=ctx_path)
+    if share:
+        so.add_session_config_entry("ep.share_ep_contexts", "1")
+        if stop:
+            so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
+    with stdout_to_stderr():
+        ort.InferenceSession(str(src), so)
+
+
 def unsupported_nodes(src: Path, soc: Soc) -> list[str]:
     """Which nodes of ``src`` the HTP does not take: compile once with CPU fallback allowed and look."""
     with tempfile.TemporaryDirectory(prefix="vlmrun-qnn-diag-") as tmp:

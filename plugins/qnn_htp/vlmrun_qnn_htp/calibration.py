@@ -1,0 +1,280 @@
+"""Calibration data for quantizing qnn_htp's graphs: where it comes from, and how it reaches the quantizer.
+
+* vision / projector: images from a folder (preprocessed like real inputs; the projector's through the reference
+  fp32 vision stage) or, when none is given, seeded random data that the manifest labels ``"random"``;
+* embed: token ids (templated prompts, a vocabulary sweep and the table's extreme rows);
+* the fixed decoder (AR-N / AR-1): feeds recorded from the host loop (:class:`.decoder.FixedKVDecoder`) driven by the
+  float graph on the CPU over the reference pipeline's prompt embeddings of the calibration images (the demo image
+  when none are given), prefill then greedy decode;
+* the parts decoder: the same host loop over the float part graphs (:func:`parts_calibration_feeds`), once with
+  the prompt graphs and once with the token graphs, the attention mask clipped at :data:`MASK_CLIP`.
+
+:class:`Reader` hands feeds to onnxruntime's calibrators; :func:`spill_feeds` / :func:`load_feeds` keep a graph's
+feeds on disk until that graph is quantized.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from vlmrun.errors import UsageError
+
+from .parts_run import Chain
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
+RANDOM_SAMPLES = 4
+MASK_CLIP = -100.0  # quantized parts: the mask range the calibration sees (larger negatives saturate here)
+GEN_STEPS = 8  # parts: greedy tokens decoded after each calibration prompt
+PROMPT_GEN_STEPS = 8  # ... for the prompt graph's calibration (each a whole AR-N call for one real row)
+MAX_SAMPLES = 64  # parts: calibration feeds kept per graph
+PARTS_CALIBRATION = "parts-demo-image-v1"  # the parts decoder's calibration key when no images are given
+
+
+def calibration_files(folder: str | Path | None) -> list[Path]:
+    if not folder:
+        return []
+    d = Path(folder).expanduser()
+    if not d.is_dir():
+        raise UsageError(f"--calibration-images {folder} is not a directory")
+    files = sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise UsageError(f"--calibration-images {folder} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return files
+
+
+def calibration_digest(folder: str | Path | None) -> str | None:
+    """A digest of the calibration images (part of the artifact key), or None for random calibration."""
+    files = calibration_files(folder)
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+CALIBRATION_PROMPTS = ("Describe the image.", "What is in the picture?", "What colour is the sky? Answer briefly.")
+EMBED_CALIBRATION = "token-ids-v1"   # the calibration key of embed (no images)
+DECODER_CALIBRATION = "demo-image-v1"  # the decoder's calibration key when no images are given
+DECODER_GEN_STEPS = 8      # greedy tokens decoded (by the float graph) after each calibration prompt
+DECODER_MAX_SAMPLES = 64   # feeds kept per decoder graph (evenly spaced over the recorded calls)
+
+
+def calibration_samples(stage: str, model, folder, seed: int = 0, source=None,
+                        context=None) -> tuple[list[dict], str]:
+    """Input feeds for calibrating ``stage`` and a label saying where they came from.
+
+    ``source`` (the exported ONNX artifact being quantized) is needed for ``embed`` and ``decoder``;
+    ``context`` (the compile request's :class:`vlmrun.stages.CompileContext`) gives the reference activations
+    the projector (with images) and the decoder calibrate on.
+    """
+    files = calibration_files(folder)
+    rng = np.random.default_rng(seed)
+    if stage == "vision":
+        if files:
+            from vlmrun.preprocess import load_image, preprocess_image
+
+            feeds = [{"pixel_values": preprocess_image(load_image(f), model.image_processor_config)} for f in files]
+            return feeds, f"images:{len(files)}"
+        S = model.image_size
+        return ([{"pixel_values": rng.random((1, 3, S, S), dtype=np.float32)} for _ in range(RANDOM_SAMPLES)],
+                "random")
+    if stage == "projector":
+        if files:
+            return (require_context(context).reference_inputs(files),
+                    f"images:{len(files)} (through the reference fp32 vision stage)")
+        shape = (1, model.image_tokens, model.feature_dim)
+        return [{"image_features": rng.standard_normal(shape).astype(np.float32)} for _ in range(RANDOM_SAMPLES)], \
+            "random"
+    if stage == "embed":
+        return _embed_samples(model, source.file())
+    if stage == "decoder":
+        return _decoder_samples(model, source, files, require_context(context))
+    raise UsageError(f"int8 is not available for stage '{stage}' on qnn_htp; use --precision fp16")
+
+
+def require_context(context):
+    if context is None:
+        raise UsageError("calibrating this stage needs reference activations: compile it through a pipeline"
+                         " (vlmrun compile), which gives the compiler its context")
+    return context
+
+
+def cpu_session(path):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _embed_table(path) -> np.ndarray:
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(path))
+    big = max(proto.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    return numpy_helper.to_array(big)
+
+
+def _embed_samples(model, path) -> tuple[list[dict], str]:
+    """Token ids in chunks of the graph's static length: the chat-templated calibration prompts, an even
+    sweep over the vocabulary, and the rows holding the table's extremes (so MinMax covers every row)."""
+    from vlmrun.preprocess import render_prompt, tokenize_prompt
+
+    seq = int(cpu_session(path).get_inputs()[0].shape[1])
+    table = _embed_table(path)
+    V = table.shape[0]
+    ids: list[int] = []
+    for p in CALIBRATION_PROMPTS:
+        text = render_prompt(model.chat_template, p)
+        t, _ = tokenize_prompt(model.tokenizer, text, model.image_token_id, model.image_tokens)
+        ids += [int(i) for i in t[0]]
+    n_prompt = len(ids)
+    sweep = np.linspace(0, V - 1, num=min(V, 4 * seq), dtype=np.int64)
+    extremes = np.unique(np.concatenate([np.unravel_index([table.argmin(), table.argmax()], table.shape)[0],
+                                         np.abs(table).max(axis=1).argsort()[-seq // 2:]]))
+    ids += [int(i) for i in sweep] + [int(i) for i in extremes]
+    ids += [0] * (-len(ids) % seq)
+    arr = np.asarray(ids, np.int64).reshape(-1, seq)
+    feeds = [{"input_ids": row[None]} for row in arr]
+    return feeds, (f"token-ids:{len(ids)} ({n_prompt} from {len(CALIBRATION_PROMPTS)} templated prompts,"
+                   f" {len(sweep)} vocabulary sweep, {len(extremes)} extreme rows)")
+
+
+class _Recorder:
+    """Wraps a float ONNX session as a FixedKVDecoder graph and keeps a copy of every feed."""
+
+    def __init__(self, sess):
+        self.sess = sess
+        self.outputs = [o.name for o in sess.get_outputs()]
+        self.feeds: list[dict] = []
+
+    def run(self, feeds: dict) -> dict:
+        self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
+
+
+def _decoder_samples(model, source, files, context) -> tuple[list[dict], str]:
+    """Realistic feeds for one fixed-KV graph: the host loop (:class:`.decoder.FixedKVDecoder`) driven over the
+    reference prompt embeddings with the float graph on the onnxruntime CPU, prefill then greedy decode;
+    every call's feeds (mask, positions, past KV from the real prefill) are recorded."""
+    from .decoder import FixedKVDecoder
+
+    sess = cpu_session(source.file())
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    ar, ctx = int(shapes["attention_mask"][2]), int(shapes["attention_mask"][3])
+    rec = _Recorder(sess)
+    dec = FixedKVDecoder({ar: rec, 1: rec}, ctx, model, min_chunk=1)  # min_chunk 1: only this AR is picked
+    # the calibration images with one prompt each, or the demo image with every prompt
+    prompts = [CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)] for i in range(len(files))] or CALIBRATION_PROMPTS
+    embeds = [f["inputs_embeds"] for f in context.reference_inputs(files or None, prompts)]
+    embed_tokens, what = context.embed_tokens, (f"images:{len(files)}" if files else "demo image")
+    for e in embeds:
+        e = e[:, : max(1, ctx - ar - DECODER_GEN_STEPS)].astype(np.float32)
+        dec.reset()
+        logits = dec.prefill(e)
+        for _ in range(DECODER_GEN_STEPS):
+            if dec.n_past + ar > ctx:
+                break
+            tok = int(np.argmax(logits[0, -1]))
+            logits = dec._step(embed_tokens(np.array([tok])), ar)
+    feeds = rec.feeds
+    if len(feeds) > DECODER_MAX_SAMPLES:
+        keep = np.unique(np.linspace(0, len(feeds) - 1, DECODER_MAX_SAMPLES).round().astype(int))
+        feeds = [feeds[i] for i in keep]
+    label = (f"{what} x {len(embeds)} prompt(s), reference (ort_reference) prompt embeddings through the"
+             f" float AR-{ar} graph on the CPU (prefill + {DECODER_GEN_STEPS} greedy steps): {len(feeds)} of"
+             f" {len(rec.feeds)} host-loop feeds")
+    return feeds, label
+
+
+class Reader:
+    """onnxruntime's CalibrationDataReader over a list of feeds; ``set_range`` lets the calibrator take them in
+    strides (``CalibStridedMinMax``: ranges merged stride by stride, so only one stride's activations are held)."""
+
+    def __init__(self, feeds):
+        self.feeds = list(feeds)
+        self._it = iter(self.feeds)
+
+    def __len__(self):
+        return len(self.feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+    def set_range(self, start_index: int, end_index: int):
+        self._it = iter(self.feeds[start_index:end_index])
+
+    def rewind(self):  # some ORT versions call it
+        self._it = iter(self.feeds)
+
+
+
+class CpuGraph:
+    def __init__(self, path: Path):
+        self.sess = cpu_session(path)
+        self.input_names = [i.name for i in self.sess.get_inputs()]
+        self.outputs = [o.name for o in self.sess.get_outputs()]
+
+    def run(self, feeds: dict) -> dict:
+        return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
+
+
+def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context) -> tuple[dict, str]:
+    """{(part index, "prompt"|"token"): [feeds]} recorded from the float part graphs on the CPU, and a label."""
+    from vlmrun_qualcomm.genie import GenieModel
+
+    from .genie_engine import GenieLayoutDecoder
+
+    facts = GenieModel.from_model(model)
+    ar, ctx = desc["ar"], desc["ctx"]
+    prompts = [CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)] for i in range(len(files))] or list(
+        CALIBRATION_PROMPTS)
+    embeds = [f["inputs_embeds"][:, : max(1, ctx - ar - GEN_STEPS)].astype(np.float32)
+              for f in context.reference_inputs(files or None, prompts)]
+    out: dict = {}
+    for kind, rows in (("prompt", ar), ("token", 1)):
+        steps = PROMPT_GEN_STEPS if kind == "prompt" else GEN_STEPS
+        calls = sum(-(-e.shape[1] // rows) + steps for e in embeds)
+        keep = set(np.unique(np.linspace(0, calls - 1, min(calls, MAX_SAMPLES)).round().astype(int)).tolist())
+        runners = [CpuGraph(src_dir / p["graphs"][kind]["file"]) for p in desc["parts"]]
+        chain = Chain(runners, keep, MASK_CLIP)
+        dec = GenieLayoutDecoder({rows: chain, 1: chain}, ctx, facts, min_chunk=1)  # only this AR is picked
+        for e in embeds:
+            dec.reset()
+            logits = dec.prefill(e)
+            for _ in range(steps):
+                if dec.n_past + rows > ctx:
+                    break
+                tok = int(np.argmax(logits[0, -1]))
+                logits = dec._step(context.embed_tokens(np.array([tok])), rows)
+        for p, rec in zip(desc["parts"], chain.recorded):
+            out[(p["index"], kind)] = rec
+        del runners, chain
+    what = f"images:{len(files)}" if files else "demo image"
+    n = {k: len(v) for k, v in out.items() if k[0] == 1}
+    label = (f"{what} x {len(embeds)} prompt(s): reference (ort_reference) prompt embeddings through the float part"
+             f" graphs on the CPU (prefill + {GEN_STEPS} greedy steps, prompt graphs and token graphs separately);"
+             f" {n.get((1, 'prompt'), 0)} prompt / {n.get((1, 'token'), 0)} token feeds per part; mask clipped"
+             f" at {MASK_CLIP:g}")
+    return out, label
+
+
+def spill_feeds(feeds: list[dict], path: Path) -> Path:
+    """Write calibration feeds to ``path`` (.npz) so they are not held while other graphs are quantized."""
+    np.savez(path, **{f"{i}/{name}": v for i, f in enumerate(feeds) for name, v in f.items()})
+    return path
+
+
+def load_feeds(path: Path) -> list[dict]:
+    with np.load(path) as z:
+        out: dict[int, dict] = {}
+        for key in z.files:
+            i, name = key.split("/", 1)
+            out.setdefault(int(i), {})[name] = z[key]
+    return [out[i] for i in sorted(out)]

@@ -1,0 +1,195 @@
+"""qnn_htp's per-stage options: normalised and checked (:func:`stage_options`), what keys a binary
+(:func:`compile_key`), and the export forms a stage compiles (:func:`forms`).
+
+The options themselves are declared, with their help, in :func:`vlmrun_qnn_htp.register_options`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlmrun.errors import UsageError
+from vlmrun.stages import ExportForm
+from vlmrun_qualcomm import socs
+from vlmrun_qualcomm.parts import DEFAULT_PART_LIMIT_MB
+from vlmrun_qualcomm.parts import PRECISIONS as PARTS_PRECISIONS
+from vlmrun_qualcomm.sdk import Sdk
+
+from . import calibration, ep, recipe
+from .layers import LAYER_OPTIONS, check_keep_fp, parse_keep_fp
+
+NAME = "qnn_htp"
+PRECISIONS = ("fp16", "int8", "a16w8", "w8a16", "w4a16")  # w8a16, w4a16: decoder_form = "parts" only
+DECODER_FORMS = ("fixed", "parts")
+ENGINES = ("host", "genie")
+RMSNORMS = ("safe", "plain")  # the decoder exports' RMSNorm (vlmrun_ort_reference.onnx_export.safe_rms_norm)
+TOOLCHAINS = ("onnxruntime", "sdk")
+DEFAULT_CONTEXT = 512
+DEFAULT_PREFILL_AR = 64
+DEFAULT_EMBED_SEQ = 32
+PARTS_ALIASES = {"a16w8": "w8a16"}  # the fixed form's name for the parts form's recipe
+SHARING = ("auto", "on", "off")
+DEFAULT_PARTS_PREFILL_AR = 128
+
+
+def stage_options(stage: str, options) -> dict:
+    """Normalise a stage's layout options (UsageError for bad values)."""
+    o = dict(options or {})
+    precision = str(o.get("precision") or "fp16").lower()
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    out = {"precision": precision, "soc": socs.soc(o.get("soc")).name}
+    form = str(o.get("decoder_form") or "fixed").lower() if stage == "decoder" else "fixed"
+    if form not in DECODER_FORMS:
+        raise UsageError(f"decoder_form '{form}' is not one of {', '.join(DECODER_FORMS)}")
+    if precision in ("w8a16", "w4a16") and form != "parts":
+        raise UsageError(f"precision {precision} is the decoder's parts form only (decoder_form = \"parts\");"
+                         " other stages and the fixed decoder take int8 or a16w8")
+    if form == "parts":
+        out.update(parts_options(o, precision))
+    if precision != "fp16":
+        cal = o.get("calibration_images") if stage != "embed" else None  # embed calibrates on token ids
+        out["calibration_images"] = str(Path(cal).expanduser().resolve()) if cal else None
+        default = {"embed": calibration.EMBED_CALIBRATION, "decoder": calibration.DECODER_CALIBRATION}.get(stage, "random")
+        out["calibration"] = calibration.calibration_digest(cal) or default
+        if form == "parts" and not out["calibration_images"]:
+            out["calibration"] = calibration.PARTS_CALIBRATION
+        if stage == "decoder" and str(o.get("engine") or "host") == "genie" and form != "parts":
+            raise UsageError(f"precision {precision} is not available for the genie decoder engine on qnn_htp;"
+                             " use fp16 or engine = host")
+    if stage == "decoder":
+        ctx = int(o.get("context_length") or DEFAULT_CONTEXT)
+        ar = int(o.get("prefill_ar") or DEFAULT_PREFILL_AR)
+        if ctx < 8:
+            raise UsageError(f"context_length {ctx} is too small")
+        out["context_length"] = ctx
+        out["prefill_ar"] = max(1, min(ar, ctx // 2)) if form != "parts" else out["prefill_ar"]
+        out["decoder_form"] = form
+        engine = str(o.get("engine") or "host")
+        if engine not in ENGINES:
+            raise UsageError(f"decoder engine '{engine}' is not provided by qnn_htp (engines: {', '.join(ENGINES)});"
+                             " a Genie engine comes with its own plugin")
+        out["engine"] = engine
+        rmsnorm = str(o.get("rmsnorm") or "safe").lower()
+        if rmsnorm not in RMSNORMS:
+            raise UsageError(f"rmsnorm '{rmsnorm}' is not one of {', '.join(RMSNORMS)}")
+        out["rmsnorm"] = rmsnorm
+    if stage == "embed":
+        out["embed_seq"] = int(o.get("embed_seq") or DEFAULT_EMBED_SEQ)
+    out.update(layer_options(stage, o, out["precision"]))
+    rec = recipe.from_options(stage, o, out["precision"], form)
+    if rec is not None:
+        if rec.quantizer != "onnxruntime" and str(o.get("toolchain") or "onnxruntime").lower() == "sdk":
+            raise UsageError(f"{stage}: quantizer = \"{rec.quantizer}\" needs toolchain = \"onnxruntime\" (the"
+                             " SDK's converter quantizes the stage itself)")
+        out.update(rec.key())
+    target = str(o.get("target") or "local").lower()
+    if target not in ("local", "android"):
+        raise UsageError(f"target '{target}' is not one of local, android")
+    if target == "android" and stage == "decoder" and out.get("engine") != "genie":
+        raise UsageError("the decoder's host engine cannot run on a phone (qnn-net-run runs one graph per call);"
+                         " use --decoder-engine genie: Genie's genie-t2t-run decodes on the phone's HTP")
+    out["target"] = target
+    toolchain = str(o.get("toolchain") or "onnxruntime").lower()
+    if toolchain not in TOOLCHAINS:
+        raise UsageError(f"toolchain '{toolchain}' is not one of {', '.join(TOOLCHAINS)}")
+    if toolchain == "sdk" and stage == "decoder":
+        raise UsageError("toolchain = \"sdk\" compiles vision, projector and embed; the decoder compiles with"
+                         " onnxruntime-qnn")
+    out["toolchain"] = toolchain
+    if toolchain == "sdk":
+        out["sdk_root"] = str(o["sdk_root"]) if o.get("sdk_root") else None
+    return out
+
+
+RECIPE_KEYS = ("quantizer", "weight_scheme", "block_size", "algorithm", "seq_mse_candidates", "adaround_iterations",
+               "aimet")
+
+
+def layer_options(stage: str, o: dict, precision: str) -> dict:
+    """The per-layer precision options (:mod:`.layers`): ``keep_fp``, ``keep_a16w16`` and ``layer_precision``
+    folded into ``{option: layer names}`` for :data:`.layers.LAYER_OPTIONS`; a layer named twice is refused."""
+    out: dict[str, tuple] = {}
+    for option in ("keep_fp", "keep_a16w16"):
+        names = parse_keep_fp(o.get(option))
+        if names:
+            out[option] = names
+    for layer, p in recipe.parse_layer_precision(o.get("layer_precision"), stage).items():
+        option = recipe.LAYER_PRECISIONS[p]
+        out[option] = (*out.get(option, ()), layer)
+    seen: dict[str, str] = {}
+    for option in LAYER_OPTIONS:
+        check_keep_fp(stage, out.get(option, ()), precision, option)
+        for n in out.get(option, ()):
+            if n in seen:
+                raise UsageError(f"{stage}: {n} is in both {seen[n]} and {option}; choose one")
+            seen[n] = option
+    if out.get("keep_w4") and precision not in ("w4a16", "w8a16"):
+        raise UsageError(f"{stage}: w4 weights are the decoder's parts form (w8a16 / w4a16), not {precision}")
+    if any(out.get(k) for k in LAYER_OPTIONS[1:]) and str(o.get("toolchain") or "onnxruntime").lower() == "sdk":
+        raise UsageError("keep_a16w16 and layer_precision need toolchain = \"onnxruntime\" (the SDK's converter"
+                         " quantizes the stage itself)")
+    return out
+
+
+def compile_key(opts: dict) -> dict:
+    """The options that determine the binary's bytes (they key the artifact store)."""
+    keep = ("precision", "soc", "calibration", "weight_sharing", "part_limit_mb")  # the last two: parts form
+    key = {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
+    key.update({k: opts[k] for k in RECIPE_KEYS if k in opts})  # a recipe other than the default
+    if opts.get("toolchain") == "sdk":  # the SDK's tools, its QNN version (the onnxruntime default keys as before)
+        sdk = Sdk.find(opts.get("sdk_root"))
+        key.update(toolchain="sdk", qnn=sdk.version(), sdk_root=str(sdk.root))
+    return key
+
+
+def binary_version(opts: dict, options) -> str | None:
+    """The QNN version the stage's binary will carry, when it is known before compiling."""
+    compiler = str(dict(options or {}).get("compiler") or NAME)
+    if compiler != NAME:
+        v = dict(options or {}).get("qairt_version")  # the qaihub plugin's pin of the hub's QAIRT version
+        return str(v) if v else None
+    return Sdk.find(opts.get("sdk_root")).version() if opts.get("toolchain") == "sdk" else ep.qnn_version()
+
+
+def forms(stage: str, opts: dict) -> list[ExportForm]:
+    if stage == "decoder":
+        ctx = opts["context_length"]
+        ars = sorted({opts["prefill_ar"], 1}, reverse=True)
+        norm = opts.get("rmsnorm") or "safe"  # fp16-safe RMSNorm unless asked otherwise
+        if opts.get("engine") == "genie":
+            return [ExportForm.of("decoder", "decoder/genie", ar=ar, ctx=ctx, input="embeds", rmsnorm=norm)
+                    for ar in ars]
+        return [ExportForm.of("decoder", "decoder/fixed", ar=ar, ctx=ctx, rmsnorm=norm) for ar in ars]
+    if stage == "embed":
+        return [ExportForm.of("embed", seq=opts["embed_seq"])]
+    return [ExportForm.of(stage)]
+
+
+def parts_options(o: dict, precision: str) -> dict:
+    """The parts form's options (UsageError for bad values); ``o`` is the stage's raw option dict."""
+    precision = PARTS_ALIASES.get(precision, precision)
+    if precision not in PARTS_PRECISIONS:
+        raise UsageError(f"precision '{precision}' is not available for decoder_form = \"parts\" (choose"
+                         f" {', '.join(PARTS_PRECISIONS)})")
+    sharing = str(o.get("weight_sharing") or "auto").lower()
+    if sharing not in SHARING:
+        raise UsageError(f"weight_sharing '{sharing}' is not one of {', '.join(SHARING)}")
+    parts = int(o.get("parts") or 0)
+    limit = int(o.get("part_limit_mb") or DEFAULT_PART_LIMIT_MB)
+    if parts < 0 or limit < 1:
+        raise UsageError("parts must be >= 0 (0 = the fewest under part_limit_mb) and part_limit_mb >= 1")
+    return {"precision": precision, "weight_sharing": resolve_sharing(sharing, o.get("compiler")), "parts": parts,
+            "part_limit_mb": limit, "prefill_ar": int(o.get("prefill_ar") or DEFAULT_PARTS_PREFILL_AR)}
+
+
+def resolve_sharing(sharing: str, compiler: str | None = None) -> str:
+    """``auto``: on, except for a local compile on the x86_64 emulator; another compiler (``--compiler qaihub``)
+    builds the binaries for a device, so shared there."""
+    if sharing == "auto":
+        if compiler and str(compiler) != "qnn_htp":
+            return "on"
+        return "off" if ep.is_emulator() else "on"
+    return sharing
+
+
