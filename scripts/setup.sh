@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up (or update) the project's virtualenv in .venv: vlmrun, every plugin under plugins/, torch for export,
-# pytest. Idempotent and quick when nothing changed. Needs Python 3.11 and network access to PyPI.
+# Set up (or update) the project's virtualenv in .venv: vlmrun, every plugin under plugins/ (qnn_htp with its aimet
+# extra), torch for export, pytest. Idempotent and quick when nothing changed. Needs Python 3.11 and network access to PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +25,12 @@ echo "setup: installing packages into .venv (first time: several minutes, torch 
 # timm (FastVLM's vision tower) imports torchvision; this is the pair that imports on these machines.
 .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
 args=(-e ".[export,test]")
-for p in "${plugins[@]}"; do args+=(-e "${p%/}"); done
+for p in "${plugins[@]}"; do
+    case "$p" in
+        plugins/qnn_htp/) args+=(-e "plugins/qnn_htp[aimet]") ;;  # with AIMET-ONNX (quantizer = "aimet")
+        *) args+=(-e "${p%/}") ;;
+    esac
+done
 .venv/bin/python -m pip install -q "${args[@]}"
 echo "$want" > "$stamp"
 echo "setup: done" >&2
