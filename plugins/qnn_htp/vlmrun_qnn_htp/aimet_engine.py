@@ -3,8 +3,9 @@
 AIMET-ONNX (``aimet-onnx``, the optional extra ``vlmrun-qnn-htp[aimet]``) is the toolkit Qualcomm quantizes its
 HTP LLMs and VLMs with. This engine:
 
-1. builds a ``QuantizationSimModel`` of the (preprocessed) float graph with the package's v79 HTP config, changed
-   in two places: per-channel weights on, and ``MatmulAdd`` out of ``supergroup_pass_list`` (else no quantizer
+1. builds a ``QuantizationSimModel`` of the (preprocessed) float graph with the package's v79 HTP config (per-channel
+   Conv / MatMul / Gemm weights, LayerNorm gamma asymmetric), changed in one place: ``MatmulAdd`` out of
+   ``supergroup_pass_list`` (else no quantizer
    sits between a MatMul and its bias Add, onnxruntime fuses them into a Gemm the QNN EP refuses: "Unsupported
    nodes in QNN EP ... Gemm", then "QNN.graphAddNode() failed ... 'Dequantize'");
 2. weights at the recipe's bits (``param_type``), activations at 16 bits (8 at int8, Softmax kept at 16);
@@ -33,7 +34,7 @@ LPBQ_OPS = {"MatMul", "Gemm"}
 
 
 def htp_config(work: Path) -> Path:
-    """AIMET's v79 HTP config with per-channel weights and without the MatmulAdd supergroup (module docstring)."""
+    """AIMET's v79 HTP config without the MatmulAdd supergroup (module docstring)."""
     import aimet_onnx
 
     root = Path(aimet_onnx.__file__).parent
@@ -42,7 +43,6 @@ def htp_config(work: Path) -> Path:
         raise BackendError(f"aimet-onnx {_version()} ships no {CONFIG} (the HTP v79 config vlmrun quantizes with);"
                            f" reinstall it: {AIMET_EXTRA}")
     cfg = json.loads(found.read_text())
-    cfg["defaults"]["per_channel_quantization"] = "True"
     cfg["supergroup_pass_list"] = [s for s in cfg.get("supergroup_pass_list", []) if s != "MatmulAdd"]
     out = work / "aimet_htp_v79.json"
     out.write_text(json.dumps(cfg, indent=1))

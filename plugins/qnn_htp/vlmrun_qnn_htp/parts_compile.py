@@ -160,8 +160,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     if recipe is not None:
         extra["quantization"] = {**(facts or {}), **per_layer, "mask_range": f"[{calibration.MASK_CLIP:g}, 0]",
                                  "calibration": label, "quantize_s": round(quant_s, 3),
-                                 "times": {k: round(v, 3) for k, v in q_times.items()},
-                                 **_engine_version(recipe)}
+                                 "times": {k: round(v, 3) for k, v in q_times.items()}}
     return ContextManifest(
         files=[*wrappers, *binaries], graphs=graphs, inputs=first["inputs"], outputs=last["outputs"],
         stage="decoder", precision=precision, compiler="qnn_htp", qnn_version=ep.qnn_version(),
@@ -170,17 +169,6 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         compile_s=round(compile_s, 3), binary_bytes={b: (out_dir / b).stat().st_size for b in binaries},
         extra={**extra, "compile_wall_s": round(time.perf_counter() - t_all, 3)},
     ).to_dict()
-
-
-def _engine_version(recipe) -> dict:
-    """The quantizer and its version, for the manifest."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    dist = "aimet-onnx" if recipe.quantizer == "aimet" else "onnxruntime"
-    try:
-        return {"quantizer": recipe.quantizer, "quantizer_version": version(dist)}
-    except PackageNotFoundError:
-        return {"quantizer": recipe.quantizer}
 
 
 def _compile(src: Path, wrapper: Path, soc, share: bool, stop: bool, what: str) -> None:
@@ -217,8 +205,7 @@ def compile_part_probe(model, source, options: dict, out_dir, context=None) -> d
                                                                calibration.require_context(context))
             dst = work / f"part{k}_prompt_probe.qdq.onnx"
             facts = quantize(src, dst, feeds[(k, "prompt")], recipe, work, _layers(options, k, "prompt"))
-            extra["quantization"] = {**facts, "calibration": label, "quantize_s": round(time.perf_counter() - t0, 3),
-                                     **_engine_version(recipe)}
+            extra["quantization"] = {**facts, "calibration": label, "quantize_s": round(time.perf_counter() - t0, 3)}
             src = dst
         wrapper = Path(out_dir) / f"part{k}_of_{P}_prompt_probe_ctx.onnx"
         what = f"decoder part {k}/{P} probe graph ({precision})"

@@ -86,6 +86,7 @@ def quantize(src: Path, dst: Path, feeds: list[dict], recipe: Recipe, work: Path
     for f in work.glob(f"{src.stem}.pre.onnx*"):
         f.unlink()
     facts["recipe"] = recipe.describe()
+    facts.update(engine_version(recipe))
     if ranges:
         facts["softmax_input"] = f"calibrated max - {SOFTMAX_SPAN:g} .. max (the additive mask saturates)"
     for option, names in nodes.items():
@@ -99,6 +100,17 @@ def quantize(src: Path, dst: Path, feeds: list[dict], recipe: Recipe, work: Path
     facts["times"] = {k: round(v, 3) for k, v in times.items()}
     facts["peak_rss_mb_after"] = peaks
     return facts
+
+
+def engine_version(recipe: Recipe) -> dict:
+    """The engine and its version, for the manifest."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    dist = "aimet-onnx" if recipe.quantizer == "aimet" else "onnxruntime"
+    try:
+        return {"quantizer": recipe.quantizer, "quantizer_version": version(dist)}
+    except PackageNotFoundError:
+        return {"quantizer": recipe.quantizer}
 
 
 def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Recipe, nodes: dict, ranges: dict,
@@ -374,6 +386,8 @@ def stored_dtypes(path: Path) -> dict:
         return found
 
     def classify_constant(name: str, reach: list[tuple]) -> str:
+        if any(n.op_type == "LayerNormalization" and k == 2 for n, k in reach):
+            return "biases"
         if "norm" in name.lower() or any(n.op_type == "LayerNormalization" and k == 1 for n, k in reach):
             return "norm_gains"
         if any(WEIGHT_OPS.get(n.op_type) == k for n, k in reach):

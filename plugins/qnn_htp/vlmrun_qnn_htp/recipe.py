@@ -97,7 +97,11 @@ def aimet_version() -> str | None:
 
 def require_aimet() -> None:
     """UsageError naming the extra when AIMET-ONNX is not installed (checked before any export)."""
-    if importlib.util.find_spec("aimet_onnx") is None:
+    try:
+        found = importlib.util.find_spec("aimet_onnx") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
         raise UsageError(f"quantizer = \"aimet\" needs AIMET-ONNX, which is not installed: {AIMET_EXTRA}")
 
 
