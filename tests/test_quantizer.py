@@ -220,3 +220,14 @@ def test_missing_aimet_extra_is_one_line_naming_it(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "pip install 'vlmrun-qnn-htp[aimet]'" in lines[0], r.stderr
     assert not (cache / "artifacts").exists() or not list((cache / "artifacts").iterdir())
+
+
+def test_qaihub_refuses_qnn_htps_recipe_before_any_work(tmp_path):
+    """The hub quantizes a stage itself: a qnn_htp recipe with --compiler qaihub would be ignored, so it is refused."""
+    cache = tmp_path / "cache"
+    r = run_cli(["compile", "--compiler", "qaihub", "--backend", "qnn_htp", "--stage", "vision", "--precision",
+                 "int8", "--quantizer", "aimet"], cache, env_extra={"QAIHUB_API_TOKEN": ""}, timeout=300)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "quantizer = 'aimet' chooses qnn_htp's own quantizer" in lines[0], r.stderr
+    assert not cache.exists() or not (cache / "artifacts").exists()

@@ -95,7 +95,10 @@ REBUILD_NOTE = "--rebuild never re-attaches: a rerun with --rebuild submits a ne
 
 QUANT_FLAGS = {"int8": "--quantize_full_type int8", "a16w8": "--quantize_full_type w8a16"}
 #: qnn_htp's per-layer precision options (vlmrun diff --what-if) and what each would do to the layer
-PER_LAYER = {"keep_fp": "keeps layers out of quantization", "keep_a16w16": "quantizes layers at a16w16"}
+PER_LAYER = {"keep_fp": "keeps layers out of quantization", "keep_a16w16": "quantizes layers at a16w16",
+             "layer_precision": "sets precision per layer"}
+#: qnn_htp's quantization recipe (its quantizer and how it chooses weights): the hub quantizes with its own
+RECIPE = ("quantizer", "weight_scheme", "block_size", "algorithm", "seq_mse_candidates", "adaround_iterations")
 
 
 # -- options ---------------------------------------------------------------------------------------------------
@@ -168,6 +171,11 @@ def check_per_layer_precision(stage: str, options) -> None:
     ``keep_a16w16``, which ``vlmrun diff --what-if`` sets): the hub quantizes the stage itself, as a whole, and
     vlmrun sends it no per-layer precision, so the option would be ignored (the same binary compiled again)."""
     o = dict(options or {})
+    recipe = [k for k in RECIPE if o.get(k) not in (None, "") and not (k == "quantizer" and o[k] == "onnxruntime")]
+    if recipe:
+        raise UsageError(f"{stage}: {recipe[0]} = {o[recipe[0]]!r} chooses qnn_htp's own quantizer, which"
+                         " --compiler qaihub does not run (AI Hub quantizes the stage itself); drop --compiler qaihub"
+                         " to quantize locally, or drop the option")
     asked = [k for k in PER_LAYER if o.get(k) not in (None, "", (), [])]
     if not asked:
         return
