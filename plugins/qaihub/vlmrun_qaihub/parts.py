@@ -3,7 +3,7 @@ LLMs by on AI Hub.
 
 The ``decoder/parts`` export holds P parts, each a prompt (AR-N) and a token (AR-1) graph
 (:mod:`vlmrun_ort_reference.decoder_parts`). With ``weight_sharing`` on (the default for a hub compile: the
-binaries are for a device, see :func:`vlmrun_qnn_htp.parts.resolve_sharing`):
+binaries are for a device, see :func:`vlmrun_qnn_htp.options.resolve_sharing`):
 
 1. every graph is uploaded and compiled by one compile job, ``--target_runtime qnn_dlc --qnn_graph_name <name>``
    (Genie's ``{prompt|token}_ar{T}_cl{C}_{k}_of_{P}``), plus ``--qairt_version`` and ``hub_options`` as the other
@@ -13,7 +13,7 @@ binaries are for a device, see :func:`vlmrun_qnn_htp.parts.resolve_sharing`):
    (the client refuses anything else: "Input model must be a QNN DLC model"), which is why step 1 compiles to
    ``qnn_dlc`` and not to ``qnn_context_binary``;
 3. the binaries are downloaded as ``part{k}_of_{P}_qnn.bin`` with an EP-context wrapper per graph, and the
-   manifest is qnn_htp's own (``decoder_parts``, written by :func:`vlmrun_qnn_htp.parts.compile_parts` for a local
+   manifest is qnn_htp's own (``decoder_parts``, written by :func:`vlmrun_qnn_htp.parts_compile.compile_parts` for a local
    compile), so qnn_htp loads the artifact and writes Genie's configuration from it unchanged; it records the jobs
    (``hub_compile_job`` per graph, ``hub_link_job`` per part, ``hub_link_jobs`` / ``hub_compile_jobs``).
 
