@@ -49,7 +49,8 @@ def _decoder_opts(spec, form, precision, sharing=None, engine="host") -> dict:
         return {"context_length": spec["ctx"], "prefill_ar": spec["fixed_ar"], "precision": precision,
                 "engine": engine}
     return {"decoder_form": "parts", "context_length": spec["ctx"], "prefill_ar": spec["ar"], "precision": precision,
-            "weight_sharing": sharing, "engine": engine, **({"parts": spec["parts"]} if spec.get("parts") else {})}
+            "weight_sharing": sharing, "engine": engine, **({"parts": spec["parts"]} if spec.get("parts") else {}),
+            **(spec.get("decoder_options") or {})}
 
 
 def _pipe(spec, store, model, opts):
@@ -319,6 +320,8 @@ def main():
                          " the tied lm_head is dense like a real checkpoint's (QNN stores zero weights compactly)")
     ap.add_argument("--sizes-only", action="store_true",
                     help="export and compile only (weight-shared parts, fixed form): bytes and compile cost")
+    ap.add_argument("--decoder-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a qnn_htp decoder option for the parts form, e.g. quantizer=aimet (repeatable)")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -343,10 +346,11 @@ def main():
     ctx = args.context_length or (1024 if args.full_size else 256)
     spec = {"cache_dir": args.cache_dir, "model": args.model, "ctx": ctx, "ar": args.prefill_ar,
             "fixed_ar": args.fixed_ar, "parts": args.parts, "steps": args.steps,
-            "gen_steps": args.gen_steps or args.steps, "ref_file": str(work / "reference.npz")}
+            "gen_steps": args.gen_steps or args.steps, "ref_file": str(work / "reference.npz"),
+            "decoder_options": dict(o.split("=", 1) for o in args.decoder_option)}
     result = {"model": ("FastVLM-0.5B dims (random weights" + (", dense vocabulary rows)" if args.dense_vocab else ")")
                         if args.full_size else (args.model or "tiny default")),
-              "context_length": ctx, "steps": args.steps, "forms": {}}
+              "context_length": ctx, "steps": args.steps, "decoder_options": spec["decoder_options"], "forms": {}}
     with open(log_path, "a") as log:
         def step(kind, **more):
             r = run_child(kind, {**spec, **more}, log)
