@@ -231,3 +231,30 @@ def test_qaihub_refuses_qnn_htps_recipe_before_any_work(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "quantizer = 'aimet' chooses qnn_htp's own quantizer" in lines[0], r.stderr
     assert not cache.exists() or not (cache / "artifacts").exists()
+
+
+def test_an_encoding_the_htp_refuses_is_named_in_one_line(tiny_model, tmp_path, monkeypatch):
+    """A QDQ model whose LayerNorm gamma is per-channel (AIMET's config with per-channel quantization on every op)
+    is refused by the HTP while composing the graph: the error names the node and what to do."""
+    import json as _json
+
+    from vlmrun.errors import BackendError
+    from vlmrun.store import ArtifactStore
+    from vlmrun_qnn_htp import aimet_engine
+
+    real = aimet_engine.htp_config
+
+    def per_channel_everywhere(work):
+        path = real(work)
+        cfg = _json.loads(path.read_text())
+        cfg["defaults"]["per_channel_quantization"] = "True"
+        path.write_text(_json.dumps(cfg))
+        return path
+
+    monkeypatch.setattr(aimet_engine, "htp_config", per_channel_everywhere)
+    with pytest.raises(BackendError) as err:
+        Pipeline.build(tiny_model, layout("vision", precision="int8", quantizer="aimet"),
+                       store=ArtifactStore(tmp_path / "store"), stages=("vision",))
+    msg = str(err.value)
+    assert "\n" not in msg and "refused node /tower/" in msg and "LayerNormalization (QNN LayerNorm" in msg
+    assert "keep_fp" in msg and not list((tmp_path / "store" / "artifacts").glob("vision-qnn_htp-*"))

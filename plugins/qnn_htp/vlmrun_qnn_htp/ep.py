@@ -8,7 +8,11 @@ finds which nodes were left to the CPU so the error can name them.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
+
 import tempfile
 import time
 from pathlib import Path
@@ -113,8 +117,15 @@ def compile_session(src: Path, ctx_path: Path, soc: Soc, share: bool = False, st
         so.add_session_config_entry("ep.share_ep_contexts", "1")
         if stop:
             so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
-    with stdout_to_stderr():
-        ort.InferenceSession(str(src), so)
+    log: list[str] = []
+    try:
+        with native_log(log):
+            ort.InferenceSession(str(src), so)
+    except Exception as exc:
+        refused = refused_node("".join(log), str(src.name), soc)
+        if refused is not None:
+            raise refused from exc
+        raise
 
 
 def unsupported_nodes(src: Path, soc: Soc) -> list[str]:
@@ -130,6 +141,52 @@ def unsupported_nodes(src: Path, soc: Soc) -> list[str]:
             return []
 
 
+@contextlib.contextmanager
+def native_log(sink: list):
+    """Collect what native code writes on stderr (and stdout: QNN's banners) while the block runs, into ``sink``
+    (one string); it is written back to stderr when the block succeeds, kept for the error message when it fails."""
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        os.dup2(tmp.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved_out, 1)
+            os.dup2(saved_err, 2)
+            os.close(saved_out)
+            os.close(saved_err)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            sink.append(text)
+            if ok and text:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+
+
+REFUSED_NODE = re.compile(r"graphAddNode\(\) failed for node `([^`]+)` of type `([^`]+)` with error code (\d+)")
+
+
+def refused_node(log: str, what: str, soc: Soc) -> BackendError | None:
+    """The one-line error for a node the HTP refused while composing the graph (an op or an encoding it does not
+    take), from onnxruntime-qnn's log; None when the log names none."""
+    m = REFUSED_NODE.search(log or "")
+    if m is None:
+        return None
+    node, qnn_type, code = m.groups()
+    return BackendError(f"QNN HTP ({soc.name}/{soc.arch}) refused node {node} (QNN {qnn_type}, error {code}) of {what}:"
+                        " an op or an encoding it does not take; keep that layer in float (keep_fp) or at 16 bits"
+                        " (keep_a16w16), or quantize with the other engine (quantizer)")
+
+
 def compile_onnx(src: Path, out_dir: Path, name: str, soc: Soc, what: str = "") -> dict:
     """Compile ``src`` into ``out_dir/<name>_ctx.onnx`` + ``<name>_ctx_qnn.bin`` for ``soc``.
 
@@ -138,13 +195,17 @@ def compile_onnx(src: Path, out_dir: Path, name: str, soc: Soc, what: str = "") 
     what = what or name
     ctx = out_dir / f"{name}_ctx.onnx"
     t0 = time.perf_counter()
+    log: list[str] = []
     try:
         ort, so = session_options(soc, context_path=ctx)
-        with stdout_to_stderr():
+        with native_log(log):
             ort.InferenceSession(str(src), so)
     except BackendError:
         raise
     except Exception as exc:
+        refused = refused_node("".join(log), what, soc)
+        if refused is not None:
+            raise refused from None
         rejected = unsupported_nodes(src, soc)
         if rejected:
             raise BackendError(

@@ -175,6 +175,8 @@ def _compile(src: Path, wrapper: Path, soc, share: bool, stop: bool, what: str) 
     """:func:`.ep.compile_session`, its failure as one line naming the ops the HTP refuses."""
     try:
         ep.compile_session(src, wrapper, soc, share, stop)
+    except BackendError as exc:
+        raise BackendError(str(exc).replace(f"of {src.name}:", f"of {what}:")) from None
     except Exception as exc:
         rejected = ep.unsupported_nodes(src, soc)
         why = f"unsupported op(s) {', '.join(rejected[:5])}" if rejected else ep._one_line(exc)
