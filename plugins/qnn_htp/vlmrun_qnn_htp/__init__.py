@@ -280,7 +280,6 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
                 qdq = work / f"{name}.qdq.onnx"
                 layers = {o: options[o] for o in LAYER_OPTIONS if options.get(o)}
                 facts = quantize(src, qdq, feeds, recipe.from_key(options), work, layers)
-                facts.pop("peak_rss_mb_after", None)
                 extra = {"quantization": {**facts, "io_quant": io_quant(qdq), "calibration": label,
                                           "quantize_s": round(time.perf_counter() - t0, 3)}}
                 src = qdq
