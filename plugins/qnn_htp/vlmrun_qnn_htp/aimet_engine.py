@@ -68,7 +68,8 @@ def quiet_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def build_sim(model_in: Path, feeds: list[dict], recipe: Recipe, work: Path, nodes: dict | None = None):
+def build_sim(model_in: Path, feeds: list[dict], recipe: Recipe, work: Path, nodes: dict | None = None,
+              big: bool = False):
     """The calibrated ``QuantizationSimModel`` of ``model_in`` under ``recipe`` (steps 1-4 of the module
     docstring) and its facts; ``nodes``: ``{per-layer option: node names}``."""
     try:
@@ -82,8 +83,9 @@ def build_sim(model_in: Path, feeds: list[dict], recipe: Recipe, work: Path, nod
     model = onnx.load(str(model_in))
     param = f"int{recipe.weight_bits}"
     act = f"int{recipe.activation_bits}"
+    # a graph near protobuf's 2 GB limit: AIMET keeps its sessions' weights as external data under ``path``
     sim = QuantizationSimModel(model, param_type=param, activation_type=act, quant_scheme="min_max",
-                               config_file=str(htp_config(work)))
+                               config_file=str(htp_config(work)), path=str(work / "aimet-sim") if big else None)
     del model
     facts: dict = {"activation": f"{'uint16' if recipe.activation_bits == 16 else 'uint8'} (AIMET {act})"}
     ops = {op.name: op for op in sim.connected_graph.ordered_ops}
@@ -135,7 +137,7 @@ def quantize_aimet(model_in: Path, dst: Path, feeds: list[dict], recipe: Recipe,
     """Write AIMET's QDQ model of ``model_in`` to ``dst`` (module docstring); the facts for the manifest."""
     import onnx
 
-    sim, facts = build_sim(model_in, feeds, recipe, work, nodes)
+    sim, facts = build_sim(model_in, feeds, recipe, work, nodes, big)
     qdq = sim.to_onnx_qdq(export_int32_bias=True, prequantize_constants=True)
     del sim
     if big:
