@@ -7,8 +7,8 @@ Recipes (``--recipes``, default all): the decoder in the parts form (one part, `
 emulator runs it; context 256, AR-32), ``ort-w8a16``, ``ort-w4a16`` (onnxruntime per-channel min-max: vlmrun's
 default), ``aimet-w8a16``, ``aimet-w4a16`` (AIMET per-channel min-max), ``aimet-seqmse-w4a16``,
 ``aimet-adaround-w4a16``, ``aimet-lpbq64-w4a16``, ``aimet-lpbq32-w4a16``, ``aimet-lpbq16-w4a16``; the vision stage,
-``ort-vision-int8``, ``ort-vision-a16w8``, ``aimet-vision-int8``, ``aimet-vision-a16w8`` (seeded random calibration,
-as vlmrun's default).
+``ort-vision-int8``, ``ort-vision-a16w8``, ``aimet-vision-int8``, ``aimet-vision-a16w8`` (calibrated on
+``--calibration-pictures`` generated training pictures; 0: vlmrun's default, seeded random pixels).
 
 Per recipe, over ``--items`` held-out generated pictures (``vlmrun.shapes`` held-out seed: not the calibration's demo
 image and prompts), each the reference's prompt plus ``--steps`` teacher-forced reference tokens, rows pooled:
@@ -97,6 +97,8 @@ def child(spec: dict) -> dict:
     model = default_model(store, 256)
     stage = "vision" if spec["name"] in VISION else "decoder"
     opts = dict(spec["options"])
+    if stage == "vision" and spec.get("calibration_images"):
+        opts["calibration_images"] = spec["calibration_images"]
     if stage == "decoder":
         opts.update(decoder_form="parts", parts=1, weight_sharing="off", context_length=CTX, prefill_ar=AR)
         if opts.get("algorithm") == "adaround":
@@ -188,6 +190,9 @@ def main():
                                                     " ort-w4a16,aimet-lpbq64-w4a16)")
     ap.add_argument("--adaround-iterations", type=int, default=500,
                     help="AdaRound steps per layer (AIMET recommends 10-15k; 500 keeps this benchmark affordable)")
+    ap.add_argument("--calibration-pictures", type=int, default=16,
+                    help="vision recipes calibrate on this many generated training pictures (0: vlmrun's default,"
+                         " seeded random pixels)")
     ap.add_argument("--full-size", action="store_true", help="FastVLM-0.5B dimensions: bytes and compile cost")
     ap.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "vlmrun-bench"))
     ap.add_argument("--table", action="store_true", help="also print a markdown table on stderr")
@@ -210,14 +215,24 @@ def main():
         raise SystemExit(f"unknown recipe(s) {', '.join(unknown)}; known: {', '.join([*DECODER, *VISION])}")
     from vlmrun_qnn_htp import ep
 
+    calib = None
+    if args.calibration_pictures:
+        from vlmrun.shapes import TRAIN_SEED, write_dataset
+
+        calib = Path(args.cache_dir) / f"calibration-pictures-{args.calibration_pictures}"
+        if not (calib / "data.jsonl").exists():
+            write_dataset(calib, args.calibration_pictures, seed=TRAIN_SEED)
+        calib = str(calib / "images")
     result = {"model": "tiny default (shapes-tiny)", "items": args.items, "steps": args.steps,
+              "vision_calibration": f"{args.calibration_pictures} generated training pictures" if calib else "random",
               "versions": ep.versions(), "recipes": {}}
     log_path = Path(args.cache_dir) / "quantizers-children.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
         for name in names:
             spec = {"name": name, "options": {**DECODER, **VISION}[name], "cache_dir": args.cache_dir,
-                    "items": args.items, "steps": args.steps, "adaround_iterations": args.adaround_iterations}
+                    "items": args.items, "steps": args.steps, "adaround_iterations": args.adaround_iterations,
+                    "calibration_images": calib}
             r = run_child(spec, log)
             print(f"[quantizers] {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
             result["recipes"][name] = r
