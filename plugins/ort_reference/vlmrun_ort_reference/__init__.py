@@ -45,7 +45,7 @@ def doctor():
 
 @hookimpl
 def export(model, stage, form, out_dir):
-    from .onnx_export import export_stage
+    from .exporters import export_stage
 
     return export_stage(model, form, out_dir)
 

@@ -35,60 +35,13 @@ same result in fp32 (to rounding), no overflow in fp16.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
 
-OPSET = 17
-EXTERNAL_DATA_THRESHOLD = 512 * 1024 * 1024  # bytes of ONNX above which weights go to a .data file
-MASK_MIN = -65504.0  # the fixed-KV mask value (fp16-representable, as NPUs want)
-RMSNORMS = ("safe", "plain")
-
-
-def _torch():
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError as exc:
-        from vlmrun.errors import BackendError
-
-        raise BackendError(f"ONNX export needs torch ({exc}); pip install 'vlmrun-ort-reference[export]'") from None
-    return torch, F
-
-
-def safe_rms_norm(x, weight, eps: float):
-    """Qwen2's RMSNorm ``weight * x / sqrt(mean(x^2) + eps)`` computed without squaring anything larger than 1.
-
-    ``x`` [.., H] gets one more channel holding ``sqrt(H * eps)``; ``s`` is the largest |value| of that row (so
-    ``s >= sqrt(H * eps) > 0``: an all-zero padding row gives 0, not NaN) and ``y = x / s``::
-
-        x / sqrt(mean(x^2) + eps) = y / sqrt((sum(y^2) + H * eps / s^2) / H)
-
-    exactly, so fp32 results equal the plain form's to rounding. In fp16 every square is at most 1 and the sum
-    at most H + 1, whatever the magnitude of ``x`` (plain: overflow once |x| > 256, and small rows underflow).
-    No reciprocal and no clamp, whose outputs quantize badly (the HTP's 16-bit Reciprocal of a small max
-    failed, and QDQ folds a Clip into its range): the form also compiles for int8 / a16w8.
-    """
-    torch, _ = _torch()
-    H = x.shape[-1]
-    pad = torch.full_like(x[..., :1], (H * max(float(eps), 1e-12)) ** 0.5)
-    xa = torch.cat([x, pad], dim=-1)
-    ya = xa / xa.abs().amax(dim=-1, keepdim=True)
-    return weight * (ya[..., :H] * torch.rsqrt((ya * ya).sum(dim=-1, keepdim=True) / H))
-
-
-def rms_norm_of(form):
-    """The RMSNorm the decoder ``form`` is exported with: ``norm(module, x)`` (see the module docstring)."""
-    default = "plain" if form.kind == "decoder/kv" else "safe"
-    kind = str(form.get("rmsnorm") or default)
-    if kind not in RMSNORMS:
-        from vlmrun.errors import UsageError
-
-        raise UsageError(f"{form.label()}: rmsnorm '{kind}' is not one of {', '.join(RMSNORMS)}")
-    if kind == "plain":
-        return lambda module, x: module(x)
-    return lambda module, x: safe_rms_norm(x, module.weight, module.variance_epsilon)
+from .probe_names import decoder_probe_outputs, inject_input
+from .torch_common import (EXTERNAL_DATA_THRESHOLD, MASK_MIN, OPSET, RMSNORMS, _torch, rms_norm_of,  # noqa: F401
+                           safe_rms_norm)
 
 
 def build_wrapper(model, form):
@@ -224,12 +177,8 @@ def _decoder_wrapper(model, fvlm, form):
     names_in = ["inputs_embeds", "attention_mask", "position_ids", *kv_in]
     extra = []
     if probe:
-        from .probes import decoder_probe_outputs
-
         extra = [graph for _, graph in decoder_probe_outputs(L)]
         if inject:
-            from .probes import inject_input
-
             names_in += [inject_input(name) for name, _ in decoder_probe_outputs(L)]
             ex = (*ex, *[torch.zeros_like(ex[0]) for _ in range(L + 1)])
         if axes is not None:
@@ -299,49 +248,6 @@ def _genie_decoder_wrapper(model, fvlm, form):
     names_in = ["input_ids" if by_ids else "inputs_embeds", "attention_mask", "position_ids_cos",
                 "position_ids_sin", *kv_in]
     return GenieDecoder(), ex, names_in, ["logits", *kv_out], None
-
-
-def export_stage(model, form, out_dir: Path) -> dict | None:
-    """Write ``form`` of ``model`` into ``out_dir``; return the manifest fields (see module docstring)."""
-    if form.kind == "embed/lut":
-        return export_lut(model, out_dir)
-    if form.get("probe"):  # the same graph with its layer outputs (probes.py, vlmrun diff --locate)
-        from .probes import export_probe
-
-        return export_probe(model, form, out_dir)
-    if form.kind == "decoder/parts":  # parts x (prompt, token) graphs in one artifact (decoder_parts.py)
-        from .decoder_parts import export_parts
-
-        return export_parts(model, form, out_dir)
-    torch, _ = _torch()
-    built = build_wrapper(model, form)
-    if built is None:
-        return None
-    module, example, names_in, names_out, axes = built
-    module.eval()  # a fresh wrapper is in train mode; the exporter would restore that flag tree-wide
-    path = out_dir / f"{form.stage}.onnx"
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notices
-        torch.onnx.export(
-            module, example, str(path), input_names=names_in, output_names=names_out,
-            dynamic_axes=axes, opset_version=OPSET, dynamo=False, do_constant_folding=True,
-        )
-    files = [path.name]
-    if path.stat().st_size > EXTERNAL_DATA_THRESHOLD:
-        import onnx
-
-        proto = onnx.load(str(path))
-        data = path.name + ".data"
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data)
-        files.append(data)
-    return {
-        "files": files,
-        "form": form.label(),
-        "inputs": names_in,
-        "outputs": names_out,
-        "opset": OPSET,
-        "torch": torch.__version__,
-    }
 
 
 def export_lut(model, out_dir: Path) -> dict:

@@ -31,26 +31,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-#: the probe name of each stage's last layer, whose output is the stage's own output
-FINAL = {"vision": ("vision.final_conv", "image_features"), "projector": ("projector.linear_2", "image_embeds"),
-         "decoder": ("decoder.lm_head", "logits")}
-STAGES = tuple(FINAL)
-
-
-def graph_output(name: str) -> str:
-    """The graph output name of probe ``name`` (``vision.stage0`` -> ``probe_vision_stage0``)."""
-    return "probe_" + "".join(c if c.isalnum() else "_" for c in name)
-
-
-def inject_input(name: str) -> str:
-    """The graph input that is added to probe ``name``'s tensor in an ``inject`` form."""
-    return "inject_" + graph_output(name)[len("probe_"):]
-
-
-def decoder_probe_outputs(num_layers: int) -> list[tuple[str, str]]:
-    """The decoder's extra outputs (after every layer, the final norm) as (probe name, graph output) pairs."""
-    names = [f"decoder.layer{i}" for i in range(num_layers)] + ["decoder.norm"]
-    return [(n, graph_output(n)) for n in names]
+from .probe_names import FINAL, STAGES, decoder_probe_outputs, graph_output, inject_input  # noqa: F401
 
 
 def _points(fvlm, stage: str) -> list[tuple[str, object]]:
@@ -103,7 +84,8 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
     """Write the probe form ``form`` (``form.is_probe``) into ``out_dir``; the manifest fields."""
     from vlmrun.stages import ExportForm
 
-    from .onnx_export import EXTERNAL_DATA_THRESHOLD, OPSET, _torch, build_wrapper
+    from .onnx_export import build_wrapper
+    from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
 
     if form.stage not in STAGES:
         return None
