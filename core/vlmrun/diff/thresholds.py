@@ -34,7 +34,7 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, dict[str, float]]] = {
     "fp32": _defaults(sqnr=60.0, cosine=0.9999, top1=0.99, top5=0.99, kl=1e-4, gen=1.0),
     "fp16": _defaults(sqnr=30.0, cosine=0.999, top1=0.9, top5=0.8, kl=0.05, gen=None),
     "int8": _defaults(sqnr=15.0, cosine=0.97, top1=0.6, top5=0.6, kl=0.5, gen=None),
-    # The decoder's parts form at 16-bit activations with int8 / int4 weights (qnn_htp w8a16 / w4a16), measured with
+    # The decoder's parts form at 16-bit activations with int8 / int4 weights (w8a16 / w4a16), measured with
     #   vlmrun eval -L 'w4a16=all-npu,decoder.decoder_form=parts,decoder.precision=w4a16' \
     #               -L 'w8a16=all-npu,decoder.decoder_form=parts,decoder.precision=w8a16' --limit 20
     # on the default model (vision, projector, embed at fp16; 20 held-out items, every answer as the reference's).
@@ -43,7 +43,7 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, dict[str, float]]] = {
     #   w4a16: SQNR 16.2 / 21.8 / 25.5 dB, cosine 0.9925 / 0.9972, top-1 1.0, top-5 0.76 / 0.92, KL max 3.9e-4
     # (short answers make the per-item SQNR spread: "One." items are the 16 dB ones in both). Each threshold sits
     # below the worst passing item, and 10x the noise power (10 dB less) fails the median item: w8a16 23.9 -> 13.9
-    # < 15, w4a16 21.8 -> 11.8 < 14; with the decoder alone on qnn_htp (vision in fp32) a w4a16 describe item gives
+    # < 15, w4a16 21.8 -> 11.8 < 14; with only the decoder on the device (vision in fp32) a w4a16 describe item gives
     # 23.75 dB, 13.75 with 10x its noise power: fails (tests/test_quantized_thresholds.py, on real captures).
     # The per-item floor of an all-npu layout is set upstream (fp16 vision: the w8a16 decoder alone is 36 dB).
     "w8a16": _defaults(sqnr=15.0, cosine=0.98, top1=0.6, top5=0.8, kl=0.005, gen=None),
