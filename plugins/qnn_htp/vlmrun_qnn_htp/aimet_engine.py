@@ -137,7 +137,11 @@ def quantize_aimet(model_in: Path, dst: Path, feeds: list[dict], recipe: Recipe,
     """Write AIMET's QDQ model of ``model_in`` to ``dst`` (module docstring); the facts for the manifest."""
     import onnx
 
+    from .memory import release_memory
+
     sim, facts = build_sim(model_in, feeds, recipe, work, nodes, big)
+    sim.session = None  # the export needs the encodings, not the calibration session (its own copy of the weights)
+    release_memory()
     qdq = sim.to_onnx_qdq(export_int32_bias=True, prequantize_constants=True)
     del sim
     if big:
