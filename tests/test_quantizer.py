@@ -258,3 +258,49 @@ def test_an_encoding_the_htp_refuses_is_named_in_one_line(tiny_model, tmp_path, 
     msg = str(err.value)
     assert "\n" not in msg and "refused node /tower/" in msg and "LayerNormalization (QNN LayerNorm" in msg
     assert "keep_fp" in msg and not list((tmp_path / "store" / "artifacts").glob("vision-qnn_htp-*"))
+
+
+def _die():
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_big_graph_is_quantized_in_a_child_with_the_same_bytes(lpbq, store, tmp_path, monkeypatch):
+    """A full-size part graph is quantized in a spawned child (its memory freed before the compile): the QDQ model
+    is byte-identical to the in-process one's, for each engine."""
+    from vlmrun_qnn_htp import calibration, quantizer
+    from vlmrun_qnn_htp.recipe import Recipe
+
+    art = lpbq.handles["decoder"].artifact
+    src_dir = source_dir(store, art)
+    desc = json.loads((src_dir / "parts.json").read_text())
+    src = src_dir / desc["parts"][0]["graphs"]["token"]["file"]
+    rng = np.random.default_rng(0)
+    import onnx
+
+    g = onnx.load(str(src), load_external_data=False).graph
+    dims = {i.name: [d.dim_value or 1 for d in i.type.tensor_type.shape.dim] for i in g.input}
+    feeds = [{n: (rng.standard_normal(s).astype(np.float32) if n != "attention_mask" else np.zeros(s, np.float32))
+              for n, s in dims.items()} for _ in range(4)]
+    for engine in ("onnxruntime", "aimet"):
+        recipe = Recipe(precision="w4a16", quantizer=engine)
+        here, there = tmp_path / f"{engine}-here", tmp_path / f"{engine}-child"
+        here.mkdir(), there.mkdir()
+        facts_here = quantizer.quantize(src, here / "q.onnx", feeds, recipe, here)
+        monkeypatch.setattr(quantizer, "is_big", lambda path: True)
+        facts_child = quantizer.quantize(src, there / "q.onnx", calibration.spill_feeds(feeds, there / "f.npz"),
+                                         recipe, there)
+        monkeypatch.undo()
+        assert facts_child["process"].startswith("child") and "process" not in facts_here
+        assert facts_child["stored"] == facts_here["stored"]
+        assert (here / "q.onnx").read_bytes() == (there / "q.onnx").read_bytes(), engine
+
+
+def test_a_child_the_kernel_kills_is_one_line():
+    from vlmrun.errors import BackendError
+    from vlmrun_qnn_htp.memory import in_child
+
+    with pytest.raises(BackendError, match="quantizing part1: its worker process died .*out of memory"):
+        in_child(_die, what="quantizing part1")

@@ -103,7 +103,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                 if recipe is not None:
                     t0 = time.perf_counter()
                     dst = work / f"part{k}_{kind}.qdq.onnx"
-                    facts = quantize(srcs[kind], dst, calibration.load_feeds(feeds.pop((k, kind))), recipe, work,
+                    facts = quantize(srcs[kind], dst, feeds.pop((k, kind)), recipe, work,
                                      _layers(options, k, kind))
                     _quantize_facts(facts, q_times, q_peaks, per_layer, f"part{k}_{kind}")
                     srcs[kind] = dst

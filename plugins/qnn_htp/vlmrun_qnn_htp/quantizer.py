@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .memory import peak_rss_mb, release_memory
+from .memory import in_child, peak_rss_mb, release_memory
 from .recipe import Recipe
 
 SOFTMAX_SPAN = 64.0  # Softmax is shift-invariant: logits this far below the max weigh < 1e-27
@@ -40,11 +40,34 @@ def is_big(path: Path) -> bool:
     return any(path.parent.glob(path.name + ".data")) or path.stat().st_size > BIG_GRAPH_BYTES
 
 
-def quantize(src: Path, dst: Path, feeds: list[dict], recipe: Recipe, work: Path, layers: dict | None = None) -> dict:
+def quantize(src: Path, dst: Path, feeds: list[dict] | Path, recipe: Recipe, work: Path,
+             layers: dict | None = None) -> dict:
     """Write the QDQ model of ``src`` under ``recipe`` to ``dst``; return the quantization facts for the manifest.
 
-    ``feeds``: calibration inputs; ``layers``: ``{option: entries}`` for the per-layer options of
-    :data:`.layers.LAYER_OPTIONS` (entries as :func:`.layers.excluded_nodes` takes them: this graph's)."""
+    ``feeds``: calibration inputs (or the ``.npz`` :func:`.calibration.spill_feeds` wrote them to); ``layers``:
+    ``{option: entries}`` for the per-layer options of :data:`.layers.LAYER_OPTIONS` (entries as
+    :func:`.layers.excluded_nodes` takes them: this graph's). A big graph (a full-size decoder part) is quantized in
+    a child process (:func:`.memory.in_child`): its peak is the child's alone and none of it outlives the step."""
+    from .calibration import load_feeds, spill_feeds
+
+    if not is_big(src):
+        return _quantize(src, dst, load_feeds(feeds) if isinstance(feeds, Path) else feeds, recipe, work, layers)
+    if not isinstance(feeds, Path):
+        feeds = spill_feeds(feeds, work / f"{src.stem}.feeds.npz")
+    facts = in_child(_quantize_from_file, src, dst, feeds, recipe, work, layers,
+                     what=f"quantizing {src.name} ({recipe.describe()})")
+    facts["process"] = "child (a big graph: its memory is freed before the compile)"
+    return facts
+
+
+def _quantize_from_file(src: Path, dst: Path, feeds: Path, recipe: Recipe, work: Path, layers: dict | None) -> dict:
+    from .calibration import load_feeds
+
+    return _quantize(src, dst, load_feeds(feeds), recipe, work, layers)
+
+
+def _quantize(src: Path, dst: Path, feeds: list[dict], recipe: Recipe, work: Path, layers: dict | None) -> dict:
+    """:func:`quantize` in this process."""
     import onnx
     from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
 
