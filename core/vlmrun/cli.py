@@ -31,6 +31,8 @@ def _pipeline_options(f):
     f = model_options(f)
     f = click.option("--layout", default=None, help="Layout preset: reference, hybrid, all-npu. [default: reference]")(f)
     f = click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")(f)
+    f = click.option("--bundle", type=click.Path(path_type=Path), metavar="DIR",
+                     help="Run a bundle folder written by `vlmrun bundle` (its own runtime, as a phone would).")(f)
     f = click.option("--rebuild", is_flag=True, help="Export/compile again even if the store has the artifacts.")(f)
     f = stage_option_flags(f)
     f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
@@ -57,6 +59,12 @@ def _build(opts: dict, stages=STAGES, requests=()):
     from .progress import step
 
     overrides = {s: opts.get(f"{s}_backend") for s in STAGES}
+    if opts.get("bundle"):
+        from .errors import UsageError
+
+        if opts.get("layout") or opts.get("layout_file"):
+            raise UsageError("--bundle runs the bundle as it was written: drop --layout / --layout-file")
+        opts = {**opts, "layout": f"{layouts.BUNDLE_PREFIX}{opts['bundle']}"}
     base = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides)
     layout = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides,
                              layout_overrides(opts, base, stages))
@@ -269,12 +277,14 @@ from .cli_diff import diff_command  # noqa: E402
 from .cli_profile import profile_command  # noqa: E402
 from .cli_store import store_group  # noqa: E402
 from .cli_eval import eval_command  # noqa: E402
+from .cli_bundle import bundle_command  # noqa: E402
 
 cli.add_command(compile_command, "compile")
 cli.add_command(diff_command, "diff")
 cli.add_command(profile_command, "profile")
 cli.add_command(store_group, "store")
 cli.add_command(eval_command, "eval")
+cli.add_command(bundle_command, "bundle")
 
 
 def main(argv=None) -> int:

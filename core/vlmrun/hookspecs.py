@@ -20,9 +20,19 @@ contracts). The order in which the core calls the hooks for one stage of one run
     run_stage(backend, stage, handle, inputs)   for every image/prompt (vision, projector, embed; and the
                                                 decoder under teacher forcing: logits for given embeddings)
     decode(backend, handle, request)            the generation loop of the decoder stage
+    run_request(backend, handles, request)      optional, before the stage-by-stage path of a generation when every
+                                                stage is on ``backend``: the whole request in one runtime (a bundle)
     run_stage_batch(backend, stage, handle, inputs)  optional: a stage over a whole data set (``vlmrun eval``)
     load_probe(backend, stage, ctx)             optional: the stage's probe variant (``vlmrun diff --locate``)
     run_probe(backend, stage, handle, inputs)   optional: run it, outputs at layer granularity
+
+A deployable bundle (``vlmrun bundle OUT``; the ``bundle:OUT`` layout runs it)::
+
+    write_bundle(backend, request)    the layout's stages compiled (through ``request.context(stage)``, cached in the
+                                      store) and written as one folder its runtime loads
+    verify_bundle(backend, path, options)   ``vlmrun bundle --verify``: files, hashes, configs, before anything runs
+    load_stage(backend, stage, ctx)   ``ctx.bundle`` is the folder: every stage of a bundle layout is on the backend
+                                      its manifest (``vlmrun-bundle.json``) names; ``run_request`` then runs requests
 
 Layout options reach a plugin only after the core checked them against what it declared in
 ``register_options`` (unknown keys, wrong types and values outside the choices are errors before any work).
@@ -223,4 +233,46 @@ def decode(backend, handle, request):
              stream text and time the first token. A :class:`vlmrun.handles.DecoderHandle` whose runtime
              measures itself sets ``last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the
              iteration; those figures replace the host-clock ones.
+    """
+
+
+@hookspec(firstresult=True)
+def run_request(backend, handles, request):
+    """Run one whole request (image + prompt -> tokens) inside a single runtime (optional).
+
+    Called by a generation before the stage-by-stage path, only when every stage of the layout is on ``backend``
+    (e.g. a bundle: Genie's VLM pipeline splices the image into the prompt itself). Return ``None`` to decline; the
+    core then runs vision, projector, embed and the decoder one by one.
+
+    :param backend: the backend name; return ``None`` if it is not yours.
+    :param handles: ``{stage: handle}`` as ``load_stage`` returned them.
+    :param request: a :class:`vlmrun.stages.RequestRun` (pixels, token ids, the rendered prompt, the budget, the
+                    sampler settings and stop ids, and ``tensors`` to fill with what the runtime saw).
+    :return: an iterator of generated token ids, as ``decode``'s. A decoder handle that measures itself sets
+             ``last_timings``.
+    """
+
+
+@hookspec(firstresult=True)
+def write_bundle(backend, request):
+    """Write the deployable folder of a layout whose every stage is on ``backend`` (``vlmrun bundle OUT``).
+
+    :param backend: the backend name; return ``None`` if it is not yours (the core then says no installed plugin
+                    writes bundles for it).
+    :param request: a :class:`vlmrun.stages.BundleRequest`: model, layout, ``out_dir`` (an empty temporary folder,
+                    renamed to the user's on success), ``target``, ``context(stage, options=None)`` for cached
+                    exports and compiles, ``progress``.
+    :return: the bundle's manifest (a dict; the plugin writes it into the folder as ``vlmrun-bundle.json``, with at
+             least ``backend`` and ``files``).
+    """
+
+
+@hookspec(firstresult=True)
+def verify_bundle(backend, path, options):
+    """Check a bundle folder written by ``backend``'s ``write_bundle`` before anything runs or is pushed.
+
+    :param path: the folder (a :class:`pathlib.Path`).
+    :param options: the checks' settings from the command line (e.g. ``soc``, ``sdk_root`` of the phone's SDK).
+    :return: a list of one-line descriptions of what was checked; raise a
+             :class:`vlmrun.errors.VlmrunError` (one line) for the first problem.
     """

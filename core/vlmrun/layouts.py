@@ -44,6 +44,7 @@ class StageAssignment:
 class Layout:
     name: str
     stages: Mapping[str, StageAssignment]
+    bundle: str | None = None  # a bundle folder (``bundle:DIR``): its manifest names the backend of every stage
 
     def backend(self, stage: str) -> str:
         return self.stages[stage].backend
@@ -68,7 +69,10 @@ def resolve(
     overrides: Mapping[str, str | None] | None = None,
     options: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Layout:
-    """Build a layout from a preset name, an optional TOML file, per-stage backend overrides and options."""
+    """Build a layout from a preset name (or ``bundle:DIR``), an optional TOML file, per-stage backend overrides
+    and options."""
+    if name and str(name).startswith(BUNDLE_PREFIX):
+        return bundle_layout(str(name)[len(BUNDLE_PREFIX):], overrides, options)
     table: dict = {}
     if file is not None:
         table = read_toml(file, "layout file")
@@ -99,6 +103,40 @@ def resolve(
     return Layout(label, stages)
 
 
+BUNDLE_PREFIX = "bundle:"
+BUNDLE_MANIFEST = "vlmrun-bundle.json"  # what ``vlmrun bundle`` writes into every bundle folder
+
+
+def bundle_manifest(folder: str | Path) -> dict:
+    """The manifest of a bundle folder, or one UsageError line saying why it is not one."""
+    import json
+
+    path = Path(folder).expanduser()
+    mf = path / BUNDLE_MANIFEST
+    if not mf.is_file():
+        raise UsageError(f"{path} is not a vlmrun bundle (no {BUNDLE_MANIFEST}); write one with: vlmrun bundle {path}")
+    try:
+        m = json.loads(mf.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{mf} cannot be read ({exc}); write the bundle again") from None
+    if not isinstance(m, dict) or not m.get("backend"):
+        raise UsageError(f"{mf} names no backend; write the bundle again")
+    return m
+
+
+def bundle_layout(folder: str, overrides=None, options=None) -> Layout:
+    """The layout of a bundle: every stage on the backend its manifest names, the folder in ``Layout.bundle``.
+    A bundle is what it is: stage overrides and options are refused."""
+    if overrides and any(overrides.values()):
+        raise UsageError("a bundle runs as it was written: drop the --STAGE backend overrides (write another bundle"
+                         " from a layout instead)")
+    if options and any(v is not None for extra in options.values() for v in extra.values()):
+        raise UsageError("a bundle runs as it was written: drop the stage options (write another bundle instead)")
+    backend = str(bundle_manifest(folder)["backend"])
+    path = str(Path(folder).expanduser().resolve())
+    return Layout(f"{BUNDLE_PREFIX}{folder}", {s: StageAssignment(backend, {}) for s in STAGES}, bundle=path)
+
+
 def validate(layout: Layout, registry, stages=STAGES) -> Layout:
     """Check ``layout`` before any work starts: every stage's backend (and compiler) is installed and runs the
     stage, and every option is one the backend, its compiler or the core declares, with a value of the
@@ -113,4 +151,4 @@ def validate(layout: Layout, registry, stages=STAGES) -> Layout:
             registry.backend(str(compiler))
         checked[stage] = StageAssignment(assignment.backend,
                                          table.check(stage, assignment.backend, assignment.options))
-    return Layout(layout.name, checked)
+    return Layout(layout.name, checked, layout.bundle)

@@ -27,7 +27,8 @@ from .model import FastVLMModel, open_model
 from .progress import no_progress
 from .preprocess import load_image, preprocess_image, render_prompt, splice, tokenize_prompt
 from .sampling import Sampler, SamplingSettings
-from .stages import CONTRACTS, STAGES, CompileContext, CompileRequest, DecodeRequest, ExportForm, check_tensor
+from .stages import (CONTRACTS, STAGES, CompileContext, CompileRequest, DecodeRequest, ExportForm, RequestRun,
+                     check_tensor)
 from .store import Artifact, ArtifactStore
 
 Progress = Callable[[str], ContextManager]
@@ -45,6 +46,7 @@ class StageContext:
     registry: plugins_mod.Registry
     rebuild: bool = False
     progress: Progress = no_progress
+    bundle: str | None = None  # the bundle folder when the layout is ``bundle:DIR`` (load_stage runs its files)
 
     def _versions(self, hook: str) -> dict[str, str]:
         return {p.name: p.version for p in self.registry.plugins.values() if hook in p.hooks}
@@ -220,28 +222,50 @@ class Generation:
             pass
         return self
 
+    def _whole_request(self, budget: int, stops: frozenset) -> Iterator[int] | None:
+        """The ``run_request`` hook's tokens when every stage is on one backend that runs whole requests."""
+        pipe = self.pipeline
+        backend = pipe.whole_backend
+        if backend is None:
+            return None
+        p = self.prepared
+        request = RequestRun(pixel_values=p.pixel_values, input_ids=p.input_ids, image_start=p.image_start,
+                             prompt_text=p.prompt_text, max_new_tokens=budget, sampling=self.settings.sampling,
+                             stop_ids=stops, tensors=self.tensors)
+        return pipe.registry.hook.run_request(backend=backend, handles=dict(pipe.handles), request=request)
+
     def _run(self) -> Iterator[str]:
         pipe, s = self.pipeline, self.settings
-        inputs_embeds = pipe.embed_prompt(self.prepared, self.timings, self.tensors, self.profiles)
-        prompt_len = inputs_embeds.shape[1]
         ctx_len = pipe.context_length
-        budget = min(s.max_new_tokens, ctx_len - prompt_len)
         stops = frozenset() if s.ignore_eos else pipe.model.stop_ids
+        prompt_len = self.prepared.input_ids.shape[1]
+        budget = min(s.max_new_tokens, ctx_len - prompt_len)
+        self._t0 = time.perf_counter()  # TTFT: from the decode's start (whole requests: from the start)
+        tokens = self._whole_request(budget, stops)
+        yield from self._stream(self._stage_by_stage(budget, stops) if tokens is None else tokens, budget, stops)
+
+    def _stage_by_stage(self, budget: int, stops: frozenset) -> Iterator[int]:
+        pipe, s = self.pipeline, self.settings
+        inputs_embeds = pipe.embed_prompt(self.prepared, self.timings, self.tensors, self.profiles)
         request = DecodeRequest(
             inputs_embeds=inputs_embeds,
             max_new_tokens=budget,
             sampler=Sampler(s.sampling, vocab_limit=pipe.model.vocab_limit),
             stop_ids=stops,
             embed_tokens=pipe.embed_tokens,
-            context_length=ctx_len,
+            context_length=pipe.context_length,
             on_logits=None if self.step_logits is None else (lambda row: self.step_logits.append(np.array(row))),
         )
-        self.timings["prompt_tokens"] = prompt_len
         backend = pipe.layout.backend("decoder")
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         tokens = pipe.registry.hook.decode(backend=backend, handle=pipe.handles["decoder"], request=request)
         if tokens is None:
             raise BackendError(f"backend '{backend}' does not implement decode")
+        yield from tokens
+
+    def _stream(self, tokens: Iterator[int], budget: int, stops: frozenset) -> Iterator[str]:
+        pipe, s = self.pipeline, self.settings
+        self.timings["prompt_tokens"] = self.prepared.input_ids.shape[1]
         from tokenizers.decoders import DecodeStream
 
         t_first = t_last = None
@@ -269,7 +293,7 @@ class Generation:
         self.text = final
         n = len(self.token_ids)
         if t_first is not None:
-            self.timings["ttft_ms"] = (t_first - t0) * 1e3
+            self.timings["ttft_ms"] = (t_first - self._t0) * 1e3
             self.timings["decode_ms"] = (t_last - t_first) * 1e3
             if n > 1 and t_last > t_first:
                 self.timings["tokens_per_s"] = (n - 1) / (t_last - t_first)
@@ -323,7 +347,10 @@ class Pipeline:
         if not isinstance(store, ArtifactStore):
             store = ArtifactStore(store)
         store.clean_stale()
-        fvlm = open_model(model, store, image_size, progress, rebuild=rebuild)
+        if layout.bundle is not None and model is None:  # a bundle carries its checkpoint's configs (no weights)
+            fvlm = FastVLMModel(Path(layout.bundle), Path(layout.bundle), "bundle")
+        else:
+            fvlm = open_model(model, store, image_size, progress, rebuild=rebuild)
         for stage in stages:
             assignment = layout.stages[stage]
             registry.hook.preflight(backend=assignment.backend, stage=stage, model=fvlm,
@@ -340,7 +367,7 @@ class Pipeline:
         assignment = self.layout.stages[stage]
         ctx = StageContext(
             assignment.backend, stage, self.model, dict(assignment.options), self.store, self.registry,
-            rebuild, self.progress,
+            rebuild, self.progress, self.layout.bundle,
         )
         handle = self.registry.hook.load_stage(backend=assignment.backend, stage=stage, ctx=ctx)
         if handle is None:
@@ -348,6 +375,12 @@ class Pipeline:
         return handle
 
     # -- properties ----------------------------------------------------------------------------------
+    @property
+    def whole_backend(self) -> str | None:
+        """The backend every stage is on, when one is (it may run whole requests: ``run_request``)."""
+        backends = {self.layout.backend(s) for s in STAGES}
+        return backends.pop() if len(backends) == 1 and set(self.handles) >= set(STAGES) else None
+
     @property
     def context_length(self) -> int:
         """The decoder's context: its handle's ``context_length`` (compiled backends fix it), else the

@@ -13,6 +13,7 @@ Shapes are written with symbolic dims filled from the model (:meth:`vlmrun.model
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import attrs
@@ -164,6 +165,52 @@ class DecodeRequest:
     context_length: int
     # when set, a decoder that sees its logits calls it with each step's row [V] before sampling from it
     on_logits: Callable[[np.ndarray], None] | None = None
+
+
+@attrs.define
+class RequestRun:
+    """One whole request (image + prompt -> tokens), for a backend that runs every stage in one runtime
+    (the ``run_request`` hook: a deployable bundle run by its own runtime).
+
+    :ivar pixel_values: float32 [1, 3, S, S], preprocessed as the checkpoint's image processor says.
+    :ivar input_ids: int64 [1, T], the image placeholder expanded (what the stage-by-stage path embeds).
+    :ivar image_start: where the image's rows start in ``input_ids``.
+    :ivar prompt_text: the rendered chat template, with the image placeholder once (not expanded).
+    :ivar max_new_tokens: the budget; ``sampling``: a :class:`vlmrun.sampling.SamplingSettings`; ``stop_ids``:
+        the tokens that end generation (empty: none).
+    :ivar tensors: a dict the backend fills with the stage-boundary tensors it saw (e.g. ``image_embeds`` from
+        its image encoder), for diffs.
+    """
+
+    pixel_values: np.ndarray
+    input_ids: np.ndarray
+    image_start: int
+    prompt_text: str
+    max_new_tokens: int
+    sampling: object
+    stop_ids: frozenset[int]
+    tensors: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class BundleRequest:
+    """What a ``write_bundle`` hook gets.
+
+    :ivar model: the :class:`vlmrun.model.FastVLMModel`.
+    :ivar layout: the :class:`vlmrun.layouts.Layout` the bundle is made from (every stage on the hook's backend).
+    :ivar out_dir: an empty temporary directory; the core renames it to the user's folder on success.
+    :ivar target: ``local`` (this machine's runtime) or ``android`` (a phone).
+    :ivar context: ``context(stage, options=None)`` -> a :class:`vlmrun.pipeline.StageContext` for the stage (its
+        layout options, or ``options``), whose ``exported`` / ``compiled`` cache artifacts in the store.
+    :ivar progress: ``progress(label)`` context manager for long steps.
+    """
+
+    model: object
+    layout: object
+    out_dir: Path
+    target: str
+    context: Callable
+    progress: Callable
 
 
 @attrs.frozen

@@ -55,6 +55,17 @@ def build_wrapper(model, form):
     if form.kind == "vision":
         return VisionStage(fvlm), (torch.zeros(1, 3, S, S),), ["pixel_values"], ["image_features"], None
 
+    if form.kind == "vision/encoder":  # Genie's image encoder: vision tower + projector in one graph
+        class ImageEncoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.vision, self.projector = VisionStage(fvlm), ProjectorStage(fvlm)
+
+            def forward(self, pixel_values):
+                return self.projector(self.vision(pixel_values))
+
+        return ImageEncoder(), (torch.zeros(1, 3, S, S),), ["pixel_values"], ["image_features"], None
+
     if form.kind == "projector":
         ex = (torch.zeros(1, model.image_tokens, model.feature_dim),)
         return ProjectorStage(fvlm), ex, ["image_features"], ["image_embeds"], None

@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun import hookimpl
-from vlmrun.errors import BackendError
+from vlmrun.errors import BackendError, UsageError
 from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import STAGES, ExportForm
@@ -71,7 +71,7 @@ from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest
 from vlmrun_qualcomm.sdk import Sdk, newer_than, phone_options
 
-from . import calibration, ep, recipe
+from . import calibration, ep, image_encoder, recipe
 from .handles import ChunkedEmbed, DecoderHandle, LocalStage
 from .layers import LAYER_OPTIONS
 from .options import (DECODER_FORMS, DEFAULT_CONTEXT, DEFAULT_EMBED_SEQ, DEFAULT_PREFILL_AR, ENGINES, NAME,
@@ -283,12 +283,23 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
                 extra = {"quantization": {**facts, "io_quant": io_quant(qdq), "calibration": label,
                                           "quantize_s": round(time.perf_counter() - t0, 3)}}
                 src = qdq
+        if form == image_encoder.FORM:  # Genie's image encoder: a quantized pixel_values input (image_encoder.py)
+            if options.get("toolchain") == "sdk":
+                raise UsageError("the image-encoder form is compiled by onnxruntime-qnn only; drop toolchain = sdk")
+            enc = image_encoder.pixel_encoding(model.image_processor_config)
+            image_encoder.with_quantized_input(src, work / f"{name}.in.onnx", enc)
+            src = work / f"{name}.in.onnx"
+            extra["image_input"] = enc
         info, more = _compile_binary(src, out_dir, name, soc, precision, options, work, feeds, what)
         extra.update(more)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     io_q = extra.get("quantization", {}).get("io_quant", {}) or {
         t["name"]: t["quant"] for t in (*info["inputs"], *info["outputs"]) if "quant" in t}
+    if "image_input" in extra:  # the input Genie quantizes pixels to is ours, not the QDQ model's inner one
+        enc = extra["image_input"]
+        io_q = {**io_q, image_encoder.INPUT: {"scale": enc["scale"], "offset": -enc["zero_point"],
+                                              "dtype": enc["dtype"]}}
     for t in (*info["inputs"], *info["outputs"]):
         if t["name"] in io_q:
             t["quant"] = io_q[t["name"]]
@@ -315,6 +326,10 @@ def _compiled(ctx, stage: str, opts: dict, form: ExportForm):
 def load_stage(backend, stage, ctx):
     if not mine(backend, NAME):
         return None
+    if getattr(ctx, "bundle", None):  # a bundle:DIR layout: Genie's VLM pipeline over the folder's files
+        from .bundle import load_bundle_stage
+
+        return load_bundle_stage(stage, ctx)
     opts = stage_options(stage, ctx.options)
     soc = socs.soc(opts["soc"])
     if opts.get("decoder_form") == "parts":
@@ -392,6 +407,41 @@ def run_stage(backend, stage, handle, inputs):
     if stage == "decoder":
         return {"logits": handle.decoder.forward_all(np.asarray(inputs["inputs_embeds"], np.float32))}
     return handle.run(dict(inputs))  # GenieHtpHandle.decoder is the host loop over the same Genie-layout graphs
+
+
+@hookimpl
+def run_request(backend, handles, request):
+    """A bundle's whole request through Genie's pipeline (:mod:`.bundle`); other layouts go stage by stage."""
+    if not mine(backend, NAME) or not hasattr(handles.get("decoder"), "runtime"):
+        return None
+    from .bundle import run_request as run
+
+    return run(handles, request)
+
+
+@hookimpl
+def write_bundle(backend, request):
+    if not mine(backend, NAME):
+        return None
+    from .bundle import write_bundle as write
+
+    return write(request)
+
+
+@hookimpl
+def verify_bundle(backend, path, options):
+    if not mine(backend, NAME):
+        return None
+    from vlmrun_qualcomm.genie_pipeline import PipelineLibrary
+
+    from .bundle import verify_bundle as verify
+    from .genie_engine import libgenie_path
+
+    sdk_qnn = None
+    if options.get("sdk_root"):
+        sdk_qnn = Sdk.find(options["sdk_root"]).version
+    lib = PipelineLibrary(libgenie_path())
+    return verify(Path(path), soc_name=options.get("soc"), sdk_qnn=sdk_qnn, parse=lib.parse_node_config)
 
 
 @hookimpl

@@ -1,0 +1,539 @@
+"""The artifact people ship: a folder Genie's VLM pipeline (libGenie's pipeline API, or the SDK's ``genie-app``)
+loads, in Qualcomm AI Hub's VLM export layout, written (:func:`write_bundle`), checked (:func:`verify_bundle`) and
+run (:class:`BundleRuntime`) by qnn_htp.
+
+Files (``vlmrun bundle OUT``)::
+
+    vision_encoder.bin            the image encoder: vision tower + projector, quantized pixel input (image_encoder.py)
+    partK_of_N.bin                the decoder's parts, prompt + token graphs, weight-shared (device target);
+    partK_of_N_{prompt,token}.bin   on the emulator the unshared compile of the same graphs (parts_compile.py)
+    embedding_weights.raw         float32 [vocab, hidden], no header: the LUT of the text encoder and generator
+    tokenizer.json, tokenizer_config.json, config.json, generation_config.json, processor/preprocessor config,
+    chat_template.jinja           the checkpoint's own files (what a runtime needs to build a prompt)
+    img-enc-htp.json, text-encoder.json, text-generator.json   the pipeline's node configs
+    genie_config.json             the generator as a dialog (genie-t2t-run, text only)
+    htp_backend_ext_config.json   the HTP backend extensions (named by the configs of a device bundle)
+    genie-app-script.txt          the genie-app script over sample_inputs/ (prompt prefix, pixels, suffix)
+    metadata.json                 what GenieX reads (model files with their tensor shapes, vision preprocessing)
+    vlmrun-bundle.json            vlmrun's manifest: every file's sha256, versions, recipes, the image input's
+                                  encoding, the prompt split, and the figures the bundle was verified with
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from vlmrun.errors import BackendError, InputError, UsageError
+
+from . import image_encoder
+from .options import NAME
+
+MANIFEST = "vlmrun-bundle.json"
+FORMAT = 1
+IMAGE_BIN = "vision_encoder.bin"
+LUT = "embedding_weights.raw"
+NODES = {"imageEncoder": "img-enc-htp.json", "lutEncoder": "text-encoder.json", "textGenerator": "text-generator.json"}
+CONNECTIONS = [
+    ["imageEncoder", "GENIE_NODE_IMAGE_ENCODER_EMBEDDING_OUTPUT", "textGenerator",
+     "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT"],
+    ["lutEncoder", "GENIE_NODE_TEXT_ENCODER_EMBEDDING_OUTPUT", "textGenerator",
+     "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT"],
+]
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "preprocessor_config.json", "processor_config.json", "chat_template.jinja",
+               "chat_template.json")
+EXT_CONFIG = "htp_backend_ext_config.json"
+SAMPLE_PROMPT = "Describe the image."
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def prompt_split(model, prompt: str, system: str | None = None) -> tuple[str, str]:
+    """The chat template of ``prompt`` split at the image placeholder: (text before, text after). Genie's
+    pipeline splices by call order: prefix text, the image's embeddings, suffix text."""
+    from vlmrun.preprocess import render_prompt
+
+    return _split(render_prompt(model.chat_template, prompt, system), model.tokenizer.id_to_token(model.image_token_id))
+
+
+# -- writing ----------------------------------------------------------------------------------------------------
+def decoder_options(options: dict, target: str) -> dict:
+    """The decoder's layout options as a bundle needs them: the parts form, decoded by Genie; weight-shared
+    binaries for a device, the unshared compile of the same graphs on the emulator."""
+    o = {**options, "decoder_form": "parts", "engine": "genie"}
+    if target == "android":
+        o["weight_sharing"] = "on"
+    o.pop("target", None)
+    return o
+
+
+def text_generator_config(model, ctx: int, ctx_bins: list[str], target: str, max_new_tokens: int = 512,
+                          sampling=None, eos=None) -> dict:
+    """The generator node's config: the dialog body under ``text-generator`` plus the ``embedding`` LUT block
+    (without it Genie stops after one token and says nothing)."""
+    from vlmrun_qualcomm import genie
+
+    facts = genie.GenieModel.from_model(model)
+    kwargs = {"sampling": sampling} if sampling is not None else {}
+    cfg = genie.dialog_config(facts, "QnnHtp", tokenizer="tokenizer.json", context_size=ctx,
+                              max_new_tokens=max_new_tokens, ctx_bins=ctx_bins, eos=eos, **kwargs)["dialog"]
+    cfg["embedding"] = {"version": 1, "type": "lut", "lut-path": LUT, "size": facts.hidden, "datatype": "float32"}
+    if target == "android":
+        cfg["engine"]["backend"]["extensions"] = EXT_CONFIG
+    return {"text-generator": cfg}
+
+
+def image_encoder_config(target: str) -> dict:
+    backend = {"version": 1, "type": "QnnHtp",
+               "QnnHtp": {"version": 1, "spill-fill-bufsize": 0, "use-mmap": False, "allow-async-init": False}}
+    if target == "android":
+        backend["extensions"] = EXT_CONFIG
+    return {"image-encoder": {"version": 1, "engine": {
+        "version": 1, "mode": "image", "backend": backend,
+        "model": {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": [IMAGE_BIN]}}}}}
+
+
+def text_encoder_config(hidden: int) -> dict:
+    return {"text-encoder": {"version": 1, "type": "lut",
+                             "lut": {"version": 1, "lut-path": LUT, "size": int(hidden), "datatype": "float32"},
+                             "tokenizer": {"version": 1, "path": "tokenizer.json"}}}
+
+
+def ext_config(soc) -> dict:
+    return {"devices": [{"soc_model": int(soc.soc_model), "dsp_arch": soc.arch,
+                         "cores": [{"core_id": 0, "perf_profile": "burst", "rpc_control_latency": 100}]}],
+            "memory": {"mem_type": "shared_buffer"}, "context": {"weight_sharing_enabled": True}}
+
+
+def app_script(prefix_file: str, pixels_file: str, suffix_file: str) -> str:
+    """A genie-app script (``genie-app -s``) running the pipeline on one request's files."""
+    lines = ["version", "pipeline config create pipelineConfig", "pipeline create GeniePipeline pipelineConfig", ""]
+    for node, cfg in NODES.items():
+        lines += [f"node config create {node}Config {cfg}", f"node create {node} {node}Config"]
+        if node == "textGenerator":
+            lines.append(f"node set textCallback {node} GENIE_NODE_TEXT_GENERATOR_TEXT_OUTPUT")
+        lines.append("")
+    lines += [f"pipeline add GeniePipeline {node}" for node in NODES] + [""]
+    lines += [f"pipeline connect GeniePipeline {p} {pio} {c} {cio}" for p, pio, c, cio in CONNECTIONS] + [""]
+    lines += [f"node set textFile lutEncoder GENIE_NODE_TEXT_ENCODER_TEXT_INPUT {prefix_file}",
+              f"node set image imageEncoder GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT {pixels_file}",
+              f"node set textFile lutEncoder GENIE_NODE_TEXT_ENCODER_TEXT_INPUT {suffix_file}", "",
+              "pipeline execute GeniePipeline", ""]
+    lines += [f"node free {node}" for node in NODES] + ["pipeline free GeniePipeline"]
+    return "\n".join(lines) + "\n"
+
+
+def write_bundle(request) -> dict:
+    """Compile (through the store) and write the bundle of ``request`` (a :class:`vlmrun.stages.BundleRequest`)
+    into ``request.out_dir``; return the manifest."""
+    from vlmrun.demo_image import demo_image
+    from vlmrun.preprocess import preprocess_image
+    from vlmrun.stages import ExportForm
+    from vlmrun_qualcomm import socs
+    from vlmrun_qualcomm.parts import plan
+
+    from . import _compiled, ep
+    from .options import stage_options
+
+    model, out, target = request.model, Path(request.out_dir), request.target
+    vis_ctx = request.context("vision")
+    vis_opts = stage_options("vision", vis_ctx.options)
+    soc = socs.soc(vis_opts["soc"])
+    enc_art = _compiled(vis_ctx, "vision", vis_opts, ExportForm.of("vision", image_encoder.FORM))
+    dec_ctx = request.context("decoder", decoder_options(dict(request.layout.stages["decoder"].options), target))
+    dec_opts = stage_options("decoder", dec_ctx.options)
+    if socs.soc(dec_opts["soc"]).name != soc.name:
+        raise UsageError(f"the bundle's stages are compiled for two SoCs ({soc.name}, {dec_opts['soc']}); give one")
+    p = plan(model, dec_opts)
+    form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"], layers=",".join(map(str, p["layers"])),
+                         rmsnorm=dec_opts.get("rmsnorm") or "safe")
+    dec_art = _compiled(dec_ctx, "decoder", dec_opts, form)
+    lut_art = dec_ctx.exported(ExportForm.of("embed", "embed/lut"))
+    with request.progress("writing the bundle"):
+        shutil.copyfile(enc_art.path / next(f for f in enc_art.manifest["files"] if f.endswith(".bin")), out / IMAGE_BIN)
+        parts = dec_art.manifest["decoder_parts"]
+        bins = list(parts["binaries_in_order"])
+        shared = parts["weight_sharing"]
+        P = parts["count"]
+        names = {}
+        for b in bins:  # Genie's names: partK_of_N.bin when shared (GenieX reads these), else per graph kind
+            new = b.replace("_qnn.bin", ".bin")
+            names[b] = new
+            shutil.copyfile(dec_art.path / b, out / new)
+        ctx_bins = [names[b] for b in bins]
+        lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
+        np.ascontiguousarray(lut, np.float32).tofile(out / LUT)
+        copied = []
+        for name in MODEL_FILES:
+            if (model.path / name).is_file():
+                shutil.copyfile(model.path / name, out / name)
+                copied.append(name)
+        ctx_len = int(parts["ctx"])
+        stops = sorted(model.stop_ids) or None
+        configs = {
+            "img-enc-htp.json": image_encoder_config(target),
+            "text-encoder.json": text_encoder_config(model.hidden_size),
+            "text-generator.json": text_generator_config(model, ctx_len, ctx_bins, target, eos=stops),
+        }
+        dialog = {"dialog": configs["text-generator.json"]["text-generator"]}
+        configs["genie_config.json"] = dialog
+        configs[EXT_CONFIG] = ext_config(soc)
+        for name, cfg in configs.items():
+            (out / name).write_text(json.dumps(cfg, indent=2) + "\n")
+        samples = out / "sample_inputs"
+        samples.mkdir()
+        before, after = prompt_split(model, SAMPLE_PROMPT)
+        (samples / "prompt_prefix.txt").write_text(before)
+        (samples / "prompt_suffix.txt").write_text(after)
+        np.ascontiguousarray(preprocess_image(demo_image(), model.image_processor_config), np.float32).tofile(
+            samples / "pixel_values.raw")
+        (out / "genie-app-script.txt").write_text(app_script("sample_inputs/prompt_prefix.txt",
+                                                             "sample_inputs/pixel_values.raw",
+                                                             "sample_inputs/prompt_suffix.txt"))
+        enc_info = enc_art.manifest
+        metadata = {
+            "model_id": f"fastvlm-{model.path.name}",
+            "model_files": {
+                IMAGE_BIN: {"inputs": {t["name"]: {"shape": t["shape"], "dtype": t["dtype"]}
+                                       for t in enc_info["inputs"]},
+                            "outputs": {t["name"]: {"shape": t["shape"], "dtype": t["dtype"]}
+                                        for t in enc_info["outputs"]}},
+                **{names[b]: {"part": i // (1 if shared else 2) + 1, "of": P} for i, b in enumerate(bins)},
+            },
+            "genie": {
+                "supports_vision": True, "supports_streaming": True, "context_lengths": [ctx_len],
+                "pipeline": {"nodes": NODES, "connections": [dict(zip(("producer_node", "producer_node_io",
+                                                                       "consumer_node", "consumer_node_io"), c))
+                                                             for c in CONNECTIONS]},
+                "vision_preprocessing": {
+                    "image_width": model.image_size, "image_height": model.image_size,
+                    "normalize_mean": model.image_processor_config.get("image_mean", [0.0, 0.0, 0.0]),
+                    "normalize_std": model.image_processor_config.get("image_std", [1.0, 1.0, 1.0]),
+                    "rescale_factor": model.image_processor_config.get("rescale_factor", 1 / 255),
+                    "pixel_input": enc_info["image_input"]},
+                "sample_inputs": [{"node": "lutEncoder", "node_io": "GENIE_NODE_TEXT_ENCODER_TEXT_INPUT",
+                                   "file": "sample_inputs/prompt_prefix.txt"},
+                                  {"node": "imageEncoder", "node_io": "GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT",
+                                   "file": "sample_inputs/pixel_values.raw"},
+                                  {"node": "lutEncoder", "node_io": "GENIE_NODE_TEXT_ENCODER_TEXT_INPUT",
+                                   "file": "sample_inputs/prompt_suffix.txt"}],
+            },
+        }
+        (out / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file())
+    versions = {"qnn": ep.qnn_version(), "onnxruntime-qnn": _version("onnxruntime-qnn"),
+                "vlmrun-qnn-htp": _version("vlmrun-qnn-htp"), "vlmrun": _version("vlmrun")}
+    manifest = {
+        "format": FORMAT, "backend": NAME, "runtime": "genie-pipeline",
+        "target": target, "soc": soc.name, "soc_model": soc.soc_model, "arch": soc.arch,
+        "qnn_version": versions["qnn"], "versions": versions,
+        "weight_sharing": bool(shared), "loads_on_emulator": not shared,
+        "context_length": ctx_len, "image_input": enc_info["image_input"],
+        "image_encoder": {"file": IMAGE_BIN, "precision": enc_info.get("precision"),
+                          "quantization": _recipe(enc_info), "source": enc_art.path.name},
+        "decoder": {"files": ctx_bins, "parts": P, "precision": dec_art.manifest.get("precision"),
+                    "ar": parts["ar"], "quantization": _recipe(dec_art.manifest), "source": dec_art.path.name},
+        "lut": {"file": LUT, "dtype": "float32", "shape": [int(lut.shape[0]), int(lut.shape[1])]},
+        "model_files": copied, "nodes": NODES, "connections": CONNECTIONS,
+        "bytes": {"image_encoder": (out / IMAGE_BIN).stat().st_size,
+                  "decoder": sum((out / b).stat().st_size for b in ctx_bins), "lut": (out / LUT).stat().st_size},
+        "files": {f: {"sha256": sha256(out / f), "bytes": (out / f).stat().st_size} for f in files},
+        "verified": {},
+    }
+    manifest["bytes"]["total"] = sum(v["bytes"] for v in manifest["files"].values())
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _recipe(manifest: dict) -> dict | None:
+    q = manifest.get("quantization")
+    if not q:
+        return None
+    return {k: q[k] for k in ("recipe", "quantizer", "quantizer_version", "stored", "calibration") if k in q}
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
+
+
+# -- verifying --------------------------------------------------------------------------------------------------
+def read_manifest(path: Path) -> dict:
+    mf = Path(path) / MANIFEST
+    if not mf.is_file():
+        raise UsageError(f"{path} is not a vlmrun bundle (no {MANIFEST}); write one with vlmrun bundle {path}")
+    try:
+        return json.loads(mf.read_text())
+    except ValueError as exc:
+        raise BackendError(f"{mf} is not valid JSON ({exc}); write the bundle again") from None
+
+
+def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None = None, parse=None) -> list[str]:
+    """Check a bundle before anything runs or is pushed: every file there with its hash, the node configs (by
+    libGenie's own parser when ``parse`` is given: ``parse(json_text, what)``), the image input quantized, the
+    generator's LUT block, the SoC (``soc_name``) and the QNN version against a phone's SDK (``sdk_qnn``). Returns
+    what was checked; raises one BackendError line for the first problem."""
+    from vlmrun_qualcomm.sdk import newer_than
+
+    path = Path(path)
+    m = read_manifest(path)
+    checked = []
+    for name, info in m["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise BackendError(f"bundle {path}: {name} is missing; write the bundle again (vlmrun bundle {path})")
+        if f.stat().st_size != info["bytes"] or sha256(f) != info["sha256"]:
+            raise BackendError(f"bundle {path}: {name} does not match its sha256 in {MANIFEST} (changed or"
+                               " truncated); write the bundle again")
+    checked.append(f"{len(m['files'])} files present, sha256 as recorded")
+    cfgs = {}
+    for node, name in NODES.items():
+        try:
+            cfgs[node] = json.loads((path / name).read_text())
+        except ValueError as exc:
+            raise BackendError(f"bundle {path}: {name} is not valid JSON ({exc})") from None
+        if parse is not None:
+            parse(json.dumps(cfgs[node]), name)
+    checked.append("node configs parse" + (" (libGenie's GenieNodeConfig_createFromJson)" if parse else ""))
+    enc = m.get("image_input") or {}
+    meta_in = json.loads((path / "metadata.json").read_text())["model_files"].get(IMAGE_BIN, {}).get("inputs", {})
+    dtype = (meta_in.get(image_encoder.INPUT) or {}).get("dtype")
+    if enc.get("dtype") not in ("uint8", "uint16") or dtype not in ("uint8", "uint16"):
+        raise BackendError(f"bundle {path}: the image encoder's input pixel_values is {dtype or enc.get('dtype')},"
+                           " not uint8/uint16: Genie drops a float image and answers without it; compile the"
+                           " image-encoder form (vlmrun bundle writes it)")
+    checked.append(f"image input {dtype} (scale {enc['scale']:.6g}, offset {-enc['zero_point']})")
+    gen = cfgs["textGenerator"].get("text-generator") or {}
+    emb = gen.get("embedding") or {}
+    if emb.get("type") != "lut" or not emb.get("lut-path"):
+        raise BackendError(f"bundle {path}: text-generator.json has no embedding LUT block (type lut, lut-path):"
+                           " Genie would stop after one token; write the bundle again")
+    if not (path / emb["lut-path"]).is_file():
+        raise BackendError(f"bundle {path}: the generator's LUT {emb['lut-path']} is missing")
+    bins = gen.get("engine", {}).get("model", {}).get("binary", {}).get("ctx-bins", [])
+    img_bins = cfgs["imageEncoder"]["image-encoder"]["engine"]["model"]["binary"]["ctx-bins"]
+    for b in [*bins, *img_bins]:
+        if b not in m["files"]:
+            raise BackendError(f"bundle {path}: a config names {b}, which the bundle does not hold")
+    checked.append(f"generator over {len(bins)} part binaries with its LUT; image encoder {', '.join(img_bins)}")
+    if soc_name and soc_name != m["soc"]:
+        raise BackendError(f"bundle {path} was compiled for {m['soc']} ({m['arch']}), not {soc_name}; write it"
+                           f" again with -o soc={soc_name}")
+    if sdk_qnn and newer_than(m["qnn_version"], sdk_qnn):
+        raise BackendError(f"bundle {path} holds binaries from QNN {m['qnn_version']}, newer than the phone's SDK"
+                           f" ({sdk_qnn}): the runtime cannot load them; use a QAIRT SDK >= {m['qnn_version']}")
+    checked.append(f"binaries for {m['soc']} ({m['arch']}), QNN {m['qnn_version']}")
+    return checked
+
+
+# -- running ----------------------------------------------------------------------------------------------------
+class BundleRuntime:
+    """A bundle run by libGenie's pipeline API in a worker process whose working directory is the bundle."""
+
+    def __init__(self, path: Path, model, timeout: float = 600.0):
+        from .genie_engine import libgenie_path
+
+        self.path = Path(path).resolve()
+        self.manifest = read_manifest(self.path)
+        self.model = model
+        self.timeout = float(timeout)
+        self.lib = libgenie_path()
+        if not self.manifest.get("loads_on_emulator", False):
+            from . import ep
+
+            if ep.is_emulator():
+                raise BackendError(f"bundle {path} holds weight-shared binaries for a device, which this machine's"
+                                   " HTP emulator cannot load; run it on a phone (--target android) or write an"
+                                   " emulator bundle (vlmrun bundle without --target android)")
+        self.last_timings: dict = {}
+        self.last_tensors: dict = {}
+        self._lut = None
+
+    @property
+    def lut(self) -> np.ndarray:
+        if self._lut is None:
+            v, h = self.manifest["lut"]["shape"]
+            self._lut = np.memmap(self.path / LUT, dtype=np.float32, mode="r", shape=(v, h))
+        return self._lut
+
+    def request(self, prefix: str, pixels: Path, suffix: str, sampling, max_new_tokens: int, stop_ids,
+                embeddings_out: Path) -> dict:
+        """The worker's request: the nodes' configs (the bundle's, the generator's sampler and length set for this
+        request), the connections, and the inputs in splice order."""
+        nodes = {}
+        for node, name in NODES.items():
+            cfg = json.loads((self.path / name).read_text())
+            if node == "textGenerator":
+                from vlmrun_qualcomm import genie
+
+                body = cfg["text-generator"]
+                body["max-num-tokens"] = int(max_new_tokens)
+                if sampling is not None:
+                    body["sampler"] = genie.sampler_config(sampling, body["context"]["n-vocab"])
+                if stop_ids is not None:
+                    stops = sorted(stop_ids) or [body["context"]["n-vocab"] - 1]
+                    body["context"]["eos-token"] = stops[0] if len(stops) == 1 else stops
+            nodes[node] = json.dumps(cfg)
+        return {"nodes": nodes, "connections": CONNECTIONS,
+                "inputs": [["lutEncoder", "text", prefix], ["imageEncoder", "image", str(pixels)],
+                           ["lutEncoder", "text", suffix]],
+                "embeddings_out": str(embeddings_out)}
+
+    def generate(self, req) -> Iterator[int]:
+        """Run one whole request (``req``: a :class:`vlmrun.stages.RequestRun`); yield token ids. Genie hands out
+        text: each piece is tokenized back (the text is exact; the ids are those of the text, which may differ
+        from the ones Genie sampled where two tokenizations spell the same text)."""
+        import tempfile
+        import time
+
+        from vlmrun_qualcomm.genie_pipeline import stream_pipeline
+
+        tok = self.model.tokenizer
+        before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-run-"))
+        try:
+            pixels = tmp / "pixel_values.raw"
+            np.ascontiguousarray(req.pixel_values, np.float32).tofile(pixels)
+            emb_out = tmp / "image_embeddings.npy"
+            request = self.request(before, pixels, after, req.sampling, req.max_new_tokens, req.stop_ids, emb_out)
+            result: dict = {}
+            t0 = time.perf_counter()
+            text, first = "", None
+            for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result):
+                if first is None:
+                    first = time.perf_counter()
+                text += piece
+                for tid in tok.encode(piece, add_special_tokens=False).ids:
+                    yield tid
+            if "embeddings_dims" not in result:
+                raise BackendError(f"bundle {self.path.name}: the image encoder's embeddings never reached the text"
+                                   " generator (no output from the image-encoder node); check the bundle with"
+                                   " vlmrun bundle --verify")
+            if not text:
+                raise BackendError(f"bundle {self.path.name}: Genie's pipeline returned success with no text; check"
+                                   " the bundle with vlmrun bundle --verify (a generator without its LUT block"
+                                   " stops silently)")
+            self.last_tensors = {"image_embeds": self._embeddings(np.load(emb_out), result["embeddings_dims"])}
+            self.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3}
+            if first is not None:
+                self.last_timings["ttft_wall_ms"] = (first - t0) * 1e3
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _embeddings(self, raw: np.ndarray, dims: list[int]) -> np.ndarray:
+        """The image encoder's output as float32 [1, N, hidden] (a quantized output dequantized by its
+        encoding)."""
+        n = int(np.prod(dims)) if dims else raw.size // 4
+        width = raw.size // max(n, 1)
+        hidden = self.model.hidden_size
+        if width == 4:
+            x = raw.view(np.float32)
+        elif width == 2:
+            x = raw.view(np.float16).astype(np.float32)
+        else:
+            x = raw.astype(np.float32)
+        return x.reshape(1, -1, hidden)
+
+
+def _split(text: str, token: str) -> tuple[str, str]:
+    if text.count(token) != 1:
+        raise InputError(f"the prompt must hold the image placeholder {token!r} exactly once")
+    before, after = text.split(token)
+    return before, after
+
+
+# -- the stages of a bundle layout ------------------------------------------------------------------------------
+_RUNTIMES: dict[str, BundleRuntime] = {}
+
+
+class BundleStage:
+    """One stage of a ``bundle:DIR`` layout. The bundle runs whole requests (``run_request``); a single stage runs
+    only where the bundle's own binary can be driven alone: the decoder (teacher forcing, for diffs) by vlmrun's host
+    engine over the store's compile whose binaries are byte-identical to the bundle's."""
+
+    def __init__(self, runtime: BundleRuntime, stage: str, ctx):
+        self.runtime, self.stage, self.ctx = runtime, stage, ctx
+        self.artifacts = ()
+        self.load_s = 0.0
+        self._decoder = None
+
+    @property
+    def context_length(self) -> int:
+        return int(self.runtime.manifest["context_length"])
+
+    @property
+    def last_timings(self) -> dict:
+        return self.runtime.last_timings
+
+    @property
+    def decoder(self):
+        if self._decoder is None:
+            self._decoder = self._store_twin().decoder
+        return self._decoder
+
+    def _store_twin(self):
+        """The parts handle over the store artifact the bundle's decoder was copied from, when its binaries are
+        byte-identical to the bundle's."""
+        from vlmrun_qualcomm import socs
+
+        from .parts_run import PartsHandle
+
+        from vlmrun.store import MANIFEST as STORE_MANIFEST
+        from vlmrun.store import Artifact
+
+        m = self.runtime.manifest
+        art_dir = self.ctx.store.artifacts_dir / m["decoder"]["source"]
+        try:
+            art = Artifact(art_dir, json.loads((art_dir / STORE_MANIFEST).read_text()))
+        except (OSError, ValueError):
+            art = None
+        if art is None:
+            raise BackendError(f"bundle {self.runtime.path.name}: the decoder runs alone (teacher forcing) only with"
+                               f" the store's compile it came from ({m['decoder']['source']}), which this store does"
+                               " not hold; diff the bundle where it was written")
+        for b in art.manifest["decoder_parts"]["binaries_in_order"]:
+            if sha256(art.path / b) != m["files"][b.replace("_qnn.bin", ".bin")]["sha256"]:
+                raise BackendError(f"bundle {self.runtime.path.name}: {b} in the store differs from the bundle's copy")
+        return PartsHandle(self.runtime.model, art, socs.soc(m["soc"]))
+
+    def run(self, inputs: dict) -> dict:
+        raise BackendError(f"a bundle runs its {self.stage} stage only inside whole requests (Genie's pipeline fuses"
+                           " vision and projector into its image encoder); run the bundle with --image/--prompt, or"
+                           " diff the layout it was written from")
+
+
+def load_bundle_stage(stage: str, ctx) -> BundleStage:
+    path = str(Path(ctx.bundle).resolve())
+    rt = _RUNTIMES.get(path)
+    if rt is None or rt.model is not ctx.model:
+        rt = _RUNTIMES[path] = BundleRuntime(Path(path), ctx.model, float(ctx.options.get("timeout") or 600))
+    return BundleStage(rt, stage, ctx)
+
+
+def run_request(handles: dict, request) -> Iterator[int]:
+    """The ``run_request`` hook: the whole request through the bundle's Genie pipeline; the boundary tensors the
+    host can know exactly (the image encoder's embeddings from its node, the prompt's text rows from the bundle's
+    LUT) go into ``request.tensors``."""
+    from vlmrun.preprocess import splice
+
+    rt = handles["decoder"].runtime
+    yield from rt.generate(request)
+    img = rt.last_tensors["image_embeds"]
+    txt = np.asarray(rt.lut[np.asarray(request.input_ids, np.int64).reshape(-1)], np.float32)[None]
+    request.tensors.update(image_embeds=img, text_embeds=txt, inputs_embeds=splice(txt, img, request.image_start))

@@ -1,0 +1,269 @@
+"""Genie's pipeline API (``GeniePipeline.h`` / ``GenieNode.h`` in libGenie.so): a whole VLM in one runtime.
+
+A VLM bundle is three nodes: an ``image-encoder`` (one context binary: pixels -> image embeddings at the
+decoder's width), a ``text-encoder`` of type ``lut`` (text -> embeddings from a table) and a ``text-generator``
+(the dialog config body under the key ``text-generator`` with an ``embedding`` LUT block, which embeds the
+generated tokens). Both encoders are connected to the generator's embedding input; the prompt is spliced by call
+order: every ``setData`` on a connected encoder appends its embeddings, so a FastVLM request is the chat template
+up to the image (text), the image, the rest of the template (text), then ``execute``.
+
+libGenie reports most failures through its log, not its status codes, and some not at all (the pitfalls of
+``../shared/reference/genie-vlm-pipeline.md``): a float image input is dropped with status 0, a generator
+without its LUT block stops after one token with status 0. So the worker here checks what it can see: the image
+encoder's embeddings must come out of the node (its embedding callback), the run must produce text.
+
+As for dialogs (:mod:`.genie`), libGenie runs in a worker process (``python -m vlmrun_qualcomm.genie_pipeline``)
+that never loads onnxruntime; text pieces stream back one per line on a pipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from vlmrun import procs
+from vlmrun.errors import BackendError
+
+from .genie import _last_error_line, capture_fd, status_name
+
+# GenieNode_IOName_t
+TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 1, 2
+TEXT_ENCODER_TEXT_INPUT, TEXT_ENCODER_EMBEDDING_OUTPUT = 100, 101
+IMAGE_ENCODER_IMAGE_INPUT, IMAGE_ENCODER_EMBEDDING_OUTPUT = 200, 201
+IO_NAMES = {
+    "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT": TEXT_GENERATOR_EMBEDDING_INPUT,
+    "GENIE_NODE_TEXT_GENERATOR_TEXT_OUTPUT": TEXT_GENERATOR_TEXT_OUTPUT,
+    "GENIE_NODE_TEXT_ENCODER_TEXT_INPUT": TEXT_ENCODER_TEXT_INPUT,
+    "GENIE_NODE_TEXT_ENCODER_EMBEDDING_OUTPUT": TEXT_ENCODER_EMBEDDING_OUTPUT,
+    "GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT": IMAGE_ENCODER_IMAGE_INPUT,
+    "GENIE_NODE_IMAGE_ENCODER_EMBEDDING_OUTPUT": IMAGE_ENCODER_EMBEDDING_OUTPUT,
+}
+LOG_LEVEL_WARN = 2  # GenieLog_Level_t: ERROR 1, WARN 2, INFO 3, VERBOSE 4
+NODE_KEYS = {"imageEncoder": "image-encoder", "lutEncoder": "text-encoder", "textGenerator": "text-generator"}
+
+TextCB = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p)
+EmbeddingCB = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_size_t,
+                               ctypes.c_void_p, ctypes.c_void_p)
+
+
+class PipelineLibrary:
+    """The pipeline half of ``libGenie.so`` (ctypes)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        try:
+            self.lib = lib = ctypes.CDLL(self.path)
+        except OSError as exc:
+            raise BackendError(f"cannot load {self.path}: {exc}") from None
+        vp, i32, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32
+        sig = {
+            "GenieNodeConfig_createFromJson": ([ctypes.c_char_p, ctypes.POINTER(vp)], i32),
+            "GenieNodeConfig_free": ([vp], i32),
+            "GenieNode_create": ([vp, ctypes.POINTER(vp)], i32),
+            "GenieNode_free": ([vp], i32),
+            "GenieNode_setTextCallback": ([vp, i32, TextCB], i32),
+            "GenieNode_setEmbeddingCallback": ([vp, i32, EmbeddingCB], i32),
+            "GenieNode_setData": ([vp, i32, vp, ctypes.c_size_t, ctypes.c_char_p], i32),
+            "GeniePipelineConfig_createFromJson": ([ctypes.c_char_p, ctypes.POINTER(vp)], i32),
+            "GeniePipelineConfig_free": ([vp], i32),
+            "GeniePipeline_create": ([vp, ctypes.POINTER(vp)], i32),
+            "GeniePipeline_addNode": ([vp, vp], i32),
+            "GeniePipeline_connect": ([vp, vp, i32, vp, i32], i32),
+            "GeniePipeline_execute": ([vp, vp], i32),
+            "GeniePipeline_reset": ([vp], i32),
+            "GeniePipeline_free": ([vp], i32),
+            "GenieLog_create": ([vp, vp, i32, ctypes.POINTER(vp)], i32),
+            "GenieLog_free": ([vp], i32),
+            "GenieNodeConfig_bindLogger": ([vp, vp], i32),
+        }
+        missing = [name for name in sig if getattr(lib, name, None) is None]
+        if missing:
+            raise BackendError(f"{self.path} has no Genie pipeline API ({', '.join(missing[:3])} missing); it needs"
+                               " libGenie from QAIRT 2.34 or newer (onnxruntime-qnn 2.7.0 ships one)")
+        for name, (args, res) in sig.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+
+    def check(self, status: int, what: str, log: list[str]) -> None:
+        if int(status) == 0:
+            return
+        detail = _last_error_line("".join(log))
+        raise BackendError(f"Genie {what} failed: {status_name(status)}" + (f": {detail}" if detail else ""))
+
+    def parse_node_config(self, text: str, what: str) -> None:
+        """Parse a node config with libGenie's own ``GenieNodeConfig_createFromJson`` (parse only: files are
+        checked when a node is created)."""
+        handle, log = ctypes.c_void_p(), []
+        with capture_fd(2, log, 2), capture_fd(1, [], None):
+            status = self.lib.GenieNodeConfig_createFromJson(text.encode(), ctypes.byref(handle))
+        if status == 0:
+            self.lib.GenieNodeConfig_free(handle)
+        self.check(status, f"parse of {what}", log)
+
+
+def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Sequence[Sequence[str]],
+                 inputs: Sequence[Sequence[str]], on_text, on_embedding) -> None:
+    """Create the nodes (``{node name: config JSON}``), connect them, set the ``inputs`` (``[node, kind, value]``:
+    kind ``text`` with the text, ``image`` with a float32 ``.raw`` path) in order, and execute.
+
+    ``on_text(text, sentence_code)`` gets the generator's text, ``on_embedding(array)`` the image encoder's
+    embeddings (raw bytes as uint8 and the dims)."""
+    L = lib.lib
+    log: list[str] = []
+    handles: dict[str, ctypes.c_void_p] = {}
+    configs: list[ctypes.c_void_p] = []
+    keep: list = []
+    pcfg, pipe = ctypes.c_void_p(), ctypes.c_void_p()
+
+    def text_cb(text, code, _user):
+        on_text((text or b"").decode("utf-8", "replace"), int(code))
+        return 0
+
+    def emb_cb(dims, rank, size, buf, _user):
+        shape = [int(dims[i]) for i in range(int(rank))]
+        on_embedding(np.ctypeslib.as_array(ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8)), (int(size),)).copy(),
+                     shape)
+
+    logger = ctypes.c_void_p()
+    try:
+        with capture_fd(2, log, 2), capture_fd(1, log, None):  # Genie's default logger and QNN's banner
+            # the reasons of failures are only in the log (every failure is status -1): warnings and errors
+            lib.check(L.GenieLog_create(None, None, LOG_LEVEL_WARN, ctypes.byref(logger)), "GenieLog_create", log)
+            lib.check(L.GeniePipelineConfig_createFromJson(b"{}", ctypes.byref(pcfg)), "pipeline config", log)
+            lib.check(L.GeniePipeline_create(pcfg, ctypes.byref(pipe)), "GeniePipeline_create", log)
+            for name, text in nodes.items():
+                cfg = ctypes.c_void_p()
+                lib.check(L.GenieNodeConfig_createFromJson(text.encode(), ctypes.byref(cfg)), f"{name} config", log)
+                configs.append(cfg)
+                lib.check(L.GenieNodeConfig_bindLogger(cfg, logger), f"bindLogger ({name})", log)
+                node = ctypes.c_void_p()
+                lib.check(L.GenieNode_create(cfg, ctypes.byref(node)), f"GenieNode_create ({name})", log)
+                handles[name] = node
+                if NODE_KEYS.get(name) == "text-generator" or "text-generator" in text[:40]:
+                    cb = TextCB(text_cb)
+                    keep.append(cb)
+                    lib.check(L.GenieNode_setTextCallback(node, TEXT_GENERATOR_TEXT_OUTPUT, cb),
+                              f"setTextCallback ({name})", log)
+                if NODE_KEYS.get(name) == "image-encoder":
+                    cb = EmbeddingCB(emb_cb)
+                    keep.append(cb)
+                    lib.check(L.GenieNode_setEmbeddingCallback(node, IMAGE_ENCODER_EMBEDDING_OUTPUT, cb),
+                              f"setEmbeddingCallback ({name})", log)
+                lib.check(L.GeniePipeline_addNode(pipe, node), f"GeniePipeline_addNode ({name})", log)
+            for prod, pio, cons, cio in connections:
+                lib.check(L.GeniePipeline_connect(pipe, handles[prod], IO_NAMES[pio], handles[cons], IO_NAMES[cio]),
+                          f"GeniePipeline_connect ({prod} -> {cons})", log)
+            for node, kind, value in inputs:
+                if kind == "text":
+                    data = value.encode()
+                    buf = ctypes.create_string_buffer(data, len(data))
+                    io = TEXT_ENCODER_TEXT_INPUT
+                else:
+                    data = Path(value).read_bytes()
+                    buf = ctypes.create_string_buffer(data, len(data))
+                    io = IMAGE_ENCODER_IMAGE_INPUT
+                lib.check(L.GenieNode_setData(handles[node], io, ctypes.cast(buf, ctypes.c_void_p), len(data), None),
+                          f"GenieNode_setData ({node}, {kind})", log)
+            lib.check(L.GeniePipeline_execute(pipe, None), "GeniePipeline_execute", log)
+    finally:
+        for node in handles.values():
+            L.GenieNode_free(node)
+        for cfg in configs:
+            L.GenieNodeConfig_free(cfg)
+        if pipe:
+            L.GeniePipeline_free(pipe)
+        if pcfg:
+            L.GeniePipelineConfig_free(pcfg)
+        if logger:
+            L.GenieLog_free(logger)
+
+
+# -- the worker process ---------------------------------------------------------------------------------------
+def _worker(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vlmrun_qualcomm.genie_pipeline")
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--request", required=True, help="JSON: nodes, connections, inputs, embeddings_out")
+    a = ap.parse_args(argv)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # native code's stdout goes to stderr; the protocol has its own fd
+    req = json.loads(Path(a.request).read_text())
+    embeds: list = []
+    try:
+        lib = PipelineLibrary(a.lib)
+        run_pipeline(lib, req["nodes"], req["connections"], req["inputs"],
+                     lambda text, code: out.write(f"TEXT {json.dumps([text, code])}\n"),
+                     lambda raw, dims: embeds.append((raw, dims)))
+        if embeds and req.get("embeddings_out"):
+            raw, dims = embeds[-1]
+            np.save(req["embeddings_out"], raw)
+            out.write(f"EMBEDDINGS {json.dumps(dims)}\n")
+        out.write("DONE\n")
+        return 0
+    except BackendError as exc:
+        out.write(f"ERROR {exc}\n")
+        return 3
+
+
+def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float = 600.0,
+                    result: dict | None = None) -> Iterator[str]:
+    """Run ``request`` (see :func:`_worker`) in a worker process whose working directory is ``cwd`` (the bundle:
+    its configs name their files relative to it, as genie-app runs them on a phone); yield the generator's text
+    pieces. ``result`` gets ``embeddings_dims`` when the image encoder's callback fired."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-pipeline-"))
+    req_path = tmp / "request.json"
+    req_path.write_text(json.dumps(request))
+    argv = [sys.executable, "-m", "vlmrun_qualcomm.genie_pipeline", "--lib", str(lib_path), "--request", str(req_path)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done, error, err_box = False, None, []
+    result = result if result is not None else {}
+    try:
+        with procs.watched(argv, timeout=timeout, what="the Genie pipeline worker", env=env, cwd=cwd) as w:
+            reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
+            reader.start()
+            try:
+                for line in w.proc.stdout:
+                    word, _, rest = line.rstrip("\n").partition(" ")
+                    if word == "TEXT":
+                        text, code = json.loads(rest)
+                        if text:
+                            yield text
+                    elif word == "EMBEDDINGS":
+                        result["embeddings_dims"] = json.loads(rest)
+                    elif word == "DONE":
+                        done = True
+                    elif word == "ERROR":
+                        error = rest
+            finally:
+                with contextlib.suppress(ValueError, OSError):
+                    for _ in w.proc.stdout:
+                        pass
+                w.proc.wait()
+                reader.join(5)
+        timed_out = w.timed_out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if timed_out and not done:
+        raise BackendError(f"the Genie pipeline timed out after {timeout:g} s (worker killed); raise --option"
+                           " timeout or check the bundle with vlmrun bundle --verify")
+    if error:
+        raise BackendError(error)
+    if not done or w.proc.returncode != 0:
+        detail = _last_error_line("".join(err_box)) or "no message"
+        raise BackendError(f"the Genie pipeline worker exited with status {w.proc.returncode}: {detail}")
+
+
+if __name__ == "__main__":
+    sys.exit(_worker())
