@@ -122,7 +122,8 @@ def capture_pipeline(pipe, image, prompt: str, settings, teacher_tokens=None, im
     tensors = pipe.capture(image, prompt, settings, teacher_tokens=teacher_tokens)
     meta = _base_meta(pipe.model, image_desc, prompt, settings, teacher_tokens, tensors["tokens"])
     meta.update(source=f"layout {pipe.layout.name}", layout={s: pipe.layout.backend(s) for s in STAGES})
-    return Capture({k: np.asarray(tensors[k]) for k in CAPTURE_KEYS}, meta)
+    # a runtime that fuses stages (a bundle's image encoder: vision + projector) has no tensor between them
+    return Capture({k: np.asarray(tensors[k]) for k in CAPTURE_KEYS if k in tensors}, meta)
 
 
 def _prepare(model, image, prompt: str, system: str | None = None):

@@ -129,6 +129,11 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
     notes: list[str] = []
     steps: dict[str, list] = {"top1": [], "top5_overlap": [], "kl": []}
     for stage, name in CHECKPOINTS:
+        if name not in ref.tensors or name not in dev.tensors:
+            side = "device" if name not in dev.tensors else "reference"
+            notes.append(f"{name} is not observable on the {side} side (its runtime fuses the stages around it):"
+                         f" not compared")
+            continue
         r, d = np.asarray(ref.tensors[name]), np.asarray(dev.tensors[name])
         if name == "tokens":
             m = generation_metrics(ref.tokens, dev.tokens)

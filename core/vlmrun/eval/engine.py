@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import InputError, UsageError, VlmrunError
 from ..stages import CONTRACTS, STAGES, check_tensor
+from .. import layouts
 from .dataset import Record, Skipped
 
 CACHE_VERSION = 1
@@ -51,6 +52,9 @@ class LayoutSpec:
         text = spec.strip()
         if not text:
             raise UsageError("an empty --layout; give a preset (reference, all-npu, ...) or a TOML file")
+        if text.startswith("bundle:") or "=bundle:" in text.split(",")[0]:  # [LABEL=]bundle:DIR, as written
+            label, sep, base = text.partition("=") if not text.startswith("bundle:") else (text, "", text)
+            return cls(label.strip(), base.strip())
         head, *rest = [part.strip() for part in text.split(",")]
         label, sep, base = head.partition("=")
         if not sep:
@@ -98,6 +102,8 @@ def layout_key(layout, registry, model_hash: str, settings) -> str:
         "max_new_tokens": settings.max_new_tokens,
         "system": settings.system,
     }
+    if layout.bundle:  # a bundle's results depend on its files: its manifest holds every file's sha256
+        key["bundle"] = hashlib.sha256((Path(layout.bundle) / layouts.BUNDLE_MANIFEST).read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -39,10 +39,13 @@ FORMAT = 1
 IMAGE_BIN = "vision_encoder.bin"
 LUT = "embedding_weights.raw"
 NODES = {"imageEncoder": "img-enc-htp.json", "lutEncoder": "text-encoder.json", "textGenerator": "text-generator.json"}
+#: the text encoder connected FIRST: with the image encoder's connection first, libGenie 1.21 (emulator) spliced the
+#: image ahead of the prompt whatever the setData order (the answers of an image-first prompt, checked against the
+#: reference decoder on the same embeddings); with this order the prompt is prefix, image, suffix as set
 CONNECTIONS = [
-    ["imageEncoder", "GENIE_NODE_IMAGE_ENCODER_EMBEDDING_OUTPUT", "textGenerator",
-     "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT"],
     ["lutEncoder", "GENIE_NODE_TEXT_ENCODER_EMBEDDING_OUTPUT", "textGenerator",
+     "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT"],
+    ["imageEncoder", "GENIE_NODE_IMAGE_ENCODER_EMBEDDING_OUTPUT", "textGenerator",
      "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT"],
 ]
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -362,7 +365,6 @@ class BundleRuntime:
                                    " HTP emulator cannot load; run it on a phone (--target android) or write an"
                                    " emulator bundle (vlmrun bundle without --target android)")
         self.last_timings: dict = {}
-        self.last_tensors: dict = {}
         self._lut = None
 
     @property
@@ -418,9 +420,14 @@ class BundleRuntime:
             for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result):
                 if first is None:
                     first = time.perf_counter()
+                    if "embeddings_dims" in result:  # the image encoder's output, before the first token
+                        self._boundary_tensors(req, np.load(emb_out), result["embeddings_dims"])
                 text += piece
                 for tid in tok.encode(piece, add_special_tokens=False).ids:
                     yield tid
+            n = len(tok.encode(text, add_special_tokens=False).ids) if text else 0
+            if req.stop_ids and n < req.max_new_tokens:  # Genie ended at a stop token, which it does not print
+                yield min(req.stop_ids)  # (nor say which one: the lowest id stands for it)
             if "embeddings_dims" not in result:
                 raise BackendError(f"bundle {self.path.name}: the image encoder's embeddings never reached the text"
                                    " generator (no output from the image-encoder node); check the bundle with"
@@ -429,12 +436,20 @@ class BundleRuntime:
                 raise BackendError(f"bundle {self.path.name}: Genie's pipeline returned success with no text; check"
                                    " the bundle with vlmrun bundle --verify (a generator without its LUT block"
                                    " stops silently)")
-            self.last_tensors = {"image_embeds": self._embeddings(np.load(emb_out), result["embeddings_dims"])}
             self.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3}
             if first is not None:
                 self.last_timings["ttft_wall_ms"] = (first - t0) * 1e3
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _boundary_tensors(self, req, raw: np.ndarray, dims: list[int]) -> None:
+        """What the host knows exactly of this request's boundaries, into ``req.tensors``: the image encoder's
+        embeddings (from its node), the prompt's text rows (the bundle's LUT), and the spliced decoder input."""
+        from vlmrun.preprocess import splice
+
+        img = self._embeddings(raw, dims)
+        txt = np.asarray(self.lut[np.asarray(req.input_ids, np.int64).reshape(-1)], np.float32)[None]
+        req.tensors.update(image_embeds=img, text_embeds=txt, inputs_embeds=splice(txt, img, req.image_start))
 
     def _embeddings(self, raw: np.ndarray, dims: list[int]) -> np.ndarray:
         """The image encoder's output as float32 [1, N, hidden] (a quantized output dequantized by its
@@ -527,13 +542,6 @@ def load_bundle_stage(stage: str, ctx) -> BundleStage:
 
 
 def run_request(handles: dict, request) -> Iterator[int]:
-    """The ``run_request`` hook: the whole request through the bundle's Genie pipeline; the boundary tensors the
-    host can know exactly (the image encoder's embeddings from its node, the prompt's text rows from the bundle's
-    LUT) go into ``request.tensors``."""
-    from vlmrun.preprocess import splice
-
-    rt = handles["decoder"].runtime
-    yield from rt.generate(request)
-    img = rt.last_tensors["image_embeds"]
-    txt = np.asarray(rt.lut[np.asarray(request.input_ids, np.int64).reshape(-1)], np.float32)[None]
-    request.tensors.update(image_embeds=img, text_embeds=txt, inputs_embeds=splice(txt, img, request.image_start))
+    """The ``run_request`` hook: the whole request through the bundle's Genie pipeline
+    (:meth:`BundleRuntime.generate`)."""
+    return handles["decoder"].runtime.generate(request)

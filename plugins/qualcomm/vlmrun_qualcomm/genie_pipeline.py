@@ -36,7 +36,7 @@ from vlmrun.errors import BackendError
 from .genie import _last_error_line, capture_fd, status_name
 
 # GenieNode_IOName_t
-TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 1, 2
+TEXT_GENERATOR_TEXT_INPUT, TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 0, 1, 2
 TEXT_ENCODER_TEXT_INPUT, TEXT_ENCODER_EMBEDDING_OUTPUT = 100, 101
 IMAGE_ENCODER_IMAGE_INPUT, IMAGE_ENCODER_EMBEDDING_OUTPUT = 200, 201
 IO_NAMES = {
@@ -84,6 +84,9 @@ class PipelineLibrary:
             "GenieLog_create": ([vp, vp, i32, ctypes.POINTER(vp)], i32),
             "GenieLog_free": ([vp], i32),
             "GenieNodeConfig_bindLogger": ([vp, vp], i32),
+            "GenieNodeConfig_bindProfiler": ([vp, vp], i32),
+            "GenieProfile_create": ([vp, ctypes.POINTER(vp)], i32),
+            "GenieProfile_free": ([vp], i32),
         }
         missing = [name for name in sig if getattr(lib, name, None) is None]
         if missing:
@@ -94,6 +97,8 @@ class PipelineLibrary:
             fn.argtypes, fn.restype = args, res
 
     def check(self, status: int, what: str, log: list[str]) -> None:
+        """A failed call as a BackendError; the log's reason is added by :func:`_with_reason` once the log is
+        read (native output is captured until the block ends)."""
         if int(status) == 0:
             return
         detail = _last_error_line("".join(log))
@@ -135,7 +140,7 @@ def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Se
 
     logger = ctypes.c_void_p()
     try:
-        with capture_fd(2, log, 2), capture_fd(1, log, None):  # Genie's default logger and QNN's banner
+        with _with_reason(log), capture_fd(2, log, 2), capture_fd(1, log, None):  # Genie's default logger and QNN's banner
             # the reasons of failures are only in the log (every failure is status -1): warnings and errors
             lib.check(L.GenieLog_create(None, None, LOG_LEVEL_WARN, ctypes.byref(logger)), "GenieLog_create", log)
             lib.check(L.GeniePipelineConfig_createFromJson(b"{}", ctypes.byref(pcfg)), "pipeline config", log)
@@ -145,6 +150,11 @@ def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Se
                 lib.check(L.GenieNodeConfig_createFromJson(text.encode(), ctypes.byref(cfg)), f"{name} config", log)
                 configs.append(cfg)
                 lib.check(L.GenieNodeConfig_bindLogger(cfg, logger), f"bindLogger ({name})", log)
+                if os.environ.get("VLMRUN_GENIE_PROFILE"):
+                    prof = ctypes.c_void_p()
+                    lib.check(L.GenieProfile_create(None, ctypes.byref(prof)), "GenieProfile_create", log)
+                    keep.append(prof)
+                    lib.check(L.GenieNodeConfig_bindProfiler(cfg, prof), f"bindProfiler ({name})", log)
                 node = ctypes.c_void_p()
                 lib.check(L.GenieNode_create(cfg, ctypes.byref(node)), f"GenieNode_create ({name})", log)
                 handles[name] = node
@@ -163,14 +173,15 @@ def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Se
                 lib.check(L.GeniePipeline_connect(pipe, handles[prod], IO_NAMES[pio], handles[cons], IO_NAMES[cio]),
                           f"GeniePipeline_connect ({prod} -> {cons})", log)
             for node, kind, value in inputs:
-                if kind == "text":
+                if kind in ("text", "gtext"):
                     data = value.encode()
-                    buf = ctypes.create_string_buffer(data, len(data))
-                    io = TEXT_ENCODER_TEXT_INPUT
+                    buf = ctypes.create_string_buffer(data)  # NUL-terminated: Genie reads the text as a C string
+                    io = TEXT_ENCODER_TEXT_INPUT if kind == "text" else TEXT_GENERATOR_TEXT_INPUT
                 else:
                     data = Path(value).read_bytes()
                     buf = ctypes.create_string_buffer(data, len(data))
                     io = IMAGE_ENCODER_IMAGE_INPUT
+                keep.append(buf)  # Genie may read the buffer until execute: it must outlive the whole run
                 lib.check(L.GenieNode_setData(handles[node], io, ctypes.cast(buf, ctypes.c_void_p), len(data), None),
                           f"GenieNode_setData ({node}, {kind})", log)
             lib.check(L.GeniePipeline_execute(pipe, None), "GeniePipeline_execute", log)
@@ -187,6 +198,24 @@ def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Se
             L.GenieLog_free(logger)
 
 
+@contextlib.contextmanager
+def _with_reason(log: list[str]):
+    """A BackendError raised inside the block gets the log's last error line (Genie's reason) appended."""
+    try:
+        yield
+    except BackendError as exc:
+        reason = _genie_reason("".join(log))
+        if reason and reason not in str(exc):
+            raise BackendError(f"{exc}: {reason}") from None
+        raise
+
+
+def _genie_reason(text: str) -> str:
+    """The last ``[ ERROR ]`` line of Genie's default logger, else the last line that reads as an error."""
+    errors = [ln.split("]", 1)[-1].strip() for ln in text.splitlines() if "[ ERROR ]" in ln]
+    return errors[-1][:300] if errors else _last_error_line(text)
+
+
 # -- the worker process ---------------------------------------------------------------------------------------
 def _worker(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vlmrun_qualcomm.genie_pipeline")
@@ -197,15 +226,27 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     os.dup2(2, 1)  # native code's stdout goes to stderr; the protocol has its own fd
     req = json.loads(Path(a.request).read_text())
     embeds: list = []
-    try:
-        lib = PipelineLibrary(a.lib)
-        run_pipeline(lib, req["nodes"], req["connections"], req["inputs"],
-                     lambda text, code: out.write(f"TEXT {json.dumps([text, code])}\n"),
-                     lambda raw, dims: embeds.append((raw, dims)))
+
+    def on_embedding(raw, dims):
+        # Genie calls this during the image's setData, and it must return at once: slow work here (file I/O) made
+        # the next setData fail ("... does not support kpis method") or splice wrong, run to run
+        embeds.append((raw, dims))
+
+    def flush_embeddings():  # before the first text: the host has the image's embeddings with the first token
         if embeds and req.get("embeddings_out"):
-            raw, dims = embeds[-1]
+            raw, dims = embeds.pop()
+            embeds.clear()
             np.save(req["embeddings_out"], raw)
             out.write(f"EMBEDDINGS {json.dumps(dims)}\n")
+
+    def on_text(text, code):
+        flush_embeddings()
+        out.write(f"TEXT {json.dumps([text, code])}\n")
+
+    try:
+        lib = PipelineLibrary(a.lib)
+        run_pipeline(lib, req["nodes"], req["connections"], req["inputs"], on_text, on_embedding)
+        flush_embeddings()
         out.write("DONE\n")
         return 0
     except BackendError as exc:
