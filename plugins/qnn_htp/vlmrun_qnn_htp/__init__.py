@@ -439,7 +439,7 @@ def verify_bundle(backend, path, options):
 
     sdk_qnn = None
     if options.get("sdk_root"):
-        sdk_qnn = Sdk.find(options["sdk_root"]).version
+        sdk_qnn = Sdk.find(options["sdk_root"]).version()
     lib = PipelineLibrary(libgenie_path())
     return verify(Path(path), soc_name=options.get("soc"), sdk_qnn=sdk_qnn, parse=lib.parse_node_config)
 

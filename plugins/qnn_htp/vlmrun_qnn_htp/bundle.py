@@ -420,18 +420,14 @@ class BundleRuntime:
             for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result):
                 if first is None:
                     first = time.perf_counter()
-                    if "embeddings_dims" in result:  # the image encoder's output, before the first token
-                        self._boundary_tensors(req, np.load(emb_out), result["embeddings_dims"])
+                    if "embeddings_dims" not in result:  # the worker hands the image's output before any text
+                        raise self._no_image()
+                    self._boundary_tensors(req, np.load(emb_out), result["embeddings_dims"])
                 text += piece
                 for tid in tok.encode(piece, add_special_tokens=False).ids:
                     yield tid
-            n = len(tok.encode(text, add_special_tokens=False).ids) if text else 0
-            if req.stop_ids and n < req.max_new_tokens:  # Genie ended at a stop token, which it does not print
-                yield min(req.stop_ids)  # (nor say which one: the lowest id stands for it)
             if "embeddings_dims" not in result:
-                raise BackendError(f"bundle {self.path.name}: the image encoder's embeddings never reached the text"
-                                   " generator (no output from the image-encoder node); check the bundle with"
-                                   " vlmrun bundle --verify")
+                raise self._no_image()
             if not text:
                 raise BackendError(f"bundle {self.path.name}: Genie's pipeline returned success with no text; check"
                                    " the bundle with vlmrun bundle --verify (a generator without its LUT block"
@@ -439,8 +435,16 @@ class BundleRuntime:
             self.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3}
             if first is not None:
                 self.last_timings["ttft_wall_ms"] = (first - t0) * 1e3
+            n = len(tok.encode(text, add_special_tokens=False).ids) if text else 0
+            if req.stop_ids and n < req.max_new_tokens:  # Genie ended at a stop token, which it does not print
+                yield min(req.stop_ids)  # (nor say which one: the lowest id stands for it)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _no_image(self) -> BackendError:
+        return BackendError(f"bundle {self.path.name}: the image encoder's embeddings never reached the text"
+                            " generator (no output from the image-encoder node): the answer would be made without"
+                            " the image; check the bundle with vlmrun bundle --verify")
 
     def _boundary_tensors(self, req, raw: np.ndarray, dims: list[int]) -> None:
         """What the host knows exactly of this request's boundaries, into ``req.tensors``: the image encoder's
