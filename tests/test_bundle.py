@@ -196,7 +196,7 @@ def test_verify_refuses_another_soc_and_a_newer_qnn_than_the_phones_sdk(bundle_d
     sdk = tmp_path / "qairt"
     sdk.mkdir()
     (sdk / "sdk.yaml").write_text("version: 2.31.0.250130\n")
-    r = run_cli(["bundle", "--verify", str(bundle_dir), "--sdk-root", str(sdk)], cache_dir, timeout=120)
+    r = run_cli(["bundle", "--verify", str(bundle_dir), "-o", f"decoder.sdk_root={sdk}"], cache_dir, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "LIBNATIVE" not in ln]
     assert len(lines) == 1 and "newer than the phone's SDK (2.31.0.250130)" in lines[0], r.stderr
@@ -249,3 +249,110 @@ def test_the_cli_runs_the_bundle(bundle_dir, image_path, cache_dir):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["text"] == "A red circle on a blue background." and out["stopped_by"] == "eos"
+
+
+# -- on a phone: genie-app over adb (stand-ins) --------------------------------------------------------------------
+STANDINS = Path(__file__).parent / "standins"
+PHONE_TEXT = "A red circle on a blue background."
+
+
+@pytest.fixture
+def phone(tmp_path, monkeypatch):
+    from test_genie_phone import fake_qairt
+
+    sdk = fake_qairt(tmp_path / "qairt")
+    (sdk / "bin" / "aarch64-android" / "genie-app").symlink_to(STANDINS / "genie-app")
+    for env in ("QAIRT_SDK_ROOT", "QNN_SDK_ROOT", "STANDIN_HTP_ARCH"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("STANDIN_ADB_ROOT", str(tmp_path / "phone"))
+    monkeypatch.setenv("STANDIN_GENIE_APP_LOG", str(tmp_path / "app.json"))
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", PHONE_TEXT)
+    return {"sdk_root": str(sdk), "adb": str(STANDINS / "adb"), "root": tmp_path / "phone", "tmp": tmp_path}
+
+
+def phone_options(phone, **extra):
+    return {s: {"target": "android", "sdk_root": phone["sdk_root"], "adb": phone["adb"], **extra}
+            for s in ("vision", "projector", "embed", "decoder")}
+
+
+@pytest.fixture(scope="module")
+def phone_bundle(tiny_model, store, tmp_path_factory) -> Path:
+    from vlmrun import layouts
+    from vlmrun.cli_bundle import write
+
+    out = tmp_path_factory.mktemp("phone-bundles") / "fastvlm-android"
+    lay = layouts.resolve("all-npu", options={"decoder": {"weight_sharing": "on"}})
+    m = write(lay, out, model=tiny_model, store=store, target="android")
+    assert m["weight_sharing"] is True and m["target"] == "android" and "part1_of_1.bin" in m["files"]
+    gen = json.loads((out / "text-generator.json").read_text())["text-generator"]
+    assert gen["engine"]["backend"]["extensions"] == "htp_backend_ext_config.json"
+    return out
+
+
+def test_a_bundle_runs_on_the_phone_through_genie_app(phone, phone_bundle, tiny_model, store, image_path):
+    from vlmrun import layouts
+    from vlmrun_qnn_htp.bundle import app_script
+
+    lay = layouts.resolve(f"bundle:{phone_bundle}", options=phone_options(phone))
+    pipe = Pipeline.build(tiny_model, lay, store=store)
+    run = pipe.handles["decoder"].runtime.phone
+    rd = f"/data/local/tmp/vlmrun/bundles/{phone_bundle.name}"
+    m = json.loads((phone_bundle / "vlmrun-bundle.json").read_text())
+    pushed = set(run.adb.pushed)
+    assert {f"{rd}/{f}" for f in m["files"]} <= pushed  # the bundle as written
+    assert {f"{rd}/{n}" for n in ("genie-app", "libGenie.so", "libQnnHtp.so", "libQnnHtpV79Stub.so",
+                                  "libQnnHtpV79Skel.so", "libQnnSystem.so", "libQnnHtpNetRunExtensions.so",
+                                  "libc++_shared.so")} <= pushed
+    for f in m["files"]:
+        assert (phone["root"] / rd.lstrip("/") / f).read_bytes() == (phone_bundle / f).read_bytes()
+    gen = pipe.generate(image_path, "Describe the image.", GenerationSettings(max_new_tokens=32)).run()
+    assert gen.text == PHONE_TEXT and gen.stopped_by == "eos"
+    assert run.last_command == (f"cd {rd} && env LD_LIBRARY_PATH={rd} ADSP_LIBRARY_PATH={rd} ./genie-app -s"
+                                " query/script.txt")
+    log = json.loads((phone["tmp"] / "app.json").read_text())
+    assert log["argv"] == ["-s", "query/script.txt"] and log["cwd"].endswith(rd)
+    want = app_script("query/prompt_prefix.txt", "query/pixel_values.raw", "query/prompt_suffix.txt").replace(
+        "text-generator.json", "query/text-generator.json")
+    assert log["script"] == want.splitlines()
+    qdir = phone["root"] / rd.lstrip("/") / "query"
+    pv = np.fromfile(qdir / "pixel_values.raw", np.float32)
+    assert pv.size == 3 * 256 * 256 and np.allclose(pv.reshape(1, 3, 256, 256), gen.prepared.pixel_values)
+    assert (qdir / "prompt_prefix.txt").read_text() + "<image>" + (qdir / "prompt_suffix.txt").read_text() == \
+        gen.prepared.prompt_text
+    # a second run of the same bundle pushes nothing static again
+    again = Pipeline.build(tiny_model, layouts.resolve(f"bundle:{phone_bundle}", options=phone_options(
+        phone, timeout=300.0)), store=store)
+    assert again.handles["decoder"].runtime.phone.adb.pushed == []
+
+
+def test_the_phone_path_names_a_missing_skel_and_a_device_error(phone, phone_bundle, tiny_model, store, image_path,
+                                                                 monkeypatch):
+    from vlmrun import layouts
+
+    (Path(phone["sdk_root"]) / "lib" / "hexagon-v79" / "unsigned" / "libQnnHtpV79Skel.so").unlink()
+    with pytest.raises(BackendError, match=r"the QAIRT SDK lacks lib/hexagon-v79/unsigned/libQnnHtpV79Skel.so"):
+        Pipeline.build(tiny_model, layouts.resolve(f"bundle:{phone_bundle}", options=phone_options(phone)),
+                       store=store)
+    from test_genie_phone import fake_qairt
+
+    sdk = fake_qairt(phone["tmp"] / "qairt2")
+    (sdk / "bin" / "aarch64-android" / "genie-app").symlink_to(STANDINS / "genie-app")
+    monkeypatch.setenv("STANDIN_HTP_ARCH", "81")  # a phone of another HTP generation
+    pipe = Pipeline.build(tiny_model, layouts.resolve(f"bundle:{phone_bundle}", options=phone_options(
+        {**phone, "sdk_root": str(sdk)})), store=store)
+    with pytest.raises(BackendError) as err:
+        pipe.generate(image_path, "Describe the image.").run()
+    msg = str(err.value)
+    assert "Failed to create device: 14001" in msg and "check --soc against the phone" in msg and "\n" not in msg
+
+
+def test_a_bundle_takes_runtime_options_only(bundle_dir, tiny_model, store):
+    from vlmrun import layouts
+
+    with pytest.raises(UsageError, match="a bundle runs as it was written: precision cannot change"):
+        Pipeline.build(tiny_model, layouts.resolve(f"bundle:{bundle_dir}", options={"decoder": {"precision": "int8"}}),
+                       store=store)
+    with pytest.raises(BackendError, match="written for this machine"):
+        from vlmrun_qnn_htp.bundle import BundleRuntime
+
+        BundleRuntime(bundle_dir, tiny_model, {"target": "android", "sdk_root": str(bundle_dir)})

@@ -86,35 +86,37 @@ def verify(folder: Path, options: dict | None = None, reg=None) -> list[str]:
               help="Layout preset whose stages (all on one backend) the bundle is made from.")
 @click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")
 @click.option("--verify", "verify_only", is_flag=True,
-              help="Check the bundle OUT (files, sha256, node configs with Genie's parser, image input, LUT) and"
-                   " exit; nothing is written.")
-@click.option("--sdk-root", type=click.Path(path_type=Path), default=None,
-              help="With --verify: the phone's QAIRT SDK; binaries newer than it are refused.")
+              help="Check the bundle OUT (files, sha256, configs, inputs: what its backend checks) and exit; nothing"
+                   " is written. Stage option flags and -o STAGE.KEY=VALUE become the checks' settings (e.g. --soc,"
+                   " or the device runtime's SDK).")
 @model_options
 @stage_option_flags
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest (or the checks) as JSON.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def bundle_command(out, layout, layout_file, verify_only, sdk_root, model_dir, image_size, cache_dir, as_json, debug,
-                   **flag_opts):
-    """Write the folder a phone's app loads: FastVLM inside Genie's VLM pipeline.
+def bundle_command(out, layout, layout_file, verify_only, model_dir, image_size, cache_dir, as_json, debug, **flag_opts):
+    """Write the folder a device's app loads: the whole VLM in its backend's own runtime.
 
     \b
-      vlmrun bundle out/                               # all-npu, for this machine's HTP (emulator)
+      vlmrun bundle out/                               # all-npu, for this machine
       vlmrun bundle out/ -o decoder.precision=w4a16    # the decoder in 4-bit weights (parts form)
-      vlmrun bundle out/ --target android              # weight-shared part binaries for a phone
+      vlmrun bundle out/ --target android              # for a phone
       vlmrun bundle --verify out/                      # files, hashes, configs: before anything runs
-      vlmrun --bundle out/ --image I --prompt P        # run it (Genie's pipeline API, libGenie)
+      vlmrun --bundle out/ --image I --prompt P        # run it, in the bundle's own runtime
     \b
-    The folder follows Qualcomm AI Hub's VLM export: vision_encoder.bin, part binaries, embedding_weights.raw,
-    tokenizer and model configs, the pipeline's node configs, genie_config.json, htp_backend_ext_config.json,
-    genie-app-script.txt with sample_inputs/, metadata.json, and vlmrun-bundle.json (sha256 of every file,
-    versions, recipes).
+    What the folder holds is the backend's (`vlmrun plugins` says which backends write bundles); every bundle has
+    vlmrun-bundle.json: the sha256 of every file, versions, recipes.
     """
     from . import layouts as layouts_mod
     from .progress import step
 
-    if verify_only:  # --soc: the SoC the bundle must be compiled for
-        checks = verify(out, {"soc": flag_opts.get("opt_soc"), "sdk_root": str(sdk_root) if sdk_root else None})
+    if verify_only:
+        from .options import parse_assignment
+
+        settings = {name[len("opt_"):]: v for name, v in flag_opts.items() if name.startswith("opt_") and v is not None}
+        for spec in flag_opts.get("option_specs") or ():
+            _, key, value = parse_assignment(spec)
+            settings[key] = value
+        checks = verify(out, settings)
         if as_json:
             click.echo(json.dumps({"bundle": str(out), "ok": True, "checked": checks}))
         else:

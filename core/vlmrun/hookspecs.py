@@ -241,7 +241,7 @@ def run_request(backend, handles, request):
     """Run one whole request (image + prompt -> tokens) inside a single runtime (optional).
 
     Called by a generation before the stage-by-stage path, only when every stage of the layout is on ``backend``
-    (e.g. a bundle: Genie's VLM pipeline splices the image into the prompt itself). Return ``None`` to decline; the
+    (e.g. a bundle whose runtime splices the image into the prompt itself). Return ``None`` to decline; the
     core then runs vision, projector, embed and the decoder one by one.
 
     :param backend: the backend name; return ``None`` if it is not yours.

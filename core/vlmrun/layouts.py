@@ -126,15 +126,16 @@ def bundle_manifest(folder: str | Path) -> dict:
 
 def bundle_layout(folder: str, overrides=None, options=None) -> Layout:
     """The layout of a bundle: every stage on the backend its manifest names, the folder in ``Layout.bundle``.
-    A bundle is what it is: stage overrides and options are refused."""
+    A bundle runs as it was written: stage backend overrides are refused; options reach the backend, which accepts
+    only those that choose where and how the bundle runs (a device, a timeout), not how it was compiled."""
     if overrides and any(overrides.values()):
         raise UsageError("a bundle runs as it was written: drop the --STAGE backend overrides (write another bundle"
                          " from a layout instead)")
-    if options and any(v is not None for extra in options.values() for v in extra.values()):
-        raise UsageError("a bundle runs as it was written: drop the stage options (write another bundle instead)")
     backend = str(bundle_manifest(folder)["backend"])
     path = str(Path(folder).expanduser().resolve())
-    return Layout(f"{BUNDLE_PREFIX}{folder}", {s: StageAssignment(backend, {}) for s in STAGES}, bundle=path)
+    stages = {s: StageAssignment(backend, {k: v for k, v in (options or {}).get(s, {}).items() if v is not None})
+              for s in STAGES}
+    return Layout(f"{BUNDLE_PREFIX}{folder}", stages, bundle=path)
 
 
 def validate(layout: Layout, registry, stages=STAGES) -> Layout:

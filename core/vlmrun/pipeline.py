@@ -351,7 +351,7 @@ class Pipeline:
             fvlm = FastVLMModel(Path(layout.bundle), Path(layout.bundle), "bundle")
         else:
             fvlm = open_model(model, store, image_size, progress, rebuild=rebuild)
-        for stage in stages:
+        for stage in stages if layout.bundle is None else ():  # a bundle's runtime checks itself as it loads
             assignment = layout.stages[stage]
             registry.hook.preflight(backend=assignment.backend, stage=stage, model=fvlm,
                                     options=dict(assignment.options))

@@ -349,13 +349,22 @@ def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None =
 class BundleRuntime:
     """A bundle run by libGenie's pipeline API in a worker process whose working directory is the bundle."""
 
-    def __init__(self, path: Path, model, timeout: float = 600.0):
-        from .genie_engine import libgenie_path
-
+    def __init__(self, path: Path, model, options: dict | None = None):
+        options = dict(options or {})
         self.path = Path(path).resolve()
         self.manifest = read_manifest(self.path)
         self.model = model
-        self.timeout = float(timeout)
+        self.timeout = float(options.get("timeout") or 600)
+        self.last_timings: dict = {}
+        self._lut = None
+        self.phone = None
+        if str(options.get("target") or "local") == "android":  # genie-app on the phone (bundle_phone.py)
+            from .bundle_phone import BundlePhone
+
+            self.phone = BundlePhone(self, options)
+            return
+        from .genie_engine import libgenie_path
+
         self.lib = libgenie_path()
         if not self.manifest.get("loads_on_emulator", False):
             from . import ep
@@ -364,8 +373,6 @@ class BundleRuntime:
                 raise BackendError(f"bundle {path} holds weight-shared binaries for a device, which this machine's"
                                    " HTP emulator cannot load; run it on a phone (--target android) or write an"
                                    " emulator bundle (vlmrun bundle without --target android)")
-        self.last_timings: dict = {}
-        self._lut = None
 
     @property
     def lut(self) -> np.ndarray:
@@ -408,6 +415,11 @@ class BundleRuntime:
 
         tok = self.model.tokenizer
         before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
+        if self.phone is not None:
+            gen = json.loads(self.request(before, Path("-"), after, req.sampling, req.max_new_tokens, req.stop_ids,
+                                          Path("-"))["nodes"]["textGenerator"])
+            yield from self.phone.generate(req, before, after, gen)
+            return
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-run-"))
         try:
             pixels = tmp / "pixel_values.raw"
@@ -478,7 +490,7 @@ def _split(text: str, token: str) -> tuple[str, str]:
 
 
 # -- the stages of a bundle layout ------------------------------------------------------------------------------
-_RUNTIMES: dict[str, BundleRuntime] = {}
+_RUNTIMES: dict[tuple, BundleRuntime] = {}
 
 
 class BundleStage:
@@ -538,10 +550,17 @@ class BundleStage:
 
 
 def load_bundle_stage(stage: str, ctx) -> BundleStage:
+    from .bundle_phone import RUNTIME_OPTIONS
+
+    fixed = sorted(set(ctx.options) - RUNTIME_OPTIONS)
+    if fixed:
+        raise UsageError(f"a bundle runs as it was written: {', '.join(fixed)} cannot change (write another bundle"
+                         f" with it); a bundle takes only {', '.join(sorted(RUNTIME_OPTIONS))}")
     path = str(Path(ctx.bundle).resolve())
-    rt = _RUNTIMES.get(path)
+    key = (path, tuple(sorted((k, str(v)) for k, v in ctx.options.items())))
+    rt = _RUNTIMES.get(key)
     if rt is None or rt.model is not ctx.model:
-        rt = _RUNTIMES[path] = BundleRuntime(Path(path), ctx.model, float(ctx.options.get("timeout") or 600))
+        rt = _RUNTIMES[key] = BundleRuntime(Path(path), ctx.model, dict(ctx.options))
     return BundleStage(rt, stage, ctx)
 
 
