@@ -356,3 +356,13 @@ def test_a_bundle_takes_runtime_options_only(bundle_dir, tiny_model, store):
         from vlmrun_qnn_htp.bundle import BundleRuntime
 
         BundleRuntime(bundle_dir, tiny_model, {"target": "android", "sdk_root": str(bundle_dir)})
+
+
+def test_all_npu_defaults_to_the_shipping_form(parts_pipe, tiny_model, store):
+    from vlmrun_qnn_htp.options import stage_options
+
+    assert stage_options("decoder", {})["decoder_form"] == "parts"
+    assert stage_options("decoder", {"precision": "int8"})["decoder_form"] == "fixed"  # int8 is the fixed form's
+    assert stage_options("decoder", {"target": "android"})["engine"] == "genie"  # a phone decodes with Genie
+    default = Pipeline.build(tiny_model, "all-npu", store=store, stages=("decoder",))
+    assert default.handles["decoder"].artifact.path == parts_pipe.handles["decoder"].artifact.path

@@ -25,7 +25,7 @@ from vlmrun.store import ArtifactStore, sha256_file  # noqa: E402
 STANDINS = Path(__file__).parent / "standins"
 PROMPT = "What is in the picture?"
 N_STEPS = 10
-DECODER = {"context_length": 256, "prefill_ar": 32}
+DECODER = {"context_length": 256, "prefill_ar": 32, "decoder_form": "fixed"}  # the single-graph form's tests
 
 
 def layout(**per_stage) -> Layout:

@@ -26,7 +26,7 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 ``rmsnorm``         decoder RMSNorm as exported: ``safe`` (default: each row scaled by its max |x| before
                     squaring, so fp16 does not overflow on massive activations) or ``plain`` (transformers' form;
                     overflows in fp16 once |x| > 256, kept to show the failure)
-``decoder_form``    ``fixed`` (default: one fp16/int8 graph per binary, AR-N + AR-1, host engine) or ``parts``: Qualcomm's
+``decoder_form``    ``parts`` (default; int8 picks ``fixed``) or ``fixed`` (one fp16/int8 graph per binary, AR-N + AR-1). ``parts``: Qualcomm's
                     shipping form (:mod:`.parts_compile`): P parts, each a prompt (AR-N) and a token (AR-1) graph in Genie's
                     I/O layout, ``fp16``/``w8a16``/``w4a16``, both graphs of a part in one weight-shared binary
 ``parts``           parts: number of parts (0 = the fewest whose binaries stay under ``part_limit_mb``, default
@@ -99,13 +99,15 @@ def register_options(register):
         Option(NAME, "prefill_ar", int, stages=("decoder",), default=DEFAULT_PREFILL_AR, minimum=1,
                help="decoder prefill chunk (AR-N); parts form: default 128, capped at the hidden size"),
         Option(NAME, "engine", str, stages=("decoder",), choices=ENGINES, default="host", flag="--decoder-engine",
-               help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie)"),
+               help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie;"
+                    " the default on a phone)"),
         Option(NAME, "rmsnorm", str, stages=("decoder",), choices=RMSNORMS, default="safe",
                help="decoder RMSNorm: safe (rows scaled by their max |x| before squaring: no fp16 overflow on"
                     " massive activations) or plain (overflows in fp16 once |x| > 256)"),
-        Option(NAME, "decoder_form", str, stages=("decoder",), choices=DECODER_FORMS, default="fixed",
-               flag="--decoder-form", help="decoder graphs: fixed (one graph per binary) or parts (Qualcomm's shipping"
-                    " form: parts of layers, prompt + token graphs per part in one weight-shared binary, Genie layout)"),
+        Option(NAME, "decoder_form", str, stages=("decoder",), choices=DECODER_FORMS, default="parts",
+               flag="--decoder-form", help="decoder graphs: parts (the default, Qualcomm's shipping form: parts of"
+                    " layers, prompt + token graphs per part in one weight-shared binary, Genie layout; int8 picks"
+                    " fixed) or fixed (one graph per binary, AR-N + AR-1)"),
         Option(NAME, "parts", int, stages=("decoder",), default=0, minimum=0,
                help="parts form: number of parts (0 = the fewest whose binaries stay under part_limit_mb)"),
         Option(NAME, "part_limit_mb", int, stages=("decoder",), default=1000, minimum=1,

@@ -32,6 +32,12 @@ SHARING = ("auto", "on", "off")
 DEFAULT_PARTS_PREFILL_AR = 128
 
 
+def default_form(precision: str) -> str:
+    """The decoder's form when the layout names none: ``parts``, Qualcomm's shipping form (what a bundle holds),
+    except at int8 (a8w8), which only the single-graph ``fixed`` form has."""
+    return "fixed" if precision == "int8" else "parts"
+
+
 def stage_options(stage: str, options) -> dict:
     """Normalise a stage's layout options (UsageError for bad values)."""
     o = dict(options or {})
@@ -39,7 +45,7 @@ def stage_options(stage: str, options) -> dict:
     if precision not in PRECISIONS:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     out = {"precision": precision, "soc": socs.soc(o.get("soc")).name}
-    form = str(o.get("decoder_form") or "fixed").lower() if stage == "decoder" else "fixed"
+    form = str(o.get("decoder_form") or default_form(precision)).lower() if stage == "decoder" else "fixed"
     if form not in DECODER_FORMS:
         raise UsageError(f"decoder_form '{form}' is not one of {', '.join(DECODER_FORMS)}")
     if precision in ("w8a16", "w4a16") and form != "parts":
@@ -65,7 +71,9 @@ def stage_options(stage: str, options) -> dict:
         out["context_length"] = ctx
         out["prefill_ar"] = max(1, min(ar, ctx // 2)) if form != "parts" else out["prefill_ar"]
         out["decoder_form"] = form
-        engine = str(o.get("engine") or "host")
+        # on a phone the parts decoder is Genie's (genie-t2t-run): the host loop drives one graph per call
+        engine = str(o.get("engine") or ("genie" if str(o.get("target") or "") == "android" and form == "parts"
+                                          else "host"))
         if engine not in ENGINES:
             raise UsageError(f"decoder engine '{engine}' is not provided by qnn_htp (engines: {', '.join(ENGINES)});"
                              " a Genie engine comes with its own plugin")

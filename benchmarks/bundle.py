@@ -1,0 +1,146 @@
+"""What ``vlmrun bundle`` ships, per precision: files and bytes, build cost, and (tiny model) the emulator's pipeline.
+
+    .venv/bin/python benchmarks/bundle.py [--full-size] [--precisions fp16,w8a16,w4a16] [--vision-precision a16w8]
+        [--target local|android] [--items 8] [--decoder-option KEY=VALUE] [--cache-dir DIR]
+
+Per decoder precision it writes a bundle of the all-npu layout (the image encoder at ``--vision-precision``, the
+decoder's parts at the precision) in a child process and prints, as JSON: the bundle's bytes (image encoder, decoder
+parts, LUT, total), the largest binary against the 1000 MB part limit, the child's wall seconds and peak RSS (export,
+quantization and compile included: what a first ``vlmrun bundle`` costs; the store makes a second one instant), and,
+on the tiny model with ``--items N``, the emulator's pipeline over N held-out items (informational: an x86_64
+emulator, not a phone): answers equal to the reference's, seconds per answer.
+
+``--full-size`` builds FastVLM-0.5B dimensions with random weights (dense vocabulary rows, as a real checkpoint's tied
+lm_head) and writes the phone form (``--target android``: weight-shared parts), which this machine cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def child_write(spec: dict) -> dict:
+    from vlmrun import layouts
+    from vlmrun.cli_bundle import write
+    from vlmrun.model import FastVLMModel, default_model
+    from vlmrun.store import ArtifactStore
+
+    store = ArtifactStore(spec["cache_dir"])
+    model = FastVLMModel.open(spec["model"], store) if spec.get("model") else default_model(store, 256)
+    opts = {"vision": {"precision": spec["vision_precision"]}, "projector": {}, "embed": {},
+            "decoder": {"precision": spec["precision"], "context_length": spec["ctx"], **spec["decoder_options"]}}
+    if spec["target"] == "android":
+        opts["decoder"]["weight_sharing"] = "on"
+    t0 = time.perf_counter()
+    m = write(layouts.resolve("all-npu", options=opts), spec["out"], model=model, store=store, target=spec["target"])
+    return {"write_s": round(time.perf_counter() - t0, 1), "bytes": m["bytes"],
+            "largest_binary": max((v["bytes"], k) for k, v in m["files"].items() if k.endswith(".bin")),
+            "files": len(m["files"]), "decoder": {k: m["decoder"][k] for k in ("parts", "precision", "ar")},
+            "image_encoder": {"precision": m["image_encoder"]["precision"]}, "weight_sharing": m["weight_sharing"]}
+
+
+def child_run(spec: dict) -> dict:
+    from vlmrun import GenerationSettings, Pipeline
+    from vlmrun.eval.dataset import heldout_dataset, read_dataset
+    from vlmrun.model import default_model
+    from vlmrun.store import ArtifactStore
+
+    store = ArtifactStore(spec["cache_dir"])
+    model = default_model(store, 256)
+    bundle = Pipeline.build(model, f"bundle:{spec['out']}", store=store)
+    ref = Pipeline.build(model, "reference", store=store)
+    records, _ = read_dataset(heldout_dataset(store), limit=spec["items"])
+    same, seconds = 0, []
+    for r in records:
+        t0 = time.perf_counter()
+        b = bundle.generate(r.image, r.question, GenerationSettings(max_new_tokens=48)).run()
+        seconds.append(time.perf_counter() - t0)
+        same += b.text == ref.generate(r.image, r.question, GenerationSettings(max_new_tokens=48)).run().text
+    return {"items": len(records), "answers_as_reference": same, "seconds_per_answer_median": round(
+        sorted(seconds)[len(seconds) // 2], 2)}
+
+
+CHILDREN = {"write": child_write, "run": child_run}
+
+
+def run_child(kind: str, spec: dict, log) -> dict:
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, __file__, "--child", kind, "--spec", json.dumps(spec)],
+                         stdout=subprocess.PIPE, stderr=log, text=True)
+    text = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    res = {"child_wall_s": round(time.perf_counter() - t0, 1), "child_peak_rss_mb": round(usage.ru_maxrss / 1024)}
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    if os.waitstatus_to_exitcode(status) != 0 or not lines:
+        res.update(failed=True, exit=os.waitstatus_to_exitcode(status))
+        return res
+    res.update(json.loads(lines[-1]))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--full-size", action="store_true", help="FastVLM-0.5B dimensions, random weights")
+    ap.add_argument("--precisions", default=None, help="decoder precisions (default: fp16,w8a16,w4a16; full size:"
+                                                      " w4a16)")
+    ap.add_argument("--vision-precision", default="a16w8")
+    ap.add_argument("--target", choices=("local", "android"), default=None,
+                    help="default: local (tiny), android (full size)")
+    ap.add_argument("--items", type=int, default=8, help="tiny model: held-out items run through the bundle")
+    ap.add_argument("--context-length", type=int, default=None, help="default 1024 (full size) or 256")
+    ap.add_argument("--decoder-option", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/vlmrun-bench"))
+    ap.add_argument("--log", default=None, help="children's stderr (default: a temporary file)")
+    ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        real_out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        real_out.write(json.dumps(CHILDREN[args.child](json.loads(args.spec))) + "\n")
+        real_out.flush()
+        return
+    model = None
+    if args.full_size:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from npu_decoder import dense_vocab
+
+        from vlmrun.tiny import make_tiny
+
+        model = os.path.join(args.cache_dir, "full-size-fastvlm")
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            print("building the full-size random FastVLM (once) ...", file=sys.stderr)
+            make_tiny(model, image_size=1024, full_size=True)
+        model = dense_vocab(model)
+    precisions = (args.precisions or ("w4a16" if args.full_size else "fp16,w8a16,w4a16")).split(",")
+    target = args.target or ("android" if args.full_size else "local")
+    work = Path(tempfile.mkdtemp(prefix="vlmrun-bench-bundle-"))
+    log = open(args.log or work / "children.log", "a")
+    results = []
+    for precision in precisions:
+        out = work / f"bundle-{precision}"
+        spec = {"cache_dir": args.cache_dir, "model": model, "precision": precision, "target": target,
+                "vision_precision": args.vision_precision, "out": str(out),
+                "ctx": args.context_length or (1024 if args.full_size else 256),
+                "decoder_options": dict(o.split("=", 1) for o in args.decoder_option), "items": args.items}
+        res = {"precision": precision, "vision_precision": args.vision_precision, "target": target,
+               **run_child("write", spec, log)}
+        if not args.full_size and target == "local" and args.items and not res.get("failed"):
+            res["emulator"] = run_child("run", spec, log)
+        print(f"[bundle] {json.dumps(res)}", file=sys.stderr)
+        results.append(res)
+    print(json.dumps({"model": "FastVLM-0.5B dims (random weights, dense vocabulary rows)" if args.full_size
+                      else "tiny default model", "bundles": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
