@@ -304,3 +304,22 @@ def test_a_child_the_kernel_kills_is_one_line():
 
     with pytest.raises(BackendError, match="quantizing part1: its worker process died .*out of memory"):
         in_child(_die, what="quantizing part1")
+
+
+def test_aimets_default_plan_keeps_each_part_graph_quantizable():
+    """With AIMET and parts = 0 the full-size decoder goes in two parts (its simulation of the whole 2 GB graph was
+    killed at 21.7 GB; 17 + 7 layers peaked at 12.9 GB); onnxruntime's min-max keeps the one part the size limit
+    allows; a tiny model stays in one part either way."""
+    from types import SimpleNamespace
+
+    from vlmrun_qnn_htp.options import parts_plan, stage_options
+
+    full = SimpleNamespace(hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64, vocab_size=151936,
+                           num_layers=24, text_config={"intermediate_size": 4864})
+    tiny = SimpleNamespace(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=448, num_layers=3,
+                           text_config={"intermediate_size": 512})
+    for model, engine, want in ((full, "onnxruntime", [24]), (full, "aimet", [17, 7]), (tiny, "aimet", [3])):
+        opts = stage_options("decoder", {"precision": "w4a16", "quantizer": engine, "context_length": 1024})
+        assert parts_plan(model, opts)["layers"] == want, engine
+    opts = stage_options("decoder", {"precision": "w4a16", "quantizer": "aimet", "parts": 3, "context_length": 1024})
+    assert len(parts_plan(full, opts)["layers"]) == 3  # an explicit parts count is the user's

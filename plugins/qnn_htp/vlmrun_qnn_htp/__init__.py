@@ -335,11 +335,11 @@ def load_stage(backend, stage, ctx):
     opts = stage_options(stage, ctx.options)
     soc = socs.soc(opts["soc"])
     if opts.get("decoder_form") == "parts":
-        from vlmrun_qualcomm.parts import plan
+        from .options import parts_plan
 
         from .parts_run import load_parts
 
-        p = plan(ctx.model, opts)
+        p = parts_plan(ctx.model, opts)
         form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],
                              layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
         from .genie_phone import attach  # engine genie + --target android: genie-t2t-run on the phone

@@ -145,7 +145,7 @@ def write_bundle(request) -> dict:
     from vlmrun.preprocess import preprocess_image
     from vlmrun.stages import ExportForm
     from vlmrun_qualcomm import socs
-    from vlmrun_qualcomm.parts import plan
+    from .options import parts_plan
 
     from . import _compiled, ep
     from .options import stage_options
@@ -159,7 +159,7 @@ def write_bundle(request) -> dict:
     dec_opts = stage_options("decoder", dec_ctx.options)
     if socs.soc(dec_opts["soc"]).name != soc.name:
         raise UsageError(f"the bundle's stages are compiled for two SoCs ({soc.name}, {dec_opts['soc']}); give one")
-    p = plan(model, dec_opts)
+    p = parts_plan(model, dec_opts)
     form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"], layers=",".join(map(str, p["layers"])),
                          rmsnorm=dec_opts.get("rmsnorm") or "safe")
     dec_art = _compiled(dec_ctx, "decoder", dec_opts, form)

@@ -201,3 +201,24 @@ def resolve_sharing(sharing: str, compiler: str | None = None) -> str:
     return sharing
 
 
+
+
+#: fp32 weight bytes of one part graph that AIMET's engine quantizes within about 16 GB: its simulation holds ~10
+#: copies (FastVLM-0.5B size: 17 layers + lm_head, 1.56 GB, peaked at 12.9 GB; all 24 + lm_head, 1.98 GB, was
+#: killed at 21.7 GB)
+AIMET_GRAPH_LIMIT = 1_600_000_000
+
+
+def parts_plan(model, opts: dict) -> dict:
+    """:func:`vlmrun_qualcomm.parts.plan` (the parts, AR and context of the export), except that with the AIMET
+    engine and ``parts = 0`` each part's float graph also stays under :data:`AIMET_GRAPH_LIMIT`."""
+    import math
+
+    from vlmrun_qualcomm.parts import plan, weight_counts
+
+    if opts.get("quantizer") == "aimet" and not opts.get("parts"):
+        mm, other, head = weight_counts(model)
+        need = math.ceil((model.num_layers * (mm + other) + head) * 4 / AIMET_GRAPH_LIMIT)
+        if need > 1:
+            return plan(model, {**opts, "parts": max(need, len(plan(model, opts)["layers"]))})
+    return plan(model, opts)

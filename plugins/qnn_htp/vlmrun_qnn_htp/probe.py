@@ -110,9 +110,9 @@ def load_probe(ctx, stage: str, opts: dict, soc, compiled, stage_handle=None) ->
     if stage == "decoder" and opts.get("decoder_form") == "parts":
         from vlmrun.stages import ExportForm
 
-        from vlmrun_qualcomm.parts import plan
+        from .options import parts_plan
 
-        p = plan(ctx.model, opts)  # the stage's own export form (as load_stage builds it)
+        p = parts_plan(ctx.model, opts)  # the stage's own export form (as load_stage builds it)
         form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],
                              layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
         return PartsProbe(stage_handle(), form=form, compiled=compiled, exported=ctx.exported, soc=soc)
