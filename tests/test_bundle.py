@@ -83,6 +83,9 @@ def test_the_bundle_holds_ai_hubs_vlm_layout(bundle_dir, parts_pipe):
     assert gen["embedding"] == {"version": 1, "type": "lut", "lut-path": "embedding_weights.raw", "size": 128,
                                 "datatype": "float32"}
     assert m["image_input"]["dtype"] == "uint8" and m["image_input"]["zero_point"] == 0
+    v = m["verified"]  # run as written on 4 held-out items before it was handed out
+    assert v["items"] == 4 and v["same_answer_as_reference"] == 1.0 and v["accuracy"] == v["reference_accuracy"]
+    assert v["logits_sqnr_db"]["median"] > 30 and v["image_embeds_sqnr_db"]["median"] > 30
     meta = json.loads((bundle_dir / "metadata.json").read_text())
     assert meta["model_files"]["vision_encoder.bin"]["inputs"]["pixel_values"]["dtype"] == "uint8"
     assert meta["genie"]["supports_vision"] is True
@@ -284,6 +287,7 @@ def phone_bundle(tiny_model, store, tmp_path_factory) -> Path:
     lay = layouts.resolve("all-npu", options={"decoder": {"weight_sharing": "on"}})
     m = write(lay, out, model=tiny_model, store=store, target="android")
     assert m["weight_sharing"] is True and m["target"] == "android" and "part1_of_1.bin" in m["files"]
+    assert m["verified"]["items"] == 0 and "does not run on this machine" in m["verified"]["why"]
     gen = json.loads((out / "text-generator.json").read_text())["text-generator"]
     assert gen["engine"]["backend"]["extensions"] == "htp_backend_ext_config.json"
     return out

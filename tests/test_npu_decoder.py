@@ -120,7 +120,7 @@ def test_options_are_checked_before_any_work():
     from vlmrun_qnn_htp import stage_options
 
     with pytest.raises(UsageError, match="parts form only"):
-        stage_options("decoder", {"precision": "w4a16"})
+        stage_options("decoder", {"precision": "w4a16", "decoder_form": "fixed"})
     with pytest.raises(UsageError, match="not available for decoder_form"):
         stage_options("decoder", {"decoder_form": "parts", "precision": "int8"})
     with pytest.raises(UsageError, match="weight_sharing"):

@@ -250,7 +250,7 @@ def test_all_npu_layout_from_the_cli(htp_pipe, cache_dir, image_path, tmp_path):
     from conftest import run_cli
 
     lay = tmp_path / "npu.toml"
-    lay.write_text('base = "all-npu"\n[decoder]\ncontext_length = 256\nprefill_ar = 32\n')
+    lay.write_text('base = "all-npu"\n[decoder]\ncontext_length = 256\nprefill_ar = 32\ndecoder_form = "fixed"\n')
     res = run_cli(["--layout-file", str(lay), "--image-size", "256", "--image", str(image_path), "--prompt", "Hi",
                    "--max-new-tokens", "4", "--ignore-eos", "--json"], cache_dir)
     assert res.returncode == 0, res.stderr[-2000:]
