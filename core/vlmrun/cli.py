@@ -14,7 +14,7 @@ import click
 
 from . import procs
 from .cli_options import layout_overrides, model_options, registry, stage_option_flags
-from .errors import VlmrunError
+from .errors import UsageError, VlmrunError
 from .stages import STAGES
 
 DEMO_PROMPT = "Describe the image."
@@ -253,6 +253,43 @@ def make_tiny(out_dir, image_size, full_size, seed, massive_activations, debug):
         build(out_dir, image_size=image_size, full_size=full_size, seed=seed,
               massive_activations=massive_activations)
     click.echo(str(out_dir))
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--model-id", default=None, help="The model name clients send (default: fastvlm-<model directory>).")
+@click.option("--concurrency", type=click.IntRange(1), default=None,
+              help="Generations at once: 1 on a device layout; default 2 where every backend may share its stages"
+                   " (the reference layout).")
+@click.option("--max-queue", type=click.IntRange(0), default=16, show_default=True,
+              help="Requests waiting for a slot; beyond them: 429 with Retry-After.")
+@click.option("--request-timeout", type=click.FloatRange(1), default=600.0, show_default=True,
+              help="Seconds a request may wait and run; then it is cancelled.")
+@_pipeline_options
+def serve(host, port, model_id, concurrency, max_queue, request_timeout, **opts):
+    """Serve a layout (or --bundle DIR) behind an OpenAI-compatible API.
+
+    \b
+      vlmrun serve                                   # the reference layout on http://127.0.0.1:8000/v1
+      vlmrun serve --layout all-npu --port 8080
+      vlmrun serve --bundle out/
+    \b
+    POST /v1/chat/completions (text + one image_url: a data: URI or a local path; stream, temperature, top_p,
+    max_tokens, seed, stop), GET /v1/models, GET /health. The pipeline is built (exported, compiled) before the
+    server listens; an error there stops it with one line.
+    """
+    from .serve import serve as run_server
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UsageError("vlmrun serve needs FastAPI and uvicorn: pip install 'vlmrun[serve]'") from None
+    pipe = _build(opts)
+    click.echo(f"serving {pipe.layout.name} [{pipe.layout.describe()}] on http://{host}:{port}/v1", err=True)
+    run_server(pipe, host=host, port=port, model_id=model_id, concurrency=concurrency, max_queue=max_queue,
+               request_timeout=request_timeout)
 
 
 @cli.command()

@@ -216,6 +216,10 @@ class Generation:
     def __next__(self) -> str:
         return next(self._iter)
 
+    def close(self) -> None:
+        """Stop generating now: the backend's token iterator is closed (a worker process it runs is stopped)."""
+        self._iter.close()
+
     def run(self) -> "Generation":
         """Consume the whole generation (no streaming)."""
         for _ in self._iter:

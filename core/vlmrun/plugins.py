@@ -32,6 +32,9 @@ class BackendInfo:
     stages: tuple[str, ...]
     summary: str = ""
     precision: str = "fp32"  # the numeric precision its stages run at unless a layout option says otherwise
+    # several generations may run at once on its loaded stages (thread-safe handles, no single device to share);
+    # ``vlmrun serve`` runs one request at a time on a layout with any backend that does not say so
+    concurrent: bool = False
 
 
 @attrs.frozen

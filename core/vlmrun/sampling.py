@@ -46,15 +46,64 @@ class Sampler:
             logits = logits[: self.vocab_limit]  # a view: the masked rows are simply not candidates
         if s.greedy:
             return int(np.argmax(logits))
-        logits = logits.astype(np.float64)
-        scaled = logits / s.temperature
-        order = np.argsort(-scaled, kind="stable")
-        if s.top_k > 0:
-            order = order[: s.top_k]
-        kept = scaled[order]
-        probs = np.exp(kept - kept.max())
-        probs /= probs.sum()
+        return sample(logits, s, self._rng)
+
+
+FIRST_PREFIX = 64  # candidates sorted first; the prefix grows 8x until it holds the answer
+
+
+def sorted_prefix(scaled: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest values (at least; ties at the boundary included), in the order of
+    ``np.argsort(-scaled, kind="stable")``: a prefix of that order, in O(V + k log k) instead of O(V log V)."""
+    n = scaled.size
+    if k >= n:
+        return np.argsort(-scaled, kind="stable")
+    kth = np.partition(scaled, n - k)[n - k]  # the k-th largest value
+    cand = np.flatnonzero(scaled >= kth)  # every tie of the k-th value: the stable order decides among them
+    return cand[np.lexsort((cand, -scaled[cand]))]
+
+
+def sample(logits: np.ndarray, s: SamplingSettings, rng: np.random.Generator) -> int:
+    """One token by temperature, top-k and top-p, without sorting the whole vocabulary.
+
+    The token is the one the plain algorithm (stable sort of the scaled logits, top-k, softmax over the kept ones,
+    top-p cut, ``rng.choice``) picks for the same generator state: ``rng.choice(n, p=p)`` draws one ``rng.random()``
+    and takes the first cumulative probability above it, so only the sorted prefix up to that point (or up to the
+    top-p cut) is needed. Only the softmax's sum over the whole vocabulary is taken in another order (relative
+    rounding 1e-16: a token differs only for a draw that close to a boundary)."""
+    scaled = logits.astype(np.float64) / s.temperature
+    e = np.exp(scaled - scaled.max())
+    n = scaled.size
+    rank = logits  # the order of the scaled logits (temperature > 0), in the input's own (narrower) dtype
+    if s.top_k > 0:  # a small set: exactly the plain arithmetic on it
+        order = sorted_prefix(rank, s.top_k)[: s.top_k]
+        probs = e[order] / e[order].sum()
         if s.top_p < 1.0:
             cut = int(np.searchsorted(np.cumsum(probs), s.top_p) + 1)
             order, probs = order[:cut], probs[:cut] / probs[:cut].sum()
-        return int(order[self._rng.choice(len(order), p=probs)])
+        return _draw(order, np.cumsum(probs), rng.random())
+    total = e.sum()
+    k = FIRST_PREFIX
+    if s.top_p < 1.0:  # the sorted prefix that reaches top_p
+        while True:
+            order = sorted_prefix(rank, k)
+            cum = np.cumsum(e[order]) / total
+            if cum[-1] >= s.top_p or order.size >= n:
+                break
+            k *= 8
+        cut = min(int(np.searchsorted(cum, s.top_p) + 1), order.size)
+        p = e[order[:cut]]
+        return _draw(order[:cut], np.cumsum(p / p.sum()), rng.random())
+    u = rng.random()  # temperature only: the sorted prefix whose cumulative probability passes u
+    while True:
+        order = sorted_prefix(rank, k)
+        cum = np.cumsum(e[order]) / total
+        if order.size >= n or cum[-1] > u:
+            return _draw(order, cum, u, normalise=order.size >= n)
+        k *= 8
+
+
+def _draw(order: np.ndarray, cum: np.ndarray, u: float, normalise: bool = True) -> int:
+    """``rng.choice``'s step: the first cumulative probability above ``u`` (``cum`` divided by its last entry)."""
+    cdf = cum / cum[-1] if normalise else cum
+    return int(order[min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)])

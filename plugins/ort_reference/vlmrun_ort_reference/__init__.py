@@ -26,7 +26,8 @@ FORMS = {
 
 @hookimpl
 def describe():
-    return BackendInfo(NAME, STAGES, "ONNX Runtime on the CPU: the reference every device is compared with")
+    return BackendInfo(NAME, STAGES, "ONNX Runtime on the CPU: the reference every device is compared with",
+                       concurrent=True)  # sessions are thread-safe; each generation keeps its own KV cache
 
 
 @hookimpl
