@@ -241,7 +241,10 @@ class Run:
         self.cancelled.set()
 
     def _put(self, item):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the server's loop is gone (shutting down): nobody is listening any more
+            self.cancelled.set()
 
     def _work(self):
         from .pipeline import GenerationSettings

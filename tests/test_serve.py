@@ -1,0 +1,285 @@
+"""``vlmrun serve``: the OpenAI-compatible server, reached by the real ``openai`` client over loopback.
+
+* the reference layout's answer for a picture, streaming and not, with usage and vlmrun's timings; an all-npu
+  layout's (emulator) and a bundle's too;
+* every bad request: its status and OpenAI-style error body, nothing written to the store, and the next good
+  request answered;
+* one generation at a time on a device layout: a full queue is 429 with Retry-After; a client that disconnects
+  frees the device for the next request (measured by when the next one starts);
+* sampling without sorting the vocabulary picks the same tokens as the plain algorithm for the same seeds.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from vlmrun import GenerationSettings, Pipeline  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn serving ``create_app(pipe, ...)`` in a thread, on loopback."""
+
+    def __init__(self, pipe, **kw):
+        import uvicorn
+
+        from vlmrun.serve import create_app
+
+        self.port = free_port()
+        self.app = create_app(pipe, **kw)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def data_uri(image, fmt="PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(url: str, text: str = "Describe the image.") -> list:
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+@pytest.fixture(scope="module")
+def picture():
+    from vlmrun.demo_image import demo_image
+
+    return demo_image()
+
+
+@pytest.fixture(scope="module")
+def ref_server(ref_pipe):
+    s = Server(ref_pipe)
+    yield s
+    s.stop()
+
+
+def test_the_openai_client_gets_the_reference_answer(ref_server, ref_pipe, picture, image_path):
+    want = ref_pipe.generate(picture, "Describe the image.", GenerationSettings(max_new_tokens=64)).run()
+    c = ref_server.client
+    r = c.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)), max_tokens=64)
+    assert r.choices[0].message.content == want.text == "A red circle on a blue background."
+    assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == 68 and r.usage.completion_tokens == len(want.token_ids) - 1  # not the eos
+    assert {"vision_ms", "ttft_ms", "tokens_per_s"} <= set(r.model_extra["vlmrun"]["timings"])
+    pieces, usage, finish = [], None, None
+    for ch in c.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(str(image_path)),
+                                        stream=True, stream_options={"include_usage": True}):
+        if ch.choices:
+            pieces.append(ch.choices[0].delta.content or "")
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage:
+            usage = ch.usage
+    assert "".join(pieces) == want.text and len(pieces) > 5 and finish == "stop"  # streamed, piece by piece
+    assert usage.completion_tokens == r.usage.completion_tokens
+    # max_tokens and stop strings
+    r = c.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)), max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = c.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)), stop=[" on"])
+    assert r.choices[0].message.content == "A red circle" and r.choices[0].finish_reason == "stop"
+    models = c.models.list().data
+    assert [m.id for m in models] == ["fastvlm-shapes-tiny"]
+    assert models[0].model_extra["layout"]["stages"]["decoder"]["backend"] == "ort_reference"
+
+
+def test_seeded_sampling_through_the_server_is_the_python_apis(ref_server, ref_pipe, picture):
+    from vlmrun.sampling import SamplingSettings
+
+    want = ref_pipe.generate(picture, "Describe the image.", GenerationSettings(
+        max_new_tokens=20, sampling=SamplingSettings(1.2, 0, 0.95, 7))).run()
+    r = ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)),
+                                                  max_tokens=20, temperature=1.2, top_p=0.95, seed=7)
+    assert r.choices[0].message.content == want.text
+
+
+def _bomb(tmp_path) -> str:
+    from PIL import Image
+
+    path = tmp_path / "bomb.png"
+    Image.new("1", (12000, 5000)).save(path)  # 60 M pixels in a few kB
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_bad_requests_are_4xx_with_a_json_body_and_harm_nothing(ref_server, picture, store, tmp_path):
+    good = messages(data_uri(picture))
+    before = sorted(p.name for p in store.artifacts_dir.iterdir())
+    post = lambda body, raw=None: httpx.post(f"{ref_server.url}/v1/chat/completions",  # noqa: E731
+                                             content=raw if raw is not None else json.dumps(body),
+                                             headers={"Content-Type": "application/json"}, timeout=60)
+    cases = [
+        (None, b"{not json", 400, "bad_json"),
+        ({"messages": messages("data:image/png;base64,@@@not-base64@@@")}, None, 400, "bad_base64"),
+        ({"messages": messages("data:image/png;base64," + base64.b64encode(b"not an image").decode())}, None, 400,
+         "bad_image"),
+        ({"messages": messages(_bomb(tmp_path))}, None, 400, "image_too_large"),
+        ({"messages": [{"role": "user", "content": "no picture"}]}, None, 400, "no_image"),
+        ({"messages": [{"role": "user", "content": [*good[0]["content"], good[0]["content"][1]]}]}, None, 400,
+         "too_many_images"),
+        ({"messages": messages(data_uri(picture), "word " * 3000)}, None, 400, "context_length_exceeded"),
+        ({"model": "gpt-4o", "messages": good}, None, 404, "model_not_found"),
+        ({"messages": good, "temperature": -1}, None, 400, None),
+        ({"messages": messages(str(tmp_path / "missing.png"))}, None, 400, "image_not_found"),
+    ]
+    for body, raw, status, code in cases:
+        r = post(body, raw)
+        assert r.status_code == status, (code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"] and "\n" not in err["message"]
+        assert err["code"] == code, err
+    assert sorted(p.name for p in store.artifacts_dir.iterdir()) == before  # nothing written
+    r = ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=good)
+    assert r.choices[0].message.content == "A red circle on a blue background."
+
+
+class SlowPipe:
+    """The reference pipeline with a pause before every text piece: a generation that holds the device long
+    enough to be queued behind, or abandoned. ``produced`` counts the pieces each generation really made."""
+
+    def __init__(self, pipe, delay=0.3):
+        self.pipe, self.delay, self.produced = pipe, delay, []
+        self.model, self.layout, self.registry = pipe.model, pipe.layout, pipe.registry
+        self.context_length = pipe.context_length
+        self.prepare = pipe.prepare
+
+    def generate(self, image, prompt, settings):
+        gen = self.pipe.generate(image, prompt, settings)
+        count = [0]
+        self.produced.append(count)
+        inner = gen._iter
+
+        def slow():
+            for piece in inner:
+                time.sleep(self.delay)
+                count[0] += 1
+                yield piece
+
+        gen._iter = slow()
+        return gen
+
+
+def test_one_at_a_time_on_a_device_a_full_queue_is_429_and_a_disconnect_frees_the_device(ref_pipe, picture):
+    from vlmrun.errors import UsageError
+    from vlmrun.serve import create_app
+
+    slow = SlowPipe(ref_pipe)
+    slow.registry = type("R", (), {"backend": lambda self, name: type("B", (), {"concurrent": False})()})()
+    with pytest.raises(UsageError, match="serves one generation at a time"):
+        create_app(slow, concurrency=2)
+    s = Server(slow, max_queue=1)
+    try:
+        body = {"messages": messages(data_uri(picture)), "stream": True, "max_tokens": 40}
+        waiting: dict = {}
+
+        def second():
+            t = time.perf_counter()
+            waiting["response"] = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
+                                             json={**body, "stream": False, "max_tokens": 2})
+            waiting["done"] = time.perf_counter()
+
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{s.url}/v1/chat/completions", json=body) as first:
+                it = first.iter_lines()
+                assert next(it).startswith("data: ")  # the role chunk: it holds the device now
+                t = threading.Thread(target=second)
+                t.start()
+                for _ in range(100):  # the second request waits in the queue
+                    if httpx.get(f"{s.url}/health").json()["waiting"] == 1:
+                        break
+                    time.sleep(0.05)
+                busy = client.post(f"{s.url}/v1/chat/completions", json={**body, "stream": False})
+                assert busy.status_code == 429 and int(busy.headers["Retry-After"]) >= 1
+                assert busy.json()["error"]["type"] == "rate_limit_error"
+                next(it)  # one text piece, then the client goes away mid-answer
+                left = time.perf_counter()
+            t.join(60)
+        r = waiting["response"]
+        assert r.status_code == 200, r.text
+        # the abandoned answer had ~18 pieces left (5 s at 0.3 s each): the waiting request ran at once instead
+        after = waiting["done"] - left
+        assert after < 2.5 and slow.produced[0][0] <= 8, (after, slow.produced[0][0])
+        assert httpx.get(f"{s.url}/health").json()["running"] == 0
+    finally:
+        s.stop()
+
+
+def test_an_all_npu_layout_and_a_bundle_behind_the_server(tiny_model, store, picture, tmp_path_factory):
+    from vlmrun import layouts
+    from vlmrun.cli_bundle import write
+
+    npu = Pipeline.build(tiny_model, "all-npu", store=store)
+    want = npu.generate(picture, "Describe the image.", GenerationSettings(max_new_tokens=32)).run().text
+    out = tmp_path_factory.mktemp("serve-bundle") / "b"
+    write(layouts.resolve("all-npu"), out, model=tiny_model, store=store, verify_items=0)
+    for pipe in (npu, Pipeline.build(tiny_model, f"bundle:{out}", store=store)):
+        s = Server(pipe)
+        try:
+            r = s.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)),
+                                                 max_tokens=32)
+            assert r.choices[0].message.content == want
+            assert httpx.get(f"{s.url}/health").json()["concurrency"] == 1  # a device: one at a time
+        finally:
+            s.stop()
+
+
+def _plain(logits, s, rng):
+    """vlmrun's sampler before partial selection: a stable sort of the whole vocabulary."""
+    scaled = logits.astype(np.float64) / s.temperature
+    order = np.argsort(-scaled, kind="stable")
+    if s.top_k > 0:
+        order = order[: s.top_k]
+    kept = scaled[order]
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
+    if s.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), s.top_p) + 1)
+        order, probs = order[:cut], probs[:cut] / probs[:cut].sum()
+    return int(order[rng.choice(len(order), p=probs)])
+
+
+def test_partial_selection_samples_the_same_tokens_for_the_same_seeds():
+    from vlmrun.sampling import SamplingSettings, sample
+
+    r = np.random.default_rng(0)
+    V = 151936
+    n = 0
+    for trial in range(12):
+        logits = (r.standard_normal(V) * r.choice([0.5, 2, 6])).astype(np.float32)
+        logits[r.integers(0, V, 4)] += r.choice([0, 8, 20])
+        logits[r.integers(0, V, 50)] = logits.max()  # ties at the top: the stable order decides
+        for st in (SamplingSettings(0.7, 0, 1.0), SamplingSettings(1.0, 40, 0.9), SamplingSettings(0.8, 0, 0.9),
+                   SamplingSettings(1.5, 0, 1.0), SamplingSettings(1.0, 50, 1.0), SamplingSettings(2.0, 0, 0.5)):
+            for seed in range(4):
+                assert sample(logits, st, np.random.default_rng(seed)) == _plain(logits, st,
+                                                                                 np.random.default_rng(seed))
+                n += 1
+    assert n == 288
