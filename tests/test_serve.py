@@ -171,8 +171,8 @@ class SlowPipe:
         self.context_length = pipe.context_length
         self.prepare = pipe.prepare
 
-    def generate(self, image, prompt, settings):
-        gen = self.pipe.generate(image, prompt, settings)
+    def generate_prepared(self, prepared, settings):
+        gen = self.pipe.generate_prepared(prepared, settings)
         count = [0]
         self.produced.append(count)
         inner = gen._iter

@@ -490,6 +490,13 @@ class Pipeline:
             raise InputError("max_new_tokens must be at least 1")
         return Generation(self, self.prepare(image, prompt, settings.system), settings, keep_logits)
 
+    def generate_prepared(self, prepared: Prepared, settings: GenerationSettings = GenerationSettings(),
+                          keep_logits: bool = False) -> Generation:
+        """:meth:`generate` for inputs already :meth:`prepare`-d (a server checks them before queueing)."""
+        if settings.max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        return Generation(self, prepared, settings, keep_logits)
+
     def capture(self, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
                 teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
         """Every stage-boundary tensor of one request, for diffs.

@@ -67,6 +67,7 @@ class ChatRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    prepared: object = None  # the pipeline's Prepared inputs, made once when the request is checked
 
 
 # -- parsing --------------------------------------------------------------------------------------------------
@@ -231,6 +232,7 @@ class Run:
         self.pipe, self.req, self.loop = pipe, req, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.pending = None  # an event taken from the queue early, to be handled next
         self.thread = threading.Thread(target=self._work, daemon=True)
         self.t0 = time.perf_counter()
 
@@ -255,7 +257,8 @@ class Run:
         try:
             settings = GenerationSettings(max_new_tokens=r.max_tokens, system=r.system,
                                           sampling=SamplingSettings(r.temperature, 0, r.top_p, r.seed))
-            gen = self.pipe.generate(r.image, r.prompt, settings)
+            gen = (self.pipe.generate_prepared(r.prepared, settings) if r.prepared is not None
+                   else self.pipe.generate(r.image, r.prompt, settings))
             text = ""
             for piece in gen:
                 if self.cancelled.is_set():
@@ -344,8 +347,8 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
             except (ValueError, UnicodeDecodeError):
                 raise RequestError(400, "the request body is not valid JSON", code="bad_json") from None
             req = parse_chat(body, model_id)
-            try:  # the prompt must fit the context before the request takes a slot
-                pipe.prepare(req.image, req.prompt, req.system)
+            try:  # the prompt must fit the context before the request takes a slot (prepared once, kept)
+                req.prepared = pipe.prepare(req.image, req.prompt, req.system)
             except InputError as exc:
                 raise RequestError(400, str(exc), "messages", "context_length_exceeded") from None
             await slots().acquire(request_timeout)
@@ -383,6 +386,9 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
             slots().release(slot_s)
 
     async def _next(run: Run, deadline: float):
+        if run.pending is not None:
+            item, run.pending = run.pending, None
+            return item
         left = deadline - time.perf_counter()
         if left <= 0:
             raise asyncio.TimeoutError
@@ -421,7 +427,16 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
                 if kind == "text":
                     if await request.is_disconnected():
                         return
+                    pending = None
+                    while not run.events.empty():  # pieces that arrived meanwhile go out in one event
+                        k2, v2 = run.events.get_nowait()
+                        if k2 != "text":
+                            pending = (k2, v2)
+                            break
+                        value += v2
                     yield event({"content": value})
+                    if pending is not None:
+                        run.pending = pending  # the done/error event, handled next
                 elif kind == "done":
                     yield event({}, _finish_reason(value), vlmrun=_figures(value, time.perf_counter() - run.t0))
                     if req.include_usage:
