@@ -82,10 +82,13 @@ def sampling_cost() -> dict:
     return out
 
 
-async def _stream_once(client, url: str, body: dict) -> tuple[str, float, float, int]:
+async def _stream_once(client, url: str, body: dict, stats: dict | None = None) -> tuple[str, float, float, int]:
+    """One streaming request: (text, seconds to the first text, seconds in all, status); ``stats`` gets the
+    completion tokens (the usage chunk) and the seconds between the first and the last text."""
     t0 = time.perf_counter()
-    first, text = None, ""
-    async with client.stream("POST", url, json=body) as r:
+    first = last = None
+    text = ""
+    async with client.stream("POST", url, json={**body, "stream_options": {"include_usage": True}}) as r:
         if r.status_code != 200:
             await r.aread()
             return "", 0.0, 0.0, r.status_code
@@ -93,11 +96,16 @@ async def _stream_once(client, url: str, body: dict) -> tuple[str, float, float,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage") and stats is not None:
+                stats["tokens"] = chunk["usage"]["completion_tokens"]
             for c in chunk.get("choices", []):
                 piece = (c.get("delta") or {}).get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter()
+                if piece:
+                    last = time.perf_counter()
+                    first = first or last
                 text += piece
+    if stats is not None:
+        stats["span_s"] = (last - first) if first else 0.0
     return text, (first or time.perf_counter()) - t0, time.perf_counter() - t0, 200
 
 
@@ -165,12 +173,18 @@ def main() -> None:
     url_img = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     pipe = Pipeline.build(args.model, args.layout)
     api_tps, api_ttft, want = [], [], None
-    for _ in range(args.requests):
-        gen = pipe.generate(pic, PROMPT, GenerationSettings(max_new_tokens=args.max_tokens)).run()
+    for _ in range(args.requests):  # measured as the server's client measures: wall clock, first to last text
+        t0 = time.perf_counter()
+        gen = pipe.generate(pic, PROMPT, GenerationSettings(max_new_tokens=args.max_tokens))
+        first = last = None
+        for piece in gen:
+            if piece:
+                last = time.perf_counter()
+                first = first or last
         want = gen.text
-        api_tps.append(gen.timings.get("tokens_per_s", 0.0))
-        api_ttft.append(gen.timings.get("ttft_ms", 0.0) + sum(gen.timings.get(f"{s}_ms", 0.0)
-                                                               for s in ("vision", "projector", "embed")))
+        n = len([t for t in gen.token_ids if t not in pipe.model.stop_ids])
+        api_ttft.append(((first or time.perf_counter()) - t0) * 1e3)
+        api_tps.append((n - 1) / (last - first) if first and last > first and n > 1 else 0.0)
     argv = [sys.executable, "-m", "vlmrun.cli", "serve", "--layout", args.layout, "--port", str(args.port),
             "--max-queue", str(args.max_queue), *(["--model", args.model] if args.model else [])]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -190,11 +204,13 @@ def main() -> None:
         async def serial():
             async with httpx.AsyncClient(timeout=600) as client:
                 for _ in range(args.requests):
-                    text, ttft, total, status = await _stream_once(client, f"{base}/v1/chat/completions", body)
+                    stats: dict = {}
+                    text, ttft, total, status = await _stream_once(client, f"{base}/v1/chat/completions", body,
+                                                                   stats)
                     assert status == 200 and text == want, (status, text, want)
-                    n = len(pipe.model.tokenizer.encode(text, add_special_tokens=False).ids)
+                    n = stats.get("tokens", 0)
                     srv_ttft.append(ttft * 1e3)
-                    srv_tps.append((n - 1) / max(total - ttft, 1e-9) if n > 1 else 0.0)
+                    srv_tps.append((n - 1) / stats["span_s"] if n > 1 and stats.get("span_s") else 0.0)
 
         asyncio.run(serial())
         result = {"layout": args.layout, "answer": want, "overhead": {
