@@ -179,3 +179,13 @@ def test_doctor_keeps_native_banners_off_stdout(tmp_path):
     assert "LIBNATIVE" not in res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
     assert lines and all(ln.startswith("  [") or re.match(r"^\S+ \d+\.\d+\.\d+$", ln) for ln in lines), res.stdout
+
+
+def test_root_options_before_a_subcommand_reach_it(tmp_path):
+    """`vlmrun --cache-dir X store list`: the root's --cache-dir is the subcommand's too (it was ignored)."""
+    from conftest import run_cli
+
+    target = tmp_path / "elsewhere"
+    r = run_cli(["--cache-dir", str(target), "store", "list"], tmp_path / "env-cache", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"no artifacts in {target}" in (r.stdout + r.stderr).lower()

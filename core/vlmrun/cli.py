@@ -132,6 +132,33 @@ def _generate(pipe, image, prompt: str, opts: dict) -> None:
     click.echo(_format_timings(gen.timings), err=True)
 
 
+#: options given before a subcommand (``vlmrun --cache-dir X demo``) that the subcommand takes too
+INHERITED = ("cache_dir", "model_dir", "image_size")
+
+
+def _pass_down(ctx, opts: dict) -> None:
+    """``vlmrun --cache-dir X store list``: the root's model and store options become the defaults of the
+    subcommand (and of a group's subcommands) that declare them, as `--help` presents them as global."""
+    given = {k: opts[k] for k in INHERITED if opts.get(k) is not None}
+    if not given:
+        return
+    sub = ctx.command.get_command(ctx, ctx.invoked_subcommand)
+
+    def defaults(cmd) -> dict:
+        own = {p.name for p in getattr(cmd, "params", [])}
+        out = {k: v for k, v in given.items() if k in own}
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(ctx):
+                out[name] = defaults(cmd.get_command(ctx, name))
+        return out
+
+    ctx.default_map = {**(ctx.default_map or {}), ctx.invoked_subcommand: defaults(sub)}
+    if "cache_dir" in given:  # the subcommands read VLMRUN_CACHE_DIR before their defaults: the flag must win
+        import os
+
+        os.environ["VLMRUN_CACHE_DIR"] = str(given["cache_dir"])
+
+
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--image", type=click.Path(path_type=Path), help="Image file to ask about.")
 @click.option("--prompt", help="The question about the image.")
@@ -151,6 +178,7 @@ def cli(ctx, image, prompt, **opts):
     `vlmrun plugins --options` the per-stage options each declares.
     """
     if ctx.invoked_subcommand is not None:
+        _pass_down(ctx, opts)
         return
     if image is None or prompt is None:
         if image is None and prompt is None:
