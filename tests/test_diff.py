@@ -197,6 +197,11 @@ def test_save_and_load_round_trip(noisy_run, ref_pipe, tiny_model, store, tmp_pa
     assert dev.meta["teacher_tokens"] == ref.tokens
     replay = diff.run(from_dirs=[tmp_path / "saved" / "reference", tmp_path / "saved" / "device"])
     assert replay.result.to_json()["checkpoints"] == noisy_run.result.to_json()["checkpoints"]
+    # two --save folders (a host run, a phone run): their device sides against each other
+    diff.save_run(noisy_run, tmp_path / "saved2")
+    a, b = diff.load_from([tmp_path / "saved", tmp_path / "saved2"])
+    np.testing.assert_array_equal(a.tensors["logits"], noisy_run.device.tensors["logits"])
+    np.testing.assert_array_equal(b.tensors["logits"], noisy_run.device.tensors["logits"])
     # one --from: the saved reference against a live device (teacher-forced on the saved tokens)
     live = diff.run(device="reference", from_dirs=[tmp_path / "saved" / "reference"], model=tiny_model,
                     store=store, registry=ref_pipe.registry)

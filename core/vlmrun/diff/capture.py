@@ -66,7 +66,8 @@ class Capture:
                 meta = json.loads(str(data["__meta__"])) if "__meta__" in data.files else {}
         except (OSError, ValueError) as exc:
             raise UsageError(f"cannot read capture {file}: {exc}") from None
-        missing = [k for k in CAPTURE_KEYS if k not in tensors]
+        # image_features may be absent: a runtime that fuses vision and projector (a bundle) has no such tensor
+        missing = [k for k in CAPTURE_KEYS if k not in tensors and k != "image_features"]
         if missing:
             raise UsageError(f"capture {file} lacks {', '.join(missing)}; it was not written by vlmrun diff --save")
         meta.setdefault("loaded_from", str(file))
@@ -90,10 +91,13 @@ def load_from(paths: Sequence[str | os.PathLike]) -> tuple[Capture | None, Captu
         if (p / "reference").is_dir() and (p / "device").is_dir():
             return Capture.load(p / "reference"), Capture.load(p / "device")
         return Capture.load(p), None
-    for p in paths:
-        if (p / "reference").is_dir() and not (p / "capture.npz").exists():
-            raise UsageError(f"{p} holds two captures; name one of them: {p / 'reference'} or {p / 'device'}")
-    return Capture.load(paths[0]), Capture.load(paths[1])
+    # a --save folder holds both sides of its run; from two of them, the device sides are compared (a host run
+    # against a phone run of the same request), e.g. vlmrun diff --from host-run/ --from phone-run/
+    sides = [p / "device" if (p / "device").is_dir() and not (p / "capture.npz").exists() else p for p in paths]
+    for p, side in zip(paths, sides):
+        if not (side / "capture.npz").exists() and (p / "reference").is_dir():
+            raise UsageError(f"{p} holds no device capture; name one: {p / 'reference'}")
+    return Capture.load(sides[0]), Capture.load(sides[1])
 
 
 def _base_meta(model, image_desc: str, prompt: str, settings, teacher_tokens, tokens=()) -> dict:
