@@ -331,3 +331,19 @@ def test_cli_prune(tmp_path):
     out = json.loads(res.stdout)
     assert [e["name"] for e in out["removed"]] == [arts["exp"].path.name] and out["freed"] == sizes["exp"]
     assert list((tmp_path / "artifacts").iterdir()) == []
+
+
+def test_a_rebuild_clears_what_a_killed_build_of_the_same_folder_left(tmp_path):
+    """make-tiny / bundle killed mid-build leave .tmp-<name>-* beside the folder; the next build of it removes it
+    (its builder is gone), and never one whose builder still runs."""
+    dead = tmp_path / ".tmp-model-abc"
+    (dead / atomic.BUILD_DIR).mkdir(parents=True)
+    (dead / atomic.OWNER_FILE).write_text(json.dumps({**atomic.owner_record(), "pid": 2**22 + 12345}))
+    live = tmp_path / ".tmp-model-def"
+    (live / atomic.BUILD_DIR).mkdir(parents=True)
+    (live / atomic.OWNER_FILE).write_text(json.dumps(atomic.owner_record()))  # this very process
+    with atomic.atomic_directory(tmp_path / "model") as out:
+        (out / "config.json").write_text("{}")
+    assert (tmp_path / "model" / "config.json").is_file()
+    assert not dead.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-model-def", "model"]

@@ -150,6 +150,10 @@ def _write_owner(work: Path) -> None:
 
 def _new_work_dir(dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
+    # what an earlier, killed build of the same destination left beside it (its builder gone) goes first
+    for old in dest.parent.glob(f"{TMP_PREFIX}{dest.name}-*"):
+        if old.is_dir() and not old.is_symlink() and is_stale(old):
+            shutil.rmtree(old, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{dest.name}-", dir=dest.parent))
     try:
         _write_owner(work)
