@@ -69,8 +69,10 @@ class StageContext:
         }
         if compiler != self.backend:  # the compiler's own options that change its output key the artifact too
             declared = self.registry.options.by_backend.get(compiler, {})
+            # an option given at its declared default keys the binary as if it were not given (one device, one key)
             keyed = {k: v for k, v in sorted(self.options.items())
-                     if k in declared and getattr(declared[k], "keyed", False) and k not in options}
+                     if k in declared and getattr(declared[k], "keyed", False) and k not in options
+                     and v != getattr(declared[k], "default", None)}
             if keyed:
                 key["compiler_options"] = keyed
 
