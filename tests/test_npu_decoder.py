@@ -125,6 +125,8 @@ def test_options_are_checked_before_any_work():
         stage_options("decoder", {"decoder_form": "parts", "precision": "int8"})
     with pytest.raises(UsageError, match="weight_sharing"):
         stage_options("decoder", {"decoder_form": "parts", "weight_sharing": "sometimes"})
+    # --precision w8a16 reaches every stage: the others take it as their a16w8 (the same recipe)
+    assert stage_options("vision", {"precision": "w8a16"})["precision"] == "a16w8"
     o = stage_options("decoder", {"decoder_form": "parts", "precision": "a16w8", "engine": "genie"})
     assert (o["precision"], o["prefill_ar"], o["weight_sharing"]) == ("w8a16", 128, "off")  # "auto" on the emulator
 

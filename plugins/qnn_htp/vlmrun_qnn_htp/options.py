@@ -44,6 +44,8 @@ def stage_options(stage: str, options) -> dict:
     precision = str(o.get("precision") or "fp16").lower()
     if precision not in PRECISIONS:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    if precision == "w8a16" and stage != "decoder":  # 8-bit weights, 16-bit activations: the stages' a16w8
+        precision = "a16w8"  # (so --precision w8a16, which reaches every stage, means the same recipe on each)
     out = {"precision": precision, "soc": socs.soc(o.get("soc")).name}
     form = str(o.get("decoder_form") or default_form(precision)).lower() if stage == "decoder" else "fixed"
     if form not in DECODER_FORMS:
