@@ -357,7 +357,7 @@ def test_a_bundle_takes_runtime_options_only(bundle_dir, tiny_model, store):
         Pipeline.build(tiny_model, layouts.resolve(f"bundle:{bundle_dir}", options={"decoder": {"precision": "int8"}}),
                        store=store)
     with pytest.raises(BackendError, match="written for this machine"):
-        from vlmrun_qnn_htp.bundle import BundleRuntime
+        from vlmrun_qnn_htp.bundle_run import BundleRuntime
 
         BundleRuntime(bundle_dir, tiny_model, {"target": "android", "sdk_root": str(bundle_dir)})
 

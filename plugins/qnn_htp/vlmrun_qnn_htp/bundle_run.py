@@ -1,0 +1,237 @@
+"""Running a bundle (``bundle:DIR`` layouts): libGenie's pipeline API over the folder :mod:`.bundle` wrote, in a
+worker process whose working directory is the bundle (its configs name their files relative to it, as genie-app
+runs them on a phone); on a phone, genie-app over adb (:mod:`.bundle_phone`).
+
+:class:`BundleRuntime` runs whole requests (the ``run_request`` hook); :class:`BundleStage` is what ``load_stage``
+returns for each stage of the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from vlmrun.errors import BackendError, UsageError
+
+from .bundle import CONNECTIONS, LUT, NODES, _split, read_manifest, sha256
+
+
+class BundleRuntime:
+    """A bundle run by libGenie's pipeline API in a worker process whose working directory is the bundle."""
+
+    def __init__(self, path: Path, model, options: dict | None = None):
+        options = dict(options or {})
+        self.path = Path(path).resolve()
+        self.manifest = read_manifest(self.path)
+        self.model = model
+        self.timeout = float(options.get("timeout") or 600)
+        self.last_timings: dict = {}
+        self._lut = None
+        self.phone = None
+        if str(options.get("target") or "local") == "android":  # genie-app on the phone (bundle_phone.py)
+            from .bundle_phone import BundlePhone
+
+            self.phone = BundlePhone(self, options)
+            return
+        from .genie_engine import libgenie_path
+
+        self.lib = libgenie_path()
+        if not self.manifest.get("loads_on_emulator", False):
+            from . import ep
+
+            if ep.is_emulator():
+                raise BackendError(f"bundle {path} holds weight-shared binaries for a device, which this machine's"
+                                   " HTP emulator cannot load; run it on a phone (--target android) or write an"
+                                   " emulator bundle (vlmrun bundle without --target android)")
+
+    @property
+    def lut(self) -> np.ndarray:
+        if self._lut is None:
+            v, h = self.manifest["lut"]["shape"]
+            self._lut = np.memmap(self.path / LUT, dtype=np.float32, mode="r", shape=(v, h))
+        return self._lut
+
+    def request(self, prefix: str, pixels: Path, suffix: str, sampling, max_new_tokens: int, stop_ids,
+                embeddings_out: Path) -> dict:
+        """The worker's request: the nodes' configs (the bundle's, the generator's sampler and length set for this
+        request), the connections, and the inputs in splice order."""
+        nodes = {}
+        for node, name in NODES.items():
+            cfg = json.loads((self.path / name).read_text())
+            if node == "textGenerator":
+                from vlmrun_qualcomm import genie
+
+                body = cfg["text-generator"]
+                body["max-num-tokens"] = int(max_new_tokens)
+                if sampling is not None:
+                    body["sampler"] = genie.sampler_config(sampling, body["context"]["n-vocab"])
+                if stop_ids is not None:
+                    stops = sorted(stop_ids) or [body["context"]["n-vocab"] - 1]
+                    body["context"]["eos-token"] = stops[0] if len(stops) == 1 else stops
+            nodes[node] = json.dumps(cfg)
+        return {"nodes": nodes, "connections": CONNECTIONS,
+                "inputs": [["lutEncoder", "text", prefix], ["imageEncoder", "image", str(pixels)],
+                           ["lutEncoder", "text", suffix]],
+                "embeddings_out": str(embeddings_out)}
+
+    def generate(self, req) -> Iterator[int]:
+        """Run one whole request (``req``: a :class:`vlmrun.stages.RequestRun`); yield token ids. Genie hands out
+        text: each piece is tokenized back (the text is exact; the ids are those of the text, which may differ
+        from the ones Genie sampled where two tokenizations spell the same text)."""
+        import tempfile
+        import time
+
+        from vlmrun_qualcomm.genie_pipeline import stream_pipeline
+
+        tok = self.model.tokenizer
+        before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
+        if self.phone is not None:
+            gen = json.loads(self.request(before, Path("-"), after, req.sampling, req.max_new_tokens, req.stop_ids,
+                                          Path("-"))["nodes"]["textGenerator"])
+            yield from self.phone.generate(req, before, after, gen)
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-run-"))
+        try:
+            pixels = tmp / "pixel_values.raw"
+            np.ascontiguousarray(req.pixel_values, np.float32).tofile(pixels)
+            emb_out = tmp / "image_embeddings.npy"
+            request = self.request(before, pixels, after, req.sampling, req.max_new_tokens, req.stop_ids, emb_out)
+            result: dict = {}
+            t0 = time.perf_counter()
+            text, first = "", None
+            for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result):
+                if first is None:
+                    first = time.perf_counter()
+                    if "embeddings_dims" not in result:  # the worker hands the image's output before any text
+                        raise self._no_image()
+                    self._boundary_tensors(req, np.load(emb_out), result["embeddings_dims"])
+                text += piece
+                for tid in tok.encode(piece, add_special_tokens=False).ids:
+                    yield tid
+            if "embeddings_dims" not in result:
+                raise self._no_image()
+            if not text:
+                raise BackendError(f"bundle {self.path.name}: Genie's pipeline returned success with no text; check"
+                                   " the bundle with vlmrun bundle --verify (a generator without its LUT block"
+                                   " stops silently)")
+            self.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3}
+            if first is not None:
+                self.last_timings["ttft_wall_ms"] = (first - t0) * 1e3
+            n = len(tok.encode(text, add_special_tokens=False).ids) if text else 0
+            if req.stop_ids and n < req.max_new_tokens:  # Genie ended at a stop token, which it does not print
+                yield min(req.stop_ids)  # (nor say which one: the lowest id stands for it)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _no_image(self) -> BackendError:
+        return BackendError(f"bundle {self.path.name}: the image encoder's embeddings never reached the text"
+                            " generator (no output from the image-encoder node): the answer would be made without"
+                            " the image; check the bundle with vlmrun bundle --verify")
+
+    def _boundary_tensors(self, req, raw: np.ndarray, dims: list[int]) -> None:
+        """What the host knows exactly of this request's boundaries, into ``req.tensors``: the image encoder's
+        embeddings (from its node), the prompt's text rows (the bundle's LUT), and the spliced decoder input."""
+        from vlmrun.preprocess import splice
+
+        img = self._embeddings(raw, dims)
+        txt = np.asarray(self.lut[np.asarray(req.input_ids, np.int64).reshape(-1)], np.float32)[None]
+        req.tensors.update(image_embeds=img, text_embeds=txt, inputs_embeds=splice(txt, img, req.image_start))
+
+    def _embeddings(self, raw: np.ndarray, dims: list[int]) -> np.ndarray:
+        """The image encoder's output as float32 [1, N, hidden] (a quantized output dequantized by its
+        encoding)."""
+        n = int(np.prod(dims)) if dims else raw.size // 4
+        width = raw.size // max(n, 1)
+        hidden = self.model.hidden_size
+        if width == 4:
+            x = raw.view(np.float32)
+        elif width == 2:
+            x = raw.view(np.float16).astype(np.float32)
+        else:
+            x = raw.astype(np.float32)
+        return x.reshape(1, -1, hidden)
+
+
+# -- the stages of a bundle layout ------------------------------------------------------------------------------
+_RUNTIMES: dict[tuple, BundleRuntime] = {}
+
+
+class BundleStage:
+    """One stage of a ``bundle:DIR`` layout. The bundle runs whole requests (``run_request``); a single stage runs
+    only where the bundle's own binary can be driven alone: the decoder (teacher forcing, for diffs) by vlmrun's host
+    engine over the store's compile whose binaries are byte-identical to the bundle's."""
+
+    def __init__(self, runtime: BundleRuntime, stage: str, ctx):
+        self.runtime, self.stage, self.ctx = runtime, stage, ctx
+        self.artifacts = ()
+        self.load_s = 0.0
+        self._decoder = None
+
+    @property
+    def context_length(self) -> int:
+        return int(self.runtime.manifest["context_length"])
+
+    @property
+    def last_timings(self) -> dict:
+        return self.runtime.last_timings
+
+    @property
+    def decoder(self):
+        if self._decoder is None:
+            self._decoder = self._store_twin().decoder
+        return self._decoder
+
+    def _store_twin(self):
+        """The parts handle over the store artifact the bundle's decoder was copied from, when its binaries are
+        byte-identical to the bundle's."""
+        from vlmrun_qualcomm import socs
+
+        from .parts_run import PartsHandle
+
+        from vlmrun.store import MANIFEST as STORE_MANIFEST
+        from vlmrun.store import Artifact
+
+        m = self.runtime.manifest
+        art_dir = self.ctx.store.artifacts_dir / m["decoder"]["source"]
+        try:
+            art = Artifact(art_dir, json.loads((art_dir / STORE_MANIFEST).read_text()))
+        except (OSError, ValueError):
+            art = None
+        if art is None:
+            raise BackendError(f"bundle {self.runtime.path.name}: the decoder runs alone (teacher forcing) only with"
+                               f" the store's compile it came from ({m['decoder']['source']}), which this store does"
+                               " not hold; diff the bundle where it was written")
+        for b in art.manifest["decoder_parts"]["binaries_in_order"]:
+            if sha256(art.path / b) != m["files"][b.replace("_qnn.bin", ".bin")]["sha256"]:
+                raise BackendError(f"bundle {self.runtime.path.name}: {b} in the store differs from the bundle's copy")
+        return PartsHandle(self.runtime.model, art, socs.soc(m["soc"]))
+
+    def run(self, inputs: dict) -> dict:
+        raise BackendError(f"a bundle runs its {self.stage} stage only inside whole requests (Genie's pipeline fuses"
+                           " vision and projector into its image encoder); run the bundle with --image/--prompt, or"
+                           " diff the layout it was written from")
+
+
+def load_bundle_stage(stage: str, ctx) -> BundleStage:
+    from .bundle_phone import RUNTIME_OPTIONS
+
+    fixed = sorted(set(ctx.options) - RUNTIME_OPTIONS)
+    if fixed:
+        raise UsageError(f"a bundle runs as it was written: {', '.join(fixed)} cannot change (write another bundle"
+                         f" with it); a bundle takes only {', '.join(sorted(RUNTIME_OPTIONS))}")
+    path = str(Path(ctx.bundle).resolve())
+    key = (path, tuple(sorted((k, str(v)) for k, v in ctx.options.items())))
+    rt = _RUNTIMES.get(key)
+    if rt is None or rt.model is not ctx.model:
+        rt = _RUNTIMES[key] = BundleRuntime(Path(path), ctx.model, dict(ctx.options))
+    return BundleStage(rt, stage, ctx)
+
+
+def run_request(handles: dict, request) -> Iterator[int]:
+    """The ``run_request`` hook: the whole request through the bundle's Genie pipeline
+    (:meth:`BundleRuntime.generate`)."""
+    return handles["decoder"].runtime.generate(request)
