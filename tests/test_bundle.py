@@ -53,11 +53,13 @@ def bundle_pipe(bundle_dir, tiny_model, store):
 
 
 @pytest.fixture(scope="module")
-def parts_pipe(tiny_model, store):
+def parts_pipe(tiny_model, store, bundle_dir):
+    """all-npu with the parts decoder compiled as the bundle's (its uint16 inputs_embeds), run by the host engine."""
     from vlmrun import layouts
 
-    return Pipeline.build(tiny_model, layouts.resolve("all-npu", options={"decoder": {"decoder_form": "parts"}}),
-                          store=store)
+    embeds = json.loads((bundle_dir / "vlmrun-bundle.json").read_text())["embeds_input"]["encoding"]["option"]
+    return Pipeline.build(tiny_model, layouts.resolve("all-npu", options={"decoder": {
+        "decoder_form": "parts", "embeds_input": embeds}}), store=store)
 
 
 def heldout(store, n=N_ITEMS):
@@ -80,8 +82,15 @@ def test_the_bundle_holds_ai_hubs_vlm_layout(bundle_dir, parts_pipe):
     for b in art.manifest["decoder_parts"]["binaries_in_order"]:
         assert (bundle_dir / b.replace("_qnn.bin", ".bin")).read_bytes() == (art.path / b).read_bytes()
     gen = json.loads((bundle_dir / "text-generator.json").read_text())["text-generator"]
+    lut = m["lut"]  # the table in the encoding of the decoder's quantized inputs_embeds, for both nodes
     assert gen["embedding"] == {"version": 1, "type": "lut", "lut-path": "embedding_weights.raw", "size": 128,
-                                "datatype": "float32"}
+                                "datatype": "ufixed16",
+                                "quant-param": {"scale": lut["scale"], "offset": -lut["zero_point"]}}
+    enc = m["embeds_input"]["encoding"]
+    assert (lut["dtype"], lut["scale"], lut["zero_point"]) == ("uint16", enc["scale"], enc["zero_point"])
+    lo, hi = enc["range"]
+    img_lo, img_hi = m["embeds_input"]["image_embeds_range"]
+    assert lo <= img_lo and hi >= img_hi and lut["sqnr_db"] > 45  # the image's rows fit; the table barely moves
     assert m["image_input"]["dtype"] == "uint8" and m["image_input"]["zero_point"] == 0
     v = m["verified"]  # run as written on 4 held-out items before it was handed out
     assert v["items"] == 4 and v["same_answer_as_reference"] == 1.0 and v["accuracy"] == v["reference_accuracy"]
@@ -91,8 +100,8 @@ def test_the_bundle_holds_ai_hubs_vlm_layout(bundle_dir, parts_pipe):
     assert meta["genie"]["supports_vision"] is True
     script = (bundle_dir / "genie-app-script.txt").read_text()
     assert "node set image imageEncoder GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT sample_inputs/pixel_values.raw" in script
-    lut = np.fromfile(bundle_dir / "embedding_weights.raw", np.float32)
-    assert lut.size == m["lut"]["shape"][0] * m["lut"]["shape"][1]
+    table = np.fromfile(bundle_dir / "embedding_weights.raw", np.uint16)
+    assert table.size == m["lut"]["shape"][0] * m["lut"]["shape"][1]
 
 
 def test_the_bundle_answers_like_the_host_engine_over_the_same_binaries(bundle_pipe, parts_pipe, store):
@@ -368,5 +377,10 @@ def test_all_npu_defaults_to_the_shipping_form(parts_pipe, tiny_model, store):
     assert stage_options("decoder", {})["decoder_form"] == "parts"
     assert stage_options("decoder", {"precision": "int8"})["decoder_form"] == "fixed"  # int8 is the fixed form's
     assert stage_options("decoder", {"target": "android"})["engine"] == "genie"  # a phone decodes with Genie
+    from vlmrun import layouts
+
     default = Pipeline.build(tiny_model, "all-npu", store=store, stages=("decoder",))
-    assert default.handles["decoder"].artifact.path == parts_pipe.handles["decoder"].artifact.path
+    parts = Pipeline.build(tiny_model, layouts.resolve("all-npu", options={"decoder": {"decoder_form": "parts"}}),
+                           store=store, stages=("decoder",))
+    assert default.handles["decoder"].artifact.path == parts.handles["decoder"].artifact.path
+    assert "embeds_input" not in parts.handles["decoder"].artifact.manifest["decoder_parts"]  # float, as ever

@@ -108,6 +108,9 @@ def register_options(register):
                flag="--decoder-form", help="decoder graphs: parts (the default, Qualcomm's shipping form: parts of"
                     " layers, prompt + token graphs per part in one weight-shared binary, Genie layout; int8 picks"
                     " fixed) or fixed (one graph per binary, AR-N + AR-1)"),
+        Option(NAME, "embeds_input", str, stages=("decoder",), default="float",
+               help="parts form: the decoder's inputs_embeds as float, or uint16:LO:HI (quantized over [LO, HI], as"
+                    " a bundle compiles it so Genie's generator takes a 16-bit LUT)"),
         Option(NAME, "parts", int, stages=("decoder",), default=0, minimum=0,
                help="parts form: number of parts (0 = the fewest whose binaries stay under part_limit_mb)"),
         Option(NAME, "part_limit_mb", int, stages=("decoder",), default=1000, minimum=1,

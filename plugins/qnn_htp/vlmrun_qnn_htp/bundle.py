@@ -7,7 +7,8 @@ Files (``vlmrun bundle OUT``)::
     vision_encoder.bin            the image encoder: vision tower + projector, quantized pixel input (image_encoder.py)
     partK_of_N.bin                the decoder's parts, prompt + token graphs, weight-shared (device target);
     partK_of_N_{prompt,token}.bin   on the emulator the unshared compile of the same graphs (parts_compile.py)
-    embedding_weights.raw         float32 [vocab, hidden], no header: the LUT of the text encoder and generator
+    embedding_weights.raw         uint16 [vocab, hidden], no header: the LUT of the text encoder and generator, in
+                                  the encoding of the decoder's quantized inputs_embeds (manifest: scale, zero point)
     tokenizer.json, tokenizer_config.json, config.json, generation_config.json, processor/preprocessor config,
     chat_template.jinja           the checkpoint's own files (what a runtime needs to build a prompt)
     img-enc-htp.json, text-encoder.json, text-generator.json   the pipeline's node configs
@@ -80,8 +81,42 @@ def decoder_options(options: dict, target: str) -> dict:
     return o
 
 
+def lut_block(enc: dict | None) -> dict:
+    """A LUT's datatype (and quant-param: value = scale * (q + offset), offset = -zero point) for Genie."""
+    if enc is None:
+        return {"datatype": "float32"}
+    return {"datatype": "ufixed16", "quant-param": {"scale": enc["scale"], "offset": -int(enc["zero_point"])}}
+
+
+def embeds_encoding(model, request, lut) -> dict:
+    """The uint16 encoding of the decoder's ``inputs_embeds`` in a bundle: the range of the token table and of the
+    image encoder's outputs on the calibration pictures (the demo picture), widened by a quarter. Genie quantizes
+    the image's embeddings into it; the table is stored in it."""
+    from vlmrun.demo_image import demo_image
+    from vlmrun.pipeline import Pipeline
+
+    ref = Pipeline.build(model, "reference", store=request.context("vision").store, stages=("vision", "projector"))
+    images = [demo_image()]
+    folder = request.layout.stages["vision"].options.get("calibration_images")
+    if folder:
+        from vlmrun.preprocess import load_image
+
+        from .calibration import calibration_files
+
+        images += [load_image(f) for f in calibration_files(folder)[:16]]
+    lo = hi = 0.0
+    for img in images:
+        p = ref.prepare(img, "x")
+        e = ref.run_stage("projector", ref.run_stage("vision", {"pixel_values": p.pixel_values}))["image_embeds"]
+        lo, hi = min(lo, float(e.min())), max(hi, float(e.max()))
+    image_range = [lo, hi]
+    lo, hi = min(lo, float(np.min(lut))), max(hi, float(np.max(lut)))
+    lo, hi = float(f"{lo * 1.25:.3g}"), float(f"{hi * 1.25:.3g}")
+    return {**image_encoder.range_encoding(lo, hi), "option": f"uint16:{lo:g}:{hi:g}", "image_range": image_range}
+
+
 def text_generator_config(model, ctx: int, ctx_bins: list[str], target: str, max_new_tokens: int = 512,
-                          sampling=None, eos=None) -> dict:
+                          sampling=None, eos=None, lut: dict | None = None) -> dict:
     """The generator node's config: the dialog body under ``text-generator`` plus the ``embedding`` LUT block
     (without it Genie stops after one token and says nothing)."""
     from vlmrun_qualcomm import genie
@@ -90,7 +125,7 @@ def text_generator_config(model, ctx: int, ctx_bins: list[str], target: str, max
     kwargs = {"sampling": sampling} if sampling is not None else {}
     cfg = genie.dialog_config(facts, "QnnHtp", tokenizer="tokenizer.json", context_size=ctx,
                               max_new_tokens=max_new_tokens, ctx_bins=ctx_bins, eos=eos, **kwargs)["dialog"]
-    cfg["embedding"] = {"version": 1, "type": "lut", "lut-path": LUT, "size": facts.hidden, "datatype": "float32"}
+    cfg["embedding"] = {"version": 1, "type": "lut", "lut-path": LUT, "size": facts.hidden, **lut_block(lut)}
     if target == "android":
         cfg["engine"]["backend"]["extensions"] = EXT_CONFIG
     return {"text-generator": cfg}
@@ -106,9 +141,9 @@ def image_encoder_config(target: str) -> dict:
         "model": {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": [IMAGE_BIN]}}}}}
 
 
-def text_encoder_config(hidden: int) -> dict:
+def text_encoder_config(hidden: int, lut: dict | None = None) -> dict:
     return {"text-encoder": {"version": 1, "type": "lut",
-                             "lut": {"version": 1, "lut-path": LUT, "size": int(hidden), "datatype": "float32"},
+                             "lut": {"version": 1, "lut-path": LUT, "size": int(hidden), **lut_block(lut)},
                              "tokenizer": {"version": 1, "path": "tokenizer.json"}}}
 
 
@@ -143,17 +178,21 @@ def write_bundle(request) -> dict:
     from vlmrun.preprocess import preprocess_image
     from vlmrun.stages import ExportForm
     from vlmrun_qualcomm import socs
-    from .options import parts_plan
 
     from . import _compiled, ep
-    from .options import stage_options
+    from .options import parts_plan, stage_options
 
     model, out, target = request.model, Path(request.out_dir), request.target
     vis_ctx = request.context("vision")
     vis_opts = stage_options("vision", vis_ctx.options)
     soc = socs.soc(vis_opts["soc"])
     enc_art = _compiled(vis_ctx, "vision", vis_opts, ExportForm.of("vision", image_encoder.FORM))
-    dec_ctx = request.context("decoder", decoder_options(dict(request.layout.stages["decoder"].options), target))
+    lut_art = vis_ctx.exported(ExportForm.of("embed", "embed/lut"))
+    lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
+    embeds = embeds_encoding(model, request, lut)
+    dec_options = {**decoder_options(dict(request.layout.stages["decoder"].options), target),
+                   "embeds_input": embeds["option"]}
+    dec_ctx = request.context("decoder", dec_options)
     dec_opts = stage_options("decoder", dec_ctx.options)
     if socs.soc(dec_opts["soc"]).name != soc.name:
         raise UsageError(f"the bundle's stages are compiled for two SoCs ({soc.name}, {dec_opts['soc']}); give one")
@@ -161,7 +200,6 @@ def write_bundle(request) -> dict:
     form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"], layers=",".join(map(str, p["layers"])),
                          rmsnorm=dec_opts.get("rmsnorm") or "safe")
     dec_art = _compiled(dec_ctx, "decoder", dec_opts, form)
-    lut_art = dec_ctx.exported(ExportForm.of("embed", "embed/lut"))
     with request.progress("writing the bundle"):
         shutil.copyfile(enc_art.path / next(f for f in enc_art.manifest["files"] if f.endswith(".bin")), out / IMAGE_BIN)
         parts = dec_art.manifest["decoder_parts"]
@@ -174,8 +212,12 @@ def write_bundle(request) -> dict:
             names[b] = new
             shutil.copyfile(dec_art.path / b, out / new)
         ctx_bins = [names[b] for b in bins]
-        lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
-        np.ascontiguousarray(lut, np.float32).tofile(out / LUT)
+        enc = dec_art.manifest["decoder_parts"]["embeds_input"]  # the table in the decoder input's encoding
+        table = image_encoder.quantize_pixels(np.asarray(lut, np.float32), enc)
+        table.tofile(out / LUT)
+        deq = (table.astype(np.float64) - enc["zero_point"]) * enc["scale"]
+        lut_sqnr = float(10 * np.log10((np.asarray(lut, np.float64) ** 2).sum() / max(((lut - deq) ** 2).sum(),
+                                                                                        1e-30)))
         copied = []
         for name in MODEL_FILES:
             if (model.path / name).is_file():
@@ -185,8 +227,8 @@ def write_bundle(request) -> dict:
         stops = sorted(model.stop_ids) or None
         configs = {
             "img-enc-htp.json": image_encoder_config(target),
-            "text-encoder.json": text_encoder_config(model.hidden_size),
-            "text-generator.json": text_generator_config(model, ctx_len, ctx_bins, target, eos=stops),
+            "text-encoder.json": text_encoder_config(model.hidden_size, enc),
+            "text-generator.json": text_generator_config(model, ctx_len, ctx_bins, target, eos=stops, lut=enc),
         }
         dialog = {"dialog": configs["text-generator.json"]["text-generator"]}
         configs["genie_config.json"] = dialog
@@ -246,7 +288,11 @@ def write_bundle(request) -> dict:
                           "quantization": _recipe(enc_info), "source": enc_art.path.name},
         "decoder": {"files": ctx_bins, "parts": P, "precision": dec_art.manifest.get("precision"),
                     "ar": parts["ar"], "quantization": _recipe(dec_art.manifest), "source": dec_art.path.name},
-        "lut": {"file": LUT, "dtype": "float32", "shape": [int(lut.shape[0]), int(lut.shape[1])]},
+        "lut": {"file": LUT, "dtype": enc["dtype"], "scale": enc["scale"], "zero_point": enc["zero_point"],
+                "shape": [int(lut.shape[0]), int(lut.shape[1])], "sqnr_db": round(lut_sqnr, 2),
+                "why": "the decoder's inputs_embeds take this encoding; Genie's generator embeds generated tokens"
+                       " from this table without dequantizing it, so table and input share one encoding"},
+        "embeds_input": {"encoding": embeds, "image_embeds_range": embeds["image_range"]},
         "model_files": copied, "nodes": NODES, "connections": CONNECTIONS,
         "bytes": {"image_encoder": (out / IMAGE_BIN).stat().st_size,
                   "decoder": sum((out / b).stat().st_size for b in ctx_bins), "lut": (out / LUT).stat().st_size},
@@ -327,6 +373,14 @@ def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None =
                            " Genie would stop after one token; write the bundle again")
     if not (path / emb["lut-path"]).is_file():
         raise BackendError(f"bundle {path}: the generator's LUT {emb['lut-path']} is missing")
+    lut = m.get("lut") or {}
+    if lut.get("dtype") == "uint16":
+        want = {"scale": lut["scale"], "offset": -int(lut["zero_point"])}
+        for node, block in (("text-generator.json", emb), ("text-encoder.json",
+                                                           cfgs["lutEncoder"]["text-encoder"].get("lut", {}))):
+            if block.get("datatype") != "ufixed16" or block.get("quant-param") != want:
+                raise BackendError(f"bundle {path}: {node}'s LUT is not in the decoder input's encoding (ufixed16,"
+                                   f" {want}): Genie would feed wrong embeddings; write the bundle again")
     bins = gen.get("engine", {}).get("model", {}).get("binary", {}).get("ctx-bins", [])
     img_bins = cfgs["imageEncoder"]["image-encoder"]["engine"]["model"]["binary"]["ctx-bins"]
     for b in [*bins, *img_bins]:

@@ -50,9 +50,14 @@ class BundleRuntime:
 
     @property
     def lut(self) -> np.ndarray:
+        """The bundle's token table as float32 [vocab, hidden] (dequantized from its stored encoding)."""
         if self._lut is None:
-            v, h = self.manifest["lut"]["shape"]
-            self._lut = np.memmap(self.path / LUT, dtype=np.float32, mode="r", shape=(v, h))
+            info = self.manifest["lut"]
+            v, h = info["shape"]
+            table = np.memmap(self.path / LUT, dtype=info.get("dtype", "float32"), mode="r", shape=(v, h))
+            if info.get("dtype", "float32") != "float32":
+                table = ((table.astype(np.float64) - info["zero_point"]) * info["scale"]).astype(np.float32)
+            self._lut = table
         return self._lut
 
     def request(self, prefix: str, pixels: Path, suffix: str, sampling, max_new_tokens: int, stop_ids,

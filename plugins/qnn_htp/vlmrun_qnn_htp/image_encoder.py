@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmrun.errors import BackendError
+from vlmrun.errors import BackendError, UsageError
 from vlmrun.handles import StageHandle
 
 FORM = "vision/encoder"
@@ -50,36 +50,64 @@ def pixel_encoding(processor: dict) -> dict:
 
 
 def quantize_pixels(pixel_values: np.ndarray, enc: dict) -> np.ndarray:
-    """Float pixel values -> the encoder's integer input (what Genie's ``setData`` does with float32 pixels)."""
+    """Float values -> integers in the encoding ``enc`` (what Genie does with float32 pixels or embeddings)."""
     info = np.iinfo(enc["dtype"])
     q = np.round(np.asarray(pixel_values, np.float64) / enc["scale"]) + enc["zero_point"]
     return np.clip(q, info.min, info.max).astype(enc["dtype"])
 
 
-def with_quantized_input(src: Path, dst: Path, enc: dict) -> None:
-    """Write ``src`` with its float ``pixel_values`` input replaced by an integer one and a DequantizeLinear."""
+def with_quantized_input(src: Path, dst: Path, enc: dict, name: str = INPUT) -> None:
+    """Write ``src`` with its float input ``name`` replaced by an integer one (``enc``) and a DequantizeLinear:
+    the EP compiles that into a quantized input tensor (the image encoder's pixels; the decoder's embeddings in a
+    bundle, :func:`embeds_encoding`)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    big = any(src.parent.glob(src.name + ".data"))
     model = onnx.load(str(src))
     g = model.graph
-    inp = next((i for i in g.input if i.name == INPUT), None)
+    inp = next((i for i in g.input if i.name == name), None)
     if inp is None:
-        raise BackendError(f"{src.name} has no input '{INPUT}' (the image-encoder form needs one)")
-    float_name = f"vlmrun_{INPUT}_dequantized"
+        raise BackendError(f"{src.name} has no input '{name}' to quantize")
+    float_name = f"vlmrun_{name}_dequantized"
     for node in g.node:
-        node.input[:] = [float_name if x == INPUT else x for x in node.input]
+        node.input[:] = [float_name if x == name else x for x in node.input]
     dtype = {"uint8": TensorProto.UINT8, "uint16": TensorProto.UINT16}[enc["dtype"]]
     inp.type.tensor_type.elem_type = dtype
-    g.initializer.extend([numpy_helper.from_array(np.asarray(enc["scale"], np.float32), f"vlmrun_{INPUT}_scale"),
-                          numpy_helper.from_array(np.asarray(enc["zero_point"], enc["dtype"]), f"vlmrun_{INPUT}_zero_point")])
+    g.initializer.extend([numpy_helper.from_array(np.asarray(enc["scale"], np.float32), f"vlmrun_{name}_scale"),
+                          numpy_helper.from_array(np.asarray(enc["zero_point"], enc["dtype"]), f"vlmrun_{name}_zero_point")])
     domain = "" if enc["dtype"] == "uint8" else "com.microsoft"  # 16-bit Q/DQ before opset 21: contrib ops
-    dq = helper.make_node("DequantizeLinear", [INPUT, f"vlmrun_{INPUT}_scale", f"vlmrun_{INPUT}_zero_point"], [float_name],
-                          name=f"vlmrun_{INPUT}_DequantizeLinear", domain=domain)
+    dq = helper.make_node("DequantizeLinear", [name, f"vlmrun_{name}_scale", f"vlmrun_{name}_zero_point"], [float_name],
+                          name=f"vlmrun_{name}_DequantizeLinear", domain=domain)
     g.node.insert(0, dq)
     if domain and not any(o.domain == domain for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(domain, 1))
-    onnx.save(model, str(dst))
+    if big:
+        onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=dst.name + ".data")
+    else:
+        onnx.save(model, str(dst))
+
+
+def range_encoding(lo: float, hi: float, dtype: str = "uint16") -> dict:
+    """The affine encoding of [lo, hi] at ``dtype`` (value = scale * (q - zero_point))."""
+    top = np.iinfo(dtype).max
+    scale = (hi - lo) / top
+    return {"dtype": dtype, "scale": scale, "zero_point": int(round(-lo / scale)), "range": [lo, hi]}
+
+
+def parse_embeds_input(value: str) -> dict | None:
+    """The decoder's ``embeds_input`` option: ``float`` (None) or ``uint16:LO:HI``."""
+    if value in (None, "", "float"):
+        return None
+    kind, _, rng = str(value).partition(":")
+    try:
+        lo, hi = (float(x) for x in rng.split(":"))
+    except ValueError:
+        lo = hi = None
+    if kind != "uint16" or lo is None or not lo < 0 < hi:
+        raise UsageError(f"embeds_input '{value}' is not 'float' or 'uint16:LO:HI' with LO < 0 < HI")
+    return range_encoding(lo, hi)
 
 
 class ImageEncoderStage(StageHandle):

@@ -147,6 +147,8 @@ def compile_key(opts: dict) -> dict:
     keep = ("precision", "soc", "calibration", "weight_sharing", "part_limit_mb")  # the last two: parts form
     key = {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
     key.update({k: opts[k] for k in RECIPE_KEYS if k in opts})  # a recipe other than the default
+    if opts.get("embeds_input", "float") != "float":  # a bundle's decoder: quantized embeddings in
+        key["embeds_input"] = opts["embeds_input"]
     if opts.get("toolchain") == "sdk":  # the SDK's tools, its QNN version (the onnxruntime default keys as before)
         sdk = Sdk.find(opts.get("sdk_root"))
         key.update(toolchain="sdk", qnn=sdk.version(), sdk_root=str(sdk.root))
@@ -189,8 +191,13 @@ def parts_options(o: dict, precision: str) -> dict:
     limit = int(o.get("part_limit_mb") or DEFAULT_PART_LIMIT_MB)
     if parts < 0 or limit < 1:
         raise UsageError("parts must be >= 0 (0 = the fewest under part_limit_mb) and part_limit_mb >= 1")
+    from .image_encoder import parse_embeds_input
+
+    embeds = str(o.get("embeds_input") or "float")
+    parse_embeds_input(embeds)  # UsageError for a bad value, before any work
     return {"precision": precision, "weight_sharing": resolve_sharing(sharing, o.get("compiler")), "parts": parts,
-            "part_limit_mb": limit, "prefill_ar": int(o.get("prefill_ar") or DEFAULT_PARTS_PREFILL_AR)}
+            "part_limit_mb": limit, "prefill_ar": int(o.get("prefill_ar") or DEFAULT_PARTS_PREFILL_AR),
+            "embeds_input": embeds}
 
 
 def resolve_sharing(sharing: str, compiler: str | None = None) -> str:

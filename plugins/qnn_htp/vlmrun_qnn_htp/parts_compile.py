@@ -36,7 +36,7 @@ from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
 from vlmrun_qualcomm.parts import DEFAULT_PART_LIMIT_MB, check_part_limits, graph_digest, weight_bytes
 
-from . import calibration, ep
+from . import calibration, ep, image_encoder
 from .genie_names import genie_name, rename_graph, rewrite_wrapper
 from .layers import LAYER_OPTIONS, part_keep
 from .memory import peak_rss_mb, release_memory
@@ -69,6 +69,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     precision = options["precision"]
     recipe = from_key(options)
     share = options.get("weight_sharing", "on") == "on"
+    embeds = image_encoder.parse_embeds_input(options.get("embeds_input"))
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
     if desc.get("probe_part"):  # one part's probe graph (vlmrun diff --locate)
@@ -109,6 +110,11 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                     srcs[kind] = dst
                     release_memory()
                     quant_s += time.perf_counter() - t0
+            if embeds is not None and k == 1:  # a bundle's decoder: the embeddings come in quantized (uint16)
+                for kind in GRAPHS:
+                    dst = work / f"part{k}_{kind}.embeds16.onnx"
+                    image_encoder.with_quantized_input(srcs[kind], dst, embeds, "inputs_embeds")
+                    srcs[kind] = dst
             t0 = time.perf_counter()
             entry = {"index": k, "layers": p["layers"], "graphs": {}, "binaries": [],
                      "source_sha256": {kind: graph_digest(srcs[kind]) for kind in srcs}}
@@ -156,6 +162,8 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         "weight_bytes": weights, "bytes_over_weights": round(total / weights, 4),
         "loads_on_emulator": not share,
     }
+    if embeds is not None:
+        extra["decoder_parts"]["embeds_input"] = embeds
     extra["peak_rss_mb_after"] = q_peaks  # the compile's running peak after each step (where the memory goes)
     if recipe is not None:
         extra["quantization"] = {**(facts or {}), **per_layer, "mask_range": f"[{calibration.MASK_CLIP:g}, 0]",

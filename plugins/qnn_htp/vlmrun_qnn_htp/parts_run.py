@@ -69,12 +69,20 @@ def check_loadable(manifest: dict, what: str = "decoder") -> None:
 
 
 class HtpGraph:
-    def __init__(self, path: Path, soc, what: str):
+    """One part graph on the local HTP; ``encodings``: inputs that are quantized in the graph (a bundle's
+    ``inputs_embeds``), quantized here as Genie quantizes them."""
+
+    def __init__(self, path: Path, soc, what: str, encodings: dict | None = None):
         self.session = ep.HtpSession(path, soc, what)
         self.input_names = list(self.session.inputs)
         self.load_s = self.session.load_s
+        self.encodings = dict(encodings or {})
 
     def run(self, feeds: dict) -> dict:
+        if self.encodings:
+            from .image_encoder import quantize_pixels
+
+            feeds = {k: quantize_pixels(v, self.encodings[k]) if k in self.encodings else v for k, v in feeds.items()}
         return self.session.run(feeds)
 
 
@@ -87,7 +95,8 @@ def open_chains(artifact, soc) -> tuple[dict, float]:
         runners = []
         for p in d["parts"]:
             g = p["graphs"][kind]
-            r = HtpGraph(artifact.path / g["wrapper"], soc, f"decoder part {p['index']}/{d['count']} ({kind})")
+            enc = {"inputs_embeds": d["embeds_input"]} if d.get("embeds_input") and p["index"] == 1 else None
+            r = HtpGraph(artifact.path / g["wrapper"], soc, f"decoder part {p['index']}/{d['count']} ({kind})", enc)
             load_s += r.load_s
             runners.append(r)
         chains[int(d["parts"][0]["graphs"][kind]["ar"])] = Chain(runners)
