@@ -384,3 +384,15 @@ def test_all_npu_defaults_to_the_shipping_form(parts_pipe, tiny_model, store):
                            store=store, stages=("decoder",))
     assert default.handles["decoder"].artifact.path == parts.handles["decoder"].artifact.path
     assert "embeds_input" not in parts.handles["decoder"].artifact.manifest["decoder_parts"]  # float, as ever
+
+
+def test_the_embeds_input_option_is_checked():
+    from vlmrun_qnn_htp.image_encoder import parse_embeds_input
+    from vlmrun_qnn_htp.options import stage_options
+
+    for bad in ("int8:-1:1", "uint16:1:2", "uint16:-1", "uint16:a:b"):
+        with pytest.raises(UsageError, match="embeds_input"):
+            stage_options("decoder", {"decoder_form": "parts", "embeds_input": bad})
+    enc = parse_embeds_input("uint16:-2:6")
+    assert enc["dtype"] == "uint16" and enc["zero_point"] == 16384 and abs(enc["scale"] * 65535 - 8) < 1e-12
+    assert parse_embeds_input("float") is None
