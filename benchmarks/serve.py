@@ -147,7 +147,10 @@ async def load(url: str, body: dict, want: str, clients: int, seconds: float, pi
     return {"clients": clients, "seconds": seconds, "answered": answered, "wrong": wrong, "refused_429": refused,
             "dropped": dropped, "latency_s": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
             "server_rss_mb": {"first": round(rss[0], 1) if rss else None, "last": round(rss[-1], 1) if rss else None,
-                              "max": round(max(rss), 1) if rss else None, "peak_hwm": round(peak_mb(pid), 1)}}
+                              "max": round(max(rss), 1) if rss else None, "peak_hwm": round(peak_mb(pid), 1),
+                              # after the first tenth (warm-up) and at the end: flat memory means these agree
+                              "at_10pct": round(rss[len(rss) // 10], 1) if rss else None,
+                              "at_50pct": round(rss[len(rss) // 2], 1) if rss else None}}
 
 
 def main() -> None:
