@@ -156,9 +156,12 @@ def test_compile_on_hub_then_qnn_htp_runs_it(hub, tiny_model, store, registry, p
           f" vs reference {cosine(hub_feats, ref_features):.6f}")
     assert cosine(hub_feats, local_feats) > 0.99999
     assert cosine(hub_feats, ref_features) > 0.999
-    # a second build reuses the stored artifact: no new upload or job
+    # a second build reuses the stored artifact: no new upload or job; naming the device the SoC picks is the same
+    # compile (issue 25: it was keyed twice)
     again = build(tiny_model, store, registry, "vision", "qnn_htp", {"compiler": "qaihub"})
     assert again.handles["vision"].artifact.path == art.path
+    named = build(tiny_model, store, registry, "vision", "qnn_htp", {"compiler": "qaihub", "device": ELITE})
+    assert named.handles["vision"].artifact.path == art.path
     assert hub.count("POST", "jobs") == jobs0 + 1
     no_token(out.out, out.err, json.dumps(m))
     assert TOKEN in hub.seen_tokens  # the client did authenticate with it

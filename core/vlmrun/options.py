@@ -48,6 +48,9 @@ class Option:
     :param minimum: the smallest allowed value of a number.
     :param keyed: the value changes what this plugin compiles: when it compiles for another backend
         (``--compiler``), the stage's value keys the compiled artifact (a device, a toolchain version).
+    :param key: for a keyed option whose default depends on other options: ``key(stage options) -> value``, the
+        value the compiler will really use (given or not), which keys the artifact instead of the raw one (a
+        device named explicitly and the same device picked from the SoC key alike).
     """
 
     backend: str
@@ -61,6 +64,7 @@ class Option:
     flag: str | None = None
     minimum: float | None = None
     keyed: bool = False
+    key: object = attrs.field(default=None, eq=False, repr=False)
 
     def applies_to(self, stage: str) -> bool:
         return self.stages is None or stage in self.stages

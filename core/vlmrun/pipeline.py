@@ -69,10 +69,19 @@ class StageContext:
         }
         if compiler != self.backend:  # the compiler's own options that change its output key the artifact too
             declared = self.registry.options.by_backend.get(compiler, {})
-            # an option given at its declared default keys the binary as if it were not given (one device, one key)
-            keyed = {k: v for k, v in sorted(self.options.items())
-                     if k in declared and getattr(declared[k], "keyed", False) and k not in options
-                     and v != getattr(declared[k], "default", None)}
+            keyed = {}
+            for k, decl in sorted(declared.items()):
+                if not getattr(decl, "keyed", False) or k in options:
+                    continue
+                resolve = getattr(decl, "key", None)
+                if resolve is not None:  # the value the compiler really uses, given or derived (one device, one key)
+                    v = resolve(dict(self.options))
+                elif k in self.options and self.options[k] != decl.default:  # at its default: as if not given
+                    v = self.options[k]
+                else:
+                    continue
+                if v is not None:
+                    keyed[k] = v
             if keyed:
                 key["compiler_options"] = keyed
 

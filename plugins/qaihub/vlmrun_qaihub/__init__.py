@@ -102,12 +102,24 @@ RECIPE = ("quantizer", "weight_scheme", "block_size", "algorithm", "seq_mse_cand
 
 
 # -- options ---------------------------------------------------------------------------------------------------
-def _option(*args, keyed: bool = False, **kwargs) -> Option:
+def _option(*args, keyed: bool = False, key=None, **kwargs) -> Option:
     """An Option; ``keyed``: its value changes what the hub compiles, so it keys the artifact when qaihub compiles
-    for another backend (a core that does not know ``keyed`` yet gets the option without it)."""
-    if keyed and "keyed" in attrs.fields_dict(Option):
+    for another backend (a core that does not know ``keyed`` / ``key`` yet gets the option without them)."""
+    fields = attrs.fields_dict(Option)
+    if keyed and "keyed" in fields:
         kwargs["keyed"] = True
+    if key is not None and "key" in fields:
+        kwargs["key"] = key
     return Option(*args, **kwargs)
+
+
+def device_key(options) -> str | None:
+    """The hub device a compile really targets (``--device``, ``--hub-device`` or the SoC's reference device):
+    what keys the artifact, so naming the default device compiles nothing new."""
+    try:
+        return device_of(options)
+    except UsageError:
+        return None
 
 
 def device_of(options) -> str:
@@ -324,10 +336,10 @@ def doctor():
 @hookimpl
 def register_options(register):
     for o in (
-        _option(NAME, "device", str, flag="--device", keyed=True, stages=COMPILE_STAGES,
+        _option(NAME, "device", str, flag="--device", keyed=True, key=device_key, stages=COMPILE_STAGES,
                 help='AI Hub device name (e.g. "Snapdragon 8 Elite QRD") or "chipset:..." attributes'
                      f" [default: from soc; env {ENV_DEVICE}]"),
-        _option(NAME, "hub_device", str, flag="--hub-device", keyed=True, stages=COMPILE_STAGES,
+        _option(NAME, "hub_device", str, flag="--hub-device", stages=COMPILE_STAGES,  # keyed through device
                 help="AI Hub device when qaihub compiles for another backend (--compiler qaihub) [default: from soc]"),
         Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
                help="target Snapdragon SoC (picks the hub's reference device)"),
