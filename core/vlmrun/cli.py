@@ -60,8 +60,6 @@ def _build(opts: dict, stages=STAGES, requests=()):
 
     overrides = {s: opts.get(f"{s}_backend") for s in STAGES}
     if opts.get("bundle"):
-        from .errors import UsageError
-
         if opts.get("layout") or opts.get("layout_file"):
             raise UsageError("--bundle runs the bundle as it was written: drop --layout / --layout-file")
         opts = {**opts, "layout": f"{layouts.BUNDLE_PREFIX}{opts['bundle']}"}

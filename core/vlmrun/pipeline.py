@@ -497,9 +497,9 @@ class Pipeline:
 
         ``keep_logits``: collect the per-step logits rows the decoder reports (``gen.step_logits``).
         """
-        if settings.max_new_tokens < 1:
+        if settings.max_new_tokens < 1:  # before the image is read
             raise InputError("max_new_tokens must be at least 1")
-        return Generation(self, self.prepare(image, prompt, settings.system), settings, keep_logits)
+        return self.generate_prepared(self.prepare(image, prompt, settings.system), settings, keep_logits)
 
     def generate_prepared(self, prepared: Prepared, settings: GenerationSettings = GenerationSettings(),
                           keep_logits: bool = False) -> Generation:

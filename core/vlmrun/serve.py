@@ -67,7 +67,7 @@ class ChatRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
-    prepared: object = None  # the pipeline's Prepared inputs, made once when the request is checked
+    prepared: object = None  # the pipeline's Prepared inputs, made once by the handler when it checks the request
 
 
 # -- parsing --------------------------------------------------------------------------------------------------
@@ -257,8 +257,7 @@ class Run:
         try:
             settings = GenerationSettings(max_new_tokens=r.max_tokens, system=r.system,
                                           sampling=SamplingSettings(r.temperature, 0, r.top_p, r.seed))
-            gen = (self.pipe.generate_prepared(r.prepared, settings) if r.prepared is not None
-                   else self.pipe.generate(r.image, r.prompt, settings))
+            gen = self.pipe.generate_prepared(r.prepared, settings)
             text = ""
             for piece in gen:
                 if self.cancelled.is_set():
@@ -334,8 +333,8 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
         lay = pipe.layout
         return {"object": "list", "data": [{
             "id": model_id, "object": "model", "created": created, "owned_by": "vlmrun",
-            "layout": {"name": lay.name, "stages": {s: {"backend": lay.backend(s), "options": {
-                k: v for k, v in lay.stages[s].options.items()}} for s in STAGES}},
+            "layout": {"name": lay.name, "stages": {s: {"backend": lay.backend(s),
+                                                        "options": dict(lay.stages[s].options)} for s in STAGES}},
             "context_length": pipe.context_length, "concurrency": concurrency}]}
 
     @app.post("/v1/chat/completions")

@@ -35,6 +35,7 @@ from typing import Mapping, Sequence
 
 import attrs
 
+from .. import layouts
 from ..errors import UsageError
 from ..stages import STAGES
 from .capture import CAPTURE_KEYS, Capture, capture_pipeline, capture_torch, load_from
@@ -108,7 +109,7 @@ def _build_pipeline(side, model, store, registry, progress):
             raise UsageError("per-stage overrides do not apply to the torch reference")
         return None
     layout, layout_file = side.layout, None
-    if (layout.endswith(".toml") or os.sep in layout) and not layout.startswith("bundle:"):
+    if (layout.endswith(".toml") or os.sep in layout) and not layout.startswith(layouts.BUNDLE_PREFIX):
         layout, layout_file = None, Path(layout)
         if not layout_file.is_file():
             raise UsageError(f"layout file {layout_file} does not exist")

@@ -52,8 +52,10 @@ class LayoutSpec:
         text = spec.strip()
         if not text:
             raise UsageError("an empty --layout; give a preset (reference, all-npu, ...) or a TOML file")
-        if text.startswith("bundle:") or "=bundle:" in text.split(",")[0]:  # [LABEL=]bundle:DIR, as written
-            label, sep, base = text.partition("=") if not text.startswith("bundle:") else (text, "", text)
+        if text.startswith(layouts.BUNDLE_PREFIX):  # [LABEL=]bundle:DIR: the bundle as written, no overrides
+            return cls(text, text)
+        label, sep, base = text.partition("=")
+        if sep and base.strip().startswith(layouts.BUNDLE_PREFIX):
             return cls(label.strip(), base.strip())
         head, *rest = [part.strip() for part in text.split(",")]
         label, sep, base = head.partition("=")

@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun.errors import BackendError, InputError, UsageError
+from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
 
 from . import image_encoder
 from .options import NAME
 
-MANIFEST = "vlmrun-bundle.json"
+MANIFEST = BUNDLE_MANIFEST
 FORMAT = 1
 IMAGE_BIN = "vision_encoder.bin"
 LUT = "embedding_weights.raw"
@@ -321,16 +322,6 @@ def _version(dist: str) -> str:
 
 
 # -- verifying --------------------------------------------------------------------------------------------------
-def read_manifest(path: Path) -> dict:
-    mf = Path(path) / MANIFEST
-    if not mf.is_file():
-        raise UsageError(f"{path} is not a vlmrun bundle (no {MANIFEST}); write one with vlmrun bundle {path}")
-    try:
-        return json.loads(mf.read_text())
-    except ValueError as exc:
-        raise BackendError(f"{mf} is not valid JSON ({exc}); write the bundle again") from None
-
-
 def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None = None, parse=None) -> list[str]:
     """Check a bundle before anything runs or is pushed: every file there with its hash, the node configs (by
     libGenie's own parser when ``parse`` is given: ``parse(json_text, what)``), the image input quantized, the
@@ -339,7 +330,7 @@ def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None =
     from vlmrun_qualcomm.sdk import newer_than
 
     path = Path(path)
-    m = read_manifest(path)
+    m = bundle_manifest(path)
     checked = []
     for name, info in m["files"].items():
         f = path / name

@@ -101,14 +101,9 @@ class BundlePhone:
         return [f"./{EXE}", "-s", f"{QUERY}/script.txt"]
 
     def explain(self, line: str) -> str:
-        from .genie_phone import DEVICE_HINTS
+        from .genie_phone import explain
 
-        nn = self.arch.lstrip("v")
-        for pattern, hint in DEVICE_HINTS:
-            if pattern.search(line):
-                return line + "; " + hint.format(skel=f"libQnnHtpV{nn}Skel.so", stub=f"libQnnHtpV{nn}Stub.so",
-                                                 rd=self.rd, soc=self.soc, arch=self.arch)
-        return line
+        return explain(line, self.soc, self.arch, self.rd)
 
     def generate(self, req, before: str, after: str, generator_config: dict) -> Iterator[int]:
         """One query on the phone: its files pushed, genie-app run, the answer's token ids."""

@@ -16,8 +16,9 @@ from typing import Iterator
 import numpy as np
 
 from vlmrun.errors import BackendError, UsageError
+from vlmrun.layouts import bundle_manifest
 
-from .bundle import CONNECTIONS, LUT, NODES, _split, read_manifest, sha256
+from .bundle import CONNECTIONS, LUT, NODES, _split, sha256
 
 
 class BundleRuntime:
@@ -26,7 +27,7 @@ class BundleRuntime:
     def __init__(self, path: Path, model, options: dict | None = None):
         options = dict(options or {})
         self.path = Path(path).resolve()
-        self.manifest = read_manifest(self.path)
+        self.manifest = bundle_manifest(self.path)
         self.model = model
         self.timeout = float(options.get("timeout") or 600)
         self.last_timings: dict = {}

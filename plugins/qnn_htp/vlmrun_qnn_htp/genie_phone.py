@@ -121,6 +121,16 @@ DEVICE_HINTS = (
 )
 
 
+def explain(message: str, soc: str, arch: str, remote_dir: str) -> str:
+    """A device failure line plus what to check, for the first :data:`DEVICE_HINTS` pattern it matches."""
+    nn = arch.lstrip("v")
+    for pattern, hint in DEVICE_HINTS:
+        if pattern.search(message):
+            return message + "; " + hint.format(skel=f"libQnnHtpV{nn}Skel.so", stub=f"libQnnHtpV{nn}Stub.so",
+                                                rd=remote_dir, soc=soc, arch=arch)
+    return message
+
+
 class Retokenizer:
     """genie-t2t-run's streamed text -> token ids. Ids are given out only for text whose tokenization can no longer
     change: everything before the last :attr:`HOLD` pre-tokenizer pieces (BPE never merges across pieces); the rest
@@ -241,13 +251,7 @@ class GeniePhone:
 
     def explain(self, message: str) -> str:
         """A genie-t2t-run failure line plus what to check for a known device error (still one line)."""
-        arch = self.soc.arch
-        nn = arch.lstrip("v")
-        for pattern, hint in DEVICE_HINTS:
-            if pattern.search(message):
-                return message + "; " + hint.format(skel=f"libQnnHtpV{nn}Skel.so", stub=f"libQnnHtpV{nn}Stub.so",
-                                                    rd=self.rd, soc=self.soc.name, arch=arch)
-        return message
+        return explain(message, self.soc.name, self.soc.arch, self.rd)
 
     def generate(self, handle, request) -> Iterator[int]:
         """One query: token ids as genie-t2t-run's text streams in; ``handle.last_timings`` from Genie's profile."""

@@ -837,6 +837,38 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         return 3
 
 
+class WorkerLines:
+    """A worker process of this package's line protocol (one ``WORD rest`` line per event on stdout, its own
+    stderr for native noise): iterate for ``(word, rest)``. When the iteration ends, ``returncode``, ``timed_out``
+    and ``stderr`` say how the process ended. A consumer that stops early still lets the worker finish, within the
+    deadline (Genie writes its profile at the end); a hang is killed at ``timeout``."""
+
+    def __init__(self, argv: Sequence[str], *, timeout: float, what: str, env: Mapping[str, str],
+                 cwd: str | os.PathLike | None = None):
+        self.argv, self.timeout, self.what, self.env, self.cwd = list(argv), timeout, what, env, cwd
+        self.returncode: int | None = None
+        self.timed_out = False
+        self.stderr = ""
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        err_box: list = []
+        with procs.watched(self.argv, timeout=self.timeout, what=self.what, env=self.env, cwd=self.cwd) as w:
+            reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
+            reader.start()
+            try:
+                for line in w.proc.stdout:
+                    word, _, rest = line.rstrip("\n").partition(" ")
+                    yield word, rest
+            finally:
+                with contextlib.suppress(ValueError, OSError):
+                    for _ in w.proc.stdout:
+                        pass
+                w.proc.wait()
+                reader.join(5)
+                self.returncode, self.timed_out = w.proc.returncode, w.timed_out
+                self.stderr = "".join(e for e in err_box if e)
+
+
 def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: np.ndarray,
                          lut_npy: str | os.PathLike, *, timeout: float = 600.0,
                          profile_out: dict | None = None, env: Mapping[str, str] | None = None) -> Iterator[int]:
@@ -854,28 +886,16 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
     argv = [sys.executable, "-m", "vlmrun_qualcomm.genie", "--lib", str(lib_path), "--config", str(cfg_path),
             "--embeddings", str(emb_path), "--lut", str(lut_npy), "--profile", str(prof)]
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}, **(env or {})}
-    done, error, err_box, limit = False, None, [], False
+    run = WorkerLines(argv, timeout=timeout, what="the Genie worker", env=env)
+    done, error, limit = False, None, False
     try:
-        with procs.watched(argv, timeout=timeout, what="the Genie worker", env=env) as w:
-            err_reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
-            err_reader.start()
-            try:
-                for line in w.proc.stdout:
-                    word, _, rest = line.strip().partition(" ")
-                    if word == "TOKEN":
-                        yield int(rest)
-                    elif word == "DONE":
-                        done = True
-                    elif word in ("ERROR", "CONTEXT"):
-                        error, limit = rest, word == "CONTEXT"
-            finally:
-                # the consumer stopped early: let Genie finish (it writes the profile), within the deadline
-                with contextlib.suppress(ValueError, OSError):
-                    for _ in w.proc.stdout:
-                        pass
-                w.proc.wait()
-                err_reader.join(5)
-        timed_out = w.timed_out
+        for word, rest in run:
+            if word == "TOKEN":
+                yield int(rest)
+            elif word == "DONE":
+                done = True
+            elif word in ("ERROR", "CONTEXT"):
+                error, limit = rest, word == "CONTEXT"
     finally:
         prof_text = prof.read_text() if prof.is_file() else ""
         shutil.rmtree(tmp, ignore_errors=True)
@@ -883,13 +903,13 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
             profile_out.clear()
             with contextlib.suppress(BackendError, ValueError):
                 profile_out.update(parse_profile(prof_text))
-    if timed_out and not done:
+    if run.timed_out and not done:
         raise BackendError(f"Genie timed out after {timeout:g} s (worker killed)")
     if error:
         raise (ContextLimitError if limit else BackendError)(error)
-    if not done or w.proc.returncode != 0:
-        detail = _last_error_line("".join(err_box)) or "no message"
-        raise BackendError(f"the Genie worker exited with status {w.proc.returncode}: {detail}")
+    if not done or run.returncode != 0:
+        detail = _last_error_line(run.stderr) or "no message"
+        raise BackendError(f"the Genie worker exited with status {run.returncode}: {detail}")
 
 
 if __name__ == "__main__":

@@ -24,16 +24,14 @@ import ctypes
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from vlmrun import procs
 from vlmrun.errors import BackendError
 
-from .genie import _last_error_line, capture_fd, status_name
+from .genie import WorkerLines, _last_error_line, capture_fd, status_name
 
 # GenieNode_IOName_t
 TEXT_GENERATOR_TEXT_INPUT, TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 0, 1, 2
@@ -48,7 +46,6 @@ IO_NAMES = {
     "GENIE_NODE_IMAGE_ENCODER_EMBEDDING_OUTPUT": IMAGE_ENCODER_EMBEDDING_OUTPUT,
 }
 LOG_LEVEL_WARN = 2  # GenieLog_Level_t: ERROR 1, WARN 2, INFO 3, VERBOSE 4
-NODE_KEYS = {"imageEncoder": "image-encoder", "lutEncoder": "text-encoder", "textGenerator": "text-generator"}
 
 TextCB = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p)
 EmbeddingCB = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_size_t,
@@ -158,12 +155,13 @@ def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Se
                 node = ctypes.c_void_p()
                 lib.check(L.GenieNode_create(cfg, ctypes.byref(node)), f"GenieNode_create ({name})", log)
                 handles[name] = node
-                if NODE_KEYS.get(name) == "text-generator" or "text-generator" in text[:40]:
+                kind = next(iter(json.loads(text)), "")  # the config's root key names the node type
+                if kind == "text-generator":
                     cb = TextCB(text_cb)
                     keep.append(cb)
                     lib.check(L.GenieNode_setTextCallback(node, TEXT_GENERATOR_TEXT_OUTPUT, cb),
                               f"setTextCallback ({name})", log)
-                if NODE_KEYS.get(name) == "image-encoder":
+                if kind == "image-encoder":
                     cb = EmbeddingCB(emb_cb)
                     keep.append(cb)
                     lib.check(L.GenieNode_setEmbeddingCallback(node, IMAGE_ENCODER_EMBEDDING_OUTPUT, cb),
@@ -267,43 +265,31 @@ def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str |
     req_path.write_text(json.dumps(request))
     argv = [sys.executable, "-m", "vlmrun_qualcomm.genie_pipeline", "--lib", str(lib_path), "--request", str(req_path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done, error, err_box = False, None, []
+    run = WorkerLines(argv, timeout=timeout, what="the Genie pipeline worker", env=env, cwd=cwd)
+    done, error = False, None
     result = result if result is not None else {}
     try:
-        with procs.watched(argv, timeout=timeout, what="the Genie pipeline worker", env=env, cwd=cwd) as w:
-            reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
-            reader.start()
-            try:
-                for line in w.proc.stdout:
-                    word, _, rest = line.rstrip("\n").partition(" ")
-                    if word == "TEXT":
-                        text, code = json.loads(rest)
-                        if text:
-                            yield text
-                    elif word == "EMBEDDINGS":
-                        result["embeddings_dims"] = json.loads(rest)
-                    elif word == "DONE":
-                        done = True
-                    elif word == "ERROR":
-                        error = rest
-            finally:
-                with contextlib.suppress(ValueError, OSError):
-                    for _ in w.proc.stdout:
-                        pass
-                w.proc.wait()
-                reader.join(5)
-        timed_out = w.timed_out
+        for word, rest in run:
+            if word == "TEXT":
+                text, _ = json.loads(rest)
+                if text:
+                    yield text
+            elif word == "EMBEDDINGS":
+                result["embeddings_dims"] = json.loads(rest)
+            elif word == "DONE":
+                done = True
+            elif word == "ERROR":
+                error = rest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if timed_out and not done:
+    if run.timed_out and not done:
         raise BackendError(f"the Genie pipeline timed out after {timeout:g} s (worker killed); raise --option"
                            " timeout or check the bundle with vlmrun bundle --verify")
     if error:
         raise BackendError(error)
-    if not done or w.proc.returncode != 0:
-        detail = _last_error_line("".join(err_box)) or "no message"
-        raise BackendError(f"the Genie pipeline worker exited with status {w.proc.returncode}: {detail}")
+    if not done or run.returncode != 0:
+        detail = _last_error_line(run.stderr) or "no message"
+        raise BackendError(f"the Genie pipeline worker exited with status {run.returncode}: {detail}")
 
 
 if __name__ == "__main__":
