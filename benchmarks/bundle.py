@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import children  # benchmarks/children.py: a measured child process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -73,18 +74,7 @@ CHILDREN = {"write": child_write, "run": child_run}
 
 
 def run_child(kind: str, spec: dict, log) -> dict:
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, __file__, "--child", kind, "--spec", json.dumps(spec)],
-                         stdout=subprocess.PIPE, stderr=log, text=True)
-    text = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    res = {"child_wall_s": round(time.perf_counter() - t0, 1), "child_peak_rss_mb": round(usage.ru_maxrss / 1024)}
-    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
-    if os.waitstatus_to_exitcode(status) != 0 or not lines:
-        res.update(failed=True, exit=os.waitstatus_to_exitcode(status))
-        return res
-    res.update(json.loads(lines[-1]))
-    return res
+    return children.run_child([__file__, "--child", kind, "--spec", json.dumps(spec)], log)
 
 
 def main() -> None:
@@ -111,8 +101,7 @@ def main() -> None:
         return
     model = None
     if args.full_size:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from npu_decoder import dense_vocab
+        from npu_decoder import dense_vocab  # (benchmarks/ is on sys.path: this script runs from there)
 
         from vlmrun.tiny import make_tiny
 

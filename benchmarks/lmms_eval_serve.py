@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import children  # benchmarks/children.py: vlmrun serve on loopback
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TASK_YAML = """task: vlmrun_shapes
@@ -82,8 +84,6 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8140)
     args = ap.parse_args()
 
-    import httpx
-
     from vlmrun import eval as ev
     from vlmrun.eval.dataset import heldout_dataset, read_dataset
     from vlmrun.store import ArtifactStore
@@ -101,17 +101,8 @@ def main() -> None:
     (task / "vlmrun_shapes.yaml").write_text(TASK_YAML.format(data=task / "data.jsonl"))
     (task / "utils.py").write_text(TASK_UTILS)
 
-    server = subprocess.Popen([sys.executable, "-m", "vlmrun.cli", "serve", "--layout", args.layout, "--port",
-                               str(args.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{args.port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        model_id = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+    with children.serve_process(args.layout, args.port) as server:
+        base, model_id = server.base, server.model_id
         t0 = time.perf_counter()
         env = {**os.environ, "OPENAI_API_KEY": "unused", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
         proc = subprocess.run([args.lmms_eval, "--model", "openai", "--model_args",
@@ -119,9 +110,6 @@ def main() -> None:
                                "--include_path", str(task), "--batch_size", "1", "--output_path", str(work / "out")],
                               capture_output=True, text=True, env=env, timeout=3600)
         seconds = time.perf_counter() - t0
-    finally:
-        server.terminate()
-        server.wait(30)
     found = sorted((work / "out").rglob("*results*.json"))
     if proc.returncode != 0 or not found:
         print(json.dumps({"failed": True, "exit": proc.returncode, "stderr": proc.stderr[-2000:]}))

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import children  # benchmarks/children.py: a measured child process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = "Describe the image in detail."
 
@@ -286,19 +288,7 @@ CHILDREN = {"prepare": child_prepare, "export": child_export, "compile": child_c
 # -- parent -----------------------------------------------------------------------------------------------------
 def run_child(kind: str, spec: dict, log) -> dict:
     """One child process; its JSON result plus its wall seconds and peak RSS."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, __file__, "--child", kind, "--spec", json.dumps(spec)],
-                         stdout=subprocess.PIPE, stderr=log, text=True)
-    text = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    res = {"child_wall_s": round(time.perf_counter() - t0, 1), "child_peak_rss_mb": round(usage.ru_maxrss / 1024)}
-    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        res.update(failed=True, exit=p.returncode)
-        return res
-    res.update(json.loads(lines[-1]))
-    return res
+    return children.run_child([__file__, "--child", kind, "--spec", json.dumps(spec)], log)
 
 
 def main():

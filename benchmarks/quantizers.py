@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import children  # benchmarks/children.py: a measured child process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 CTX, AR = 256, 32
@@ -146,18 +148,7 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict, log) -> dict:
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE, stderr=log,
-                         text=True)
-    text = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    res = {"child_wall_s": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024)}
-    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
-    if os.waitstatus_to_exitcode(status) != 0 or not lines:
-        res.update(failed=True, exit=os.waitstatus_to_exitcode(status))
-        return res
-    res.update(json.loads(lines[-1]))
-    return res
+    return children.run_child([__file__, "--child", json.dumps(spec)], log, rss_key="peak_rss_mb")
 
 
 def full_size(names: list[str], args) -> dict:

@@ -22,10 +22,11 @@ import io
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import children  # benchmarks/children.py: vlmrun serve on loopback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = "Describe the image."
@@ -48,20 +49,7 @@ def peak_mb(pid: int) -> float:
 def sampling_cost() -> dict:
     import numpy as np
 
-    from vlmrun.sampling import SamplingSettings, sample
-
-    def plain(logits, s, rng):
-        scaled = logits.astype(np.float64) / s.temperature
-        order = np.argsort(-scaled, kind="stable")
-        if s.top_k > 0:
-            order = order[: s.top_k]
-        kept = scaled[order]
-        probs = np.exp(kept - kept.max())
-        probs /= probs.sum()
-        if s.top_p < 1.0:
-            cut = int(np.searchsorted(np.cumsum(probs), s.top_p) + 1)
-            order, probs = order[:cut], probs[:cut] / probs[:cut].sum()
-        return int(order[rng.choice(len(order), p=probs)])
+    from vlmrun.sampling import SamplingSettings, sample, sample_sorted
 
     r = np.random.default_rng(0)
     logits = (r.standard_normal(151936) * 2.5).astype(np.float32)
@@ -70,7 +58,7 @@ def sampling_cost() -> dict:
     for name, st in (("temperature 0.7", SamplingSettings(0.7)), ("top-k 40, top-p 0.9", SamplingSettings(1.0, 40, 0.9)),
                      ("top-p 0.9", SamplingSettings(0.8, 0, 0.9))):
         row = {}
-        for label, fn in (("plain_ms", plain), ("partial_ms", sample)):
+        for label, fn in (("plain_ms", sample_sorted), ("partial_ms", sample)):
             g = np.random.default_rng(0)
             times = []
             for _ in range(30):
@@ -189,18 +177,9 @@ def main() -> None:
         api_ttft.append(((first or time.perf_counter()) - t0) * 1e3)
         api_wall.append((time.perf_counter() - t0) * 1e3)
         api_tps.append((n - 1) / (last - first) if first and last > first and n > 1 else 0.0)
-    argv = [sys.executable, "-m", "vlmrun.cli", "serve", "--layout", args.layout, "--port", str(args.port),
-            "--max-queue", str(args.max_queue), *(["--model", args.model] if args.model else [])]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{args.port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        model_id = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+    extra = ["--max-queue", str(args.max_queue), *(["--model", args.model] if args.model else [])]
+    with children.serve_process(args.layout, args.port, extra) as server:
+        base, model_id = server.base, server.model_id
         body = {"model": model_id, "stream": True, "max_tokens": args.max_tokens, "messages": [{"role": "user", "content": [
             {"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url_img}}]}]}
         srv_tps, srv_ttft, srv_wall = [], [], []
@@ -235,9 +214,6 @@ def main() -> None:
         result["load"] = asyncio.run(load(f"{base}/v1/chat/completions", body, want, args.clients, args.soak_s,
                                           server.pid))
         print(f"[serve] load {json.dumps(result['load'])}", file=sys.stderr)
-    finally:
-        server.terminate()
-        server.wait(30)
     result["sampling_151936"] = sampling_cost()
     print(json.dumps(result, indent=1))
 

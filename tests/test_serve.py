@@ -253,23 +253,8 @@ def test_an_all_npu_layout_and_a_bundle_behind_the_server(tiny_model, store, pic
             s.stop()
 
 
-def _plain(logits, s, rng):
-    """vlmrun's sampler before partial selection: a stable sort of the whole vocabulary."""
-    scaled = logits.astype(np.float64) / s.temperature
-    order = np.argsort(-scaled, kind="stable")
-    if s.top_k > 0:
-        order = order[: s.top_k]
-    kept = scaled[order]
-    probs = np.exp(kept - kept.max())
-    probs /= probs.sum()
-    if s.top_p < 1.0:
-        cut = int(np.searchsorted(np.cumsum(probs), s.top_p) + 1)
-        order, probs = order[:cut], probs[:cut] / probs[:cut].sum()
-    return int(order[rng.choice(len(order), p=probs)])
-
-
 def test_partial_selection_samples_the_same_tokens_for_the_same_seeds():
-    from vlmrun.sampling import SamplingSettings, sample
+    from vlmrun.sampling import SamplingSettings, sample, sample_sorted
 
     r = np.random.default_rng(0)
     V = 151936
@@ -281,7 +266,7 @@ def test_partial_selection_samples_the_same_tokens_for_the_same_seeds():
         for st in (SamplingSettings(0.7, 0, 1.0), SamplingSettings(1.0, 40, 0.9), SamplingSettings(0.8, 0, 0.9),
                    SamplingSettings(1.5, 0, 1.0), SamplingSettings(1.0, 50, 1.0), SamplingSettings(2.0, 0, 0.5)):
             for seed in range(4):
-                assert sample(logits, st, np.random.default_rng(seed)) == _plain(logits, st,
-                                                                                 np.random.default_rng(seed))
+                assert sample(logits, st, np.random.default_rng(seed)) == sample_sorted(
+                    logits, st, np.random.default_rng(seed))
                 n += 1
     assert n == 288

@@ -107,3 +107,20 @@ def _draw(order: np.ndarray, cum: np.ndarray, u: float, normalise: bool = True) 
     """``rng.choice``'s step: the first cumulative probability above ``u`` (``cum`` divided by its last entry)."""
     cdf = cum / cum[-1] if normalise else cum
     return int(order[min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)])
+
+
+def sample_sorted(logits: np.ndarray, s: SamplingSettings, rng: np.random.Generator) -> int:
+    """The plain algorithm :func:`sample` reproduces: a stable sort of the whole vocabulary, top-k, softmax over the
+    kept ones, top-p cut, ``rng.choice``. vlmrun's sampler until partial selection; kept as the reference it is
+    held to (tests, ``benchmarks/serve.py``)."""
+    scaled = logits.astype(np.float64) / s.temperature
+    order = np.argsort(-scaled, kind="stable")
+    if s.top_k > 0:
+        order = order[: s.top_k]
+    kept = scaled[order]
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
+    if s.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), s.top_p) + 1)
+        order, probs = order[:cut], probs[:cut] / probs[:cut].sum()
+    return int(order[rng.choice(len(order), p=probs)])

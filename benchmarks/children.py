@@ -1,0 +1,60 @@
+"""What the benchmark scripts share: a measured child process, and ``vlmrun serve`` on loopback.
+
+The scripts run as ``python benchmarks/NAME.py``, so this module is importable by its bare name from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Iterator, Sequence
+
+
+def run_child(argv: Sequence[str], log, rss_key: str = "child_peak_rss_mb") -> dict:
+    """``python ARGV`` in a child process whose last stdout line is a JSON object: that object, plus the child's
+    wall seconds (``child_wall_s``) and peak RSS (``rss_key``, MB); ``failed`` and ``exit`` when it did not end
+    well. Each heavy step in its own process, so one step's memory does not inflate the next's figure."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=log, text=True)
+    text = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    res = {"child_wall_s": round(time.perf_counter() - t0, 1), rss_key: round(usage.ru_maxrss / 1024)}
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    if code != 0 or not lines:
+        res.update(failed=True, exit=code)
+        return res
+    res.update(json.loads(lines[-1]))
+    return res
+
+
+class Served:
+    """A running ``vlmrun serve``: its base URL, process id and model id."""
+
+    def __init__(self, base: str, pid: int, model_id: str):
+        self.base, self.pid, self.model_id = base, pid, model_id
+
+
+@contextlib.contextmanager
+def serve_process(layout: str, port: int, extra: Sequence[str] = ()) -> Iterator[Served]:
+    """``vlmrun serve --layout LAYOUT --port PORT EXTRA`` in a subprocess, once its /health answers; stopped after."""
+    import httpx
+
+    server = subprocess.Popen([sys.executable, "-m", "vlmrun.cli", "serve", "--layout", layout, "--port", str(port),
+                               *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield Served(base, server.pid, httpx.get(f"{base}/v1/models").json()["data"][0]["id"])
+    finally:
+        server.terminate()
+        server.wait(30)
