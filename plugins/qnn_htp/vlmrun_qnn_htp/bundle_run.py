@@ -49,36 +49,40 @@ class BundleRuntime:
                                    " HTP emulator cannot load; run it on a phone (--target android) or write an"
                                    " emulator bundle (vlmrun bundle without --target android)")
 
-    @property
-    def lut(self) -> np.ndarray:
-        """The bundle's token table as float32 [vocab, hidden] (dequantized from its stored encoding)."""
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of the bundle's token table as float32 [n, hidden], dequantized from its stored encoding (only the
+        rows asked for: a full-size table is 136 M entries)."""
         if self._lut is None:
             info = self.manifest["lut"]
-            v, h = info["shape"]
-            table = np.memmap(self.path / LUT, dtype=info.get("dtype", "float32"), mode="r", shape=(v, h))
-            if info.get("dtype", "float32") != "float32":
-                table = ((table.astype(np.float64) - info["zero_point"]) * info["scale"]).astype(np.float32)
-            self._lut = table
-        return self._lut
+            self._lut = np.memmap(self.path / LUT, dtype=info.get("dtype", "float32"), mode="r",
+                                  shape=tuple(info["shape"]))
+        rows = np.asarray(self._lut[np.asarray(ids, np.int64).reshape(-1)])
+        info = self.manifest["lut"]
+        if info.get("dtype", "float32") == "float32":
+            return rows.astype(np.float32)
+        return ((rows.astype(np.float64) - info["zero_point"]) * info["scale"]).astype(np.float32)
+
+    def generator_config(self, sampling, max_new_tokens: int, stop_ids) -> dict:
+        """The bundle's text-generator config with this request's sampler, length and stop tokens."""
+        from vlmrun_qualcomm import genie
+
+        cfg = json.loads((self.path / NODES["textGenerator"]).read_text())
+        body = cfg["text-generator"]
+        body["max-num-tokens"] = int(max_new_tokens)
+        if sampling is not None:
+            body["sampler"] = genie.sampler_config(sampling, body["context"]["n-vocab"])
+        if stop_ids is not None:
+            stops = sorted(stop_ids) or [body["context"]["n-vocab"] - 1]
+            body["context"]["eos-token"] = stops[0] if len(stops) == 1 else stops
+        return cfg
 
     def request(self, prefix: str, pixels: Path, suffix: str, sampling, max_new_tokens: int, stop_ids,
                 embeddings_out: Path) -> dict:
-        """The worker's request: the nodes' configs (the bundle's, the generator's sampler and length set for this
-        request), the connections, and the inputs in splice order."""
-        nodes = {}
-        for node, name in NODES.items():
-            cfg = json.loads((self.path / name).read_text())
-            if node == "textGenerator":
-                from vlmrun_qualcomm import genie
-
-                body = cfg["text-generator"]
-                body["max-num-tokens"] = int(max_new_tokens)
-                if sampling is not None:
-                    body["sampler"] = genie.sampler_config(sampling, body["context"]["n-vocab"])
-                if stop_ids is not None:
-                    stops = sorted(stop_ids) or [body["context"]["n-vocab"] - 1]
-                    body["context"]["eos-token"] = stops[0] if len(stops) == 1 else stops
-            nodes[node] = json.dumps(cfg)
+        """The worker's request: the nodes' configs (the bundle's; the generator's for this request), the
+        connections, and the inputs in splice order."""
+        nodes = {node: (json.dumps(self.generator_config(sampling, max_new_tokens, stop_ids))
+                        if node == "textGenerator" else (self.path / name).read_text())
+                 for node, name in NODES.items()}
         return {"nodes": nodes, "connections": CONNECTIONS,
                 "inputs": [["lutEncoder", "text", prefix], ["imageEncoder", "image", str(pixels)],
                            ["lutEncoder", "text", suffix]],
@@ -96,8 +100,7 @@ class BundleRuntime:
         tok = self.model.tokenizer
         before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
         if self.phone is not None:
-            gen = json.loads(self.request(before, Path("-"), after, req.sampling, req.max_new_tokens, req.stop_ids,
-                                          Path("-"))["nodes"]["textGenerator"])
+            gen = self.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
             yield from self.phone.generate(req, before, after, gen)
             return
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-run-"))
@@ -108,7 +111,7 @@ class BundleRuntime:
             request = self.request(before, pixels, after, req.sampling, req.max_new_tokens, req.stop_ids, emb_out)
             result: dict = {}
             t0 = time.perf_counter()
-            text, first = "", None
+            text, first, count = "", None, 0
             for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result):
                 if first is None:
                     first = time.perf_counter()
@@ -116,8 +119,9 @@ class BundleRuntime:
                         raise self._no_image()
                     self._boundary_tensors(req, np.load(emb_out), result["embeddings_dims"])
                 text += piece
-                for tid in tok.encode(piece, add_special_tokens=False).ids:
-                    yield tid
+                ids = tok.encode(piece, add_special_tokens=False).ids
+                count += len(ids)
+                yield from ids
             if "embeddings_dims" not in result:
                 raise self._no_image()
             if not text:
@@ -127,8 +131,7 @@ class BundleRuntime:
             self.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3}
             if first is not None:
                 self.last_timings["ttft_wall_ms"] = (first - t0) * 1e3
-            n = len(tok.encode(text, add_special_tokens=False).ids) if text else 0
-            if req.stop_ids and n < req.max_new_tokens:  # Genie ended at a stop token, which it does not print
+            if req.stop_ids and count < req.max_new_tokens:  # Genie ended at a stop token, which it does not print
                 yield min(req.stop_ids)  # (nor say which one: the lowest id stands for it)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -144,7 +147,7 @@ class BundleRuntime:
         from vlmrun.preprocess import splice
 
         img = self._embeddings(raw, dims)
-        txt = np.asarray(self.lut[np.asarray(req.input_ids, np.int64).reshape(-1)], np.float32)[None]
+        txt = self.embed_rows(req.input_ids)[None]
         req.tensors.update(image_embeds=img, text_embeds=txt, inputs_embeds=splice(txt, img, req.image_start))
 
     def _embeddings(self, raw: np.ndarray, dims: list[int]) -> np.ndarray:
