@@ -214,9 +214,9 @@ def write_bundle(request) -> dict:
             shutil.copyfile(dec_art.path / b, out / new)
         ctx_bins = [names[b] for b in bins]
         enc = dec_art.manifest["decoder_parts"]["embeds_input"]  # the table in the decoder input's encoding
-        table = image_encoder.quantize_pixels(np.asarray(lut, np.float32), enc)
+        table = image_encoder.quantize_values(np.asarray(lut, np.float32), enc)
         table.tofile(out / LUT)
-        deq = (table.astype(np.float64) - enc["zero_point"]) * enc["scale"]
+        deq = image_encoder.dequantize_values(table, enc)
         lut_sqnr = float(10 * np.log10((np.asarray(lut, np.float64) ** 2).sum() / max(((lut - deq) ** 2).sum(),
                                                                                         1e-30)))
         copied = []

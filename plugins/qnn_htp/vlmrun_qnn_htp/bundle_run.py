@@ -60,7 +60,9 @@ class BundleRuntime:
         info = self.manifest["lut"]
         if info.get("dtype", "float32") == "float32":
             return rows.astype(np.float32)
-        return ((rows.astype(np.float64) - info["zero_point"]) * info["scale"]).astype(np.float32)
+        from .image_encoder import dequantize_values
+
+        return dequantize_values(rows, info).astype(np.float32)
 
     def generator_config(self, sampling, max_new_tokens: int, stop_ids) -> dict:
         """The bundle's text-generator config with this request's sampler, length and stop tokens."""

@@ -49,11 +49,16 @@ def pixel_encoding(processor: dict) -> dict:
             "why": "the processor normalises per channel: uint16 over the channels' union range"}
 
 
-def quantize_pixels(pixel_values: np.ndarray, enc: dict) -> np.ndarray:
+def quantize_values(values: np.ndarray, enc: dict) -> np.ndarray:
     """Float values -> integers in the encoding ``enc`` (what Genie does with float32 pixels or embeddings)."""
     info = np.iinfo(enc["dtype"])
-    q = np.round(np.asarray(pixel_values, np.float64) / enc["scale"]) + enc["zero_point"]
+    q = np.round(np.asarray(values, np.float64) / enc["scale"]) + enc["zero_point"]
     return np.clip(q, info.min, info.max).astype(enc["dtype"])
+
+
+def dequantize_values(q: np.ndarray, enc: dict) -> np.ndarray:
+    """Integers in the encoding ``enc`` -> float64 values (scale * (q - zero_point))."""
+    return (np.asarray(q).astype(np.float64) - enc["zero_point"]) * enc["scale"]
 
 
 def with_quantized_input(src: Path, dst: Path, enc: dict, name: str = INPUT) -> None:
@@ -121,6 +126,6 @@ class ImageEncoderStage(StageHandle):
         self.encoding = artifact.manifest["image_input"]
 
     def run(self, inputs: dict) -> dict:
-        q = quantize_pixels(inputs[INPUT], self.encoding)
+        q = quantize_values(inputs[INPUT], self.encoding)
         out = self.session.run({INPUT: q})[OUTPUT]
         return {OUTPUT: np.asarray(out, np.float32).reshape(1, -1, out.shape[-1])}

@@ -80,9 +80,9 @@ class HtpGraph:
 
     def run(self, feeds: dict) -> dict:
         if self.encodings:
-            from .image_encoder import quantize_pixels
+            from .image_encoder import quantize_values
 
-            feeds = {k: quantize_pixels(v, self.encodings[k]) if k in self.encodings else v for k, v in feeds.items()}
+            feeds = {k: quantize_values(v, self.encodings[k]) if k in self.encodings else v for k, v in feeds.items()}
         return self.session.run(feeds)
 
 
