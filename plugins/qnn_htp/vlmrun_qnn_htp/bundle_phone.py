@@ -27,7 +27,6 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -105,13 +104,12 @@ class BundlePhone:
 
         return explain(line, self.soc, self.arch, self.rd)
 
-    def generate(self, req, before: str, after: str, generator_config: dict) -> Iterator[int]:
-        """One query on the phone: its files pushed, genie-app run, the answer's token ids."""
+    def answer(self, req, before: str, after: str, generator_config: dict) -> str:
+        """One query on the phone: its files pushed, genie-app run; the answer's text."""
         from vlmrun import procs
 
         from .bundle import app_script
 
-        tok = self.runtime.model.tokenizer
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-phone-"))
         try:
             (tmp / "prompt_prefix.txt").write_text(before)
@@ -144,7 +142,4 @@ class BundlePhone:
         if not text:
             raise BackendError(f"{what}: the pipeline returned success with no text")
         self.runtime.last_timings = {"pipeline_wall_ms": seconds * 1e3}
-        ids = [int(t) for t in tok.encode(text, add_special_tokens=False).ids]
-        yield from ids
-        if req.stop_ids and len(ids) < req.max_new_tokens:
-            yield min(req.stop_ids)
+        return text

@@ -93,18 +93,31 @@ class BundleRuntime:
     def generate(self, req) -> Iterator[int]:
         """Run one whole request (``req``: a :class:`vlmrun.stages.RequestRun`); yield token ids. Genie hands out
         text: each piece is tokenized back (the text is exact; the ids are those of the text, which may differ
-        from the ones Genie sampled where two tokenizations spell the same text)."""
+        from the ones Genie sampled where two tokenizations spell the same text). Genie ends at a stop token it
+        does not print, nor say which: an answer that ends before the budget gets the lowest stop id."""
+        tok = self.model.tokenizer
+        before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
+        if self.phone is not None:
+            gen = self.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
+            pieces = iter([self.phone.answer(req, before, after, gen)])
+        else:
+            pieces = self._pieces(req, before, after)
+        count = 0
+        for piece in pieces:
+            ids = tok.encode(piece, add_special_tokens=False).ids
+            count += len(ids)
+            yield from ids
+        if req.stop_ids and count < req.max_new_tokens:
+            yield min(req.stop_ids)
+
+    def _pieces(self, req, before: str, after: str) -> Iterator[str]:
+        """The answer's text pieces from the pipeline on this machine; the boundary tensors into ``req.tensors``
+        before the first; a run whose image never reached the generator, or with no text, is an error."""
         import tempfile
         import time
 
         from vlmrun_qualcomm.genie_pipeline import stream_pipeline
 
-        tok = self.model.tokenizer
-        before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
-        if self.phone is not None:
-            gen = self.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
-            yield from self.phone.generate(req, before, after, gen)
-            return
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-run-"))
         try:
             pixels = tmp / "pixel_values.raw"
@@ -113,7 +126,7 @@ class BundleRuntime:
             request = self.request(before, pixels, after, req.sampling, req.max_new_tokens, req.stop_ids, emb_out)
             result: dict = {}
             t0 = time.perf_counter()
-            text, first, count = "", None, 0
+            text, first = "", None
             for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result):
                 if first is None:
                     first = time.perf_counter()
@@ -121,20 +134,15 @@ class BundleRuntime:
                         raise self._no_image()
                     self._boundary_tensors(req, np.load(emb_out), result["embeddings_dims"])
                 text += piece
-                ids = tok.encode(piece, add_special_tokens=False).ids
-                count += len(ids)
-                yield from ids
+                yield piece
             if "embeddings_dims" not in result:
                 raise self._no_image()
             if not text:
                 raise BackendError(f"bundle {self.path.name}: Genie's pipeline returned success with no text; check"
                                    " the bundle with vlmrun bundle --verify (a generator without its LUT block"
                                    " stops silently)")
-            self.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3}
-            if first is not None:
-                self.last_timings["ttft_wall_ms"] = (first - t0) * 1e3
-            if req.stop_ids and count < req.max_new_tokens:  # Genie ended at a stop token, which it does not print
-                yield min(req.stop_ids)  # (nor say which one: the lowest id stands for it)
+            self.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3,
+                                 "ttft_wall_ms": (first - t0) * 1e3}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
