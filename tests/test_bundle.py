@@ -98,6 +98,8 @@ def test_the_bundle_holds_ai_hubs_vlm_layout(bundle_dir, parts_pipe):
     meta = json.loads((bundle_dir / "metadata.json").read_text())
     assert meta["model_files"]["vision_encoder.bin"]["inputs"]["pixel_values"]["dtype"] == "uint8"
     assert meta["genie"]["supports_vision"] is True
+    (graph,) = meta["model_files"]["part1_of_1_prompt.bin"]["graphs"].values()  # each part binary's tensors
+    assert graph["inputs"]["inputs_embeds"]["dtype"] == "uint16" and "logits" in graph["outputs"]
     script = (bundle_dir / "genie-app-script.txt").read_text()
     assert "node set image imageEncoder GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT sample_inputs/pixel_values.raw" in script
     table = np.fromfile(bundle_dir / "embedding_weights.raw", np.uint16)

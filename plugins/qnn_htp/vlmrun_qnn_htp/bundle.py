@@ -249,12 +249,12 @@ def write_bundle(request) -> dict:
         enc_info = enc_art.manifest
         metadata = {
             "model_id": f"fastvlm-{model.path.name}",
-            "model_files": {
-                IMAGE_BIN: {"inputs": {t["name"]: {"shape": t["shape"], "dtype": t["dtype"]}
-                                       for t in enc_info["inputs"]},
-                            "outputs": {t["name"]: {"shape": t["shape"], "dtype": t["dtype"]}
-                                        for t in enc_info["outputs"]}},
-                **{names[b]: {"part": i // (1 if shared else 2) + 1, "of": P} for i, b in enumerate(bins)},
+            "model_files": {  # each binary's tensors, as GenieX reads them (a part: per graph)
+                IMAGE_BIN: {"inputs": _tensors(enc_info["inputs"]), "outputs": _tensors(enc_info["outputs"])},
+                **{names[b]: {"part": e["index"], "of": P, "graphs": {
+                    g["name"]: {"inputs": _tensors(g["inputs"]), "outputs": _tensors(g["outputs"])}
+                    for g in e["graphs"].values() if g["binary"] == b}}
+                   for e in parts["parts"] for b in e["binaries"]},
             },
             "genie": {
                 "supports_vision": True, "supports_streaming": True, "context_lengths": [ctx_len],
@@ -303,6 +303,11 @@ def write_bundle(request) -> dict:
     manifest["bytes"]["total"] = sum(v["bytes"] for v in manifest["files"].values())
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _tensors(tensors: list[dict]) -> dict:
+    """A manifest's tensor list as ``{name: {shape, dtype}}`` (metadata.json's form)."""
+    return {t["name"]: {"shape": t["shape"], "dtype": t["dtype"]} for t in tensors}
 
 
 def _recipe(manifest: dict) -> dict | None:
