@@ -341,6 +341,7 @@ from .cli_profile import profile_command  # noqa: E402
 from .cli_store import store_group  # noqa: E402
 from .cli_eval import eval_command  # noqa: E402
 from .cli_bundle import bundle_command  # noqa: E402
+from .cli_tune import tune_command  # noqa: E402
 
 cli.add_command(compile_command, "compile")
 cli.add_command(diff_command, "diff")
@@ -348,6 +349,7 @@ cli.add_command(profile_command, "profile")
 cli.add_command(store_group, "store")
 cli.add_command(eval_command, "eval")
 cli.add_command(bundle_command, "bundle")
+cli.add_command(tune_command, "tune")
 
 
 def main(argv=None) -> int:

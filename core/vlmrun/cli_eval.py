@@ -37,9 +37,12 @@ def _bar(total: int, initial: int, desc: str):
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Write DIR/index.html (plots embedded) and DIR/eval.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of tables.")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="Run the items as tasks on this Ray cluster (--workers actors, or one per CPU; every node must see"
+                   " --cache-dir at the same path).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def eval_command(dataset, layout_specs, reference, model_dir, image_size, cache_dir, limit, workers, strict,
-                 max_new_tokens, report_dir, as_json, debug):
+                 max_new_tokens, report_dir, as_json, ray_address, debug):
     """Task accuracy and drift of layouts over a data set.
 
     \b
@@ -77,6 +80,7 @@ def eval_command(dataset, layout_specs, reference, model_dir, image_size, cache_
         progress=step,
         bar=_bar,
         on_skip=on_skip,
+        ray_address=ray_address,
     )
     if report_dir is not None:
         page = ev.write_html(run.report, report_dir)

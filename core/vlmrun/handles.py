@@ -62,3 +62,17 @@ def timings_of(handle: object) -> dict[str, float]:
     if not isinstance(handle, DecoderHandle):
         return {}
     return {k: float(v) for k, v in handle.last_timings.items() if isinstance(v, (int, float))}
+
+
+def device_bytes(handles: Mapping[str, object]) -> int:
+    """Bytes on the device of a pipeline's stages: the compiled binaries their artifacts' manifests list
+    (``binary_bytes``), each artifact counted once; host-side stages (ONNX on the CPU) count nothing."""
+    seen, total = set(), 0
+    for handle in handles.values():
+        for art in artifacts_of(handle):
+            path = str(getattr(art, "path", id(art)))
+            if path in seen:
+                continue
+            seen.add(path)
+            total += sum(int(v) for v in (dict(getattr(art, "manifest", {}) or {}).get("binary_bytes") or {}).values())
+    return total

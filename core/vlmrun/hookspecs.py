@@ -25,6 +25,8 @@ contracts). The order in which the core calls the hooks for one stage of one run
     run_stage_batch(backend, stage, handle, inputs)  optional: a stage over a whole data set (``vlmrun eval``)
     load_probe(backend, stage, ctx)             optional: the stage's probe variant (``vlmrun diff --locate``)
     run_probe(backend, stage, handle, inputs)   optional: run it, outputs at layer granularity
+    layer_precisions(backend, stage, options)   optional: the per-layer precisions a stage can take
+                                                (``vlmrun tune`` writes them into its ``layer_precision`` option)
 
 A deployable bundle (``vlmrun bundle OUT``; the ``bundle:OUT`` layout runs it)::
 
@@ -213,6 +215,22 @@ def run_probe(backend, stage, handle, inputs):
     :return: the stage's contract outputs, then one array per probe point keyed by its probe name, in network
              order: the export manifest's ``probe_outputs`` pairs (:func:`vlmrun.stages.probe_outputs` maps a
              graph's outputs to them). Arrays or :class:`vlmrun.stages.QuantizedTensor`.
+    """
+
+
+@hookspec(firstresult=True)
+def layer_precisions(backend, stage, options):
+    """The per-layer precisions ``stage`` can take at its options' precision, cheapest first (optional; what
+    ``vlmrun tune`` searches over).
+
+    A backend that implements it also declares the stage option ``layer_precision`` (a map
+    ``LAYER=PRECISION``, entries separated by ``;`` or ``,``; layers named as the probes name them,
+    ``decoder.layer0``), and takes every value returned here for every layer its probe reports.
+
+    :param options: the stage's checked options (``precision`` among them).
+    :return: the precisions above the stage's own, in increasing bytes on the device (e.g. ``["w8", "a16w16"]``
+             for a w4a16 decoder); an empty list when the stage quantizes nothing (fp16); ``None`` if
+             ``backend`` is not yours.
     """
 
 

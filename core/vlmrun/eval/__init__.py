@@ -75,12 +75,15 @@ def evaluate(
     bar: Callable | None = None,
     on_skip: Callable[[Skipped], None] | None = None,
     on_item: Callable[[Record, dict | None], None] | None = None,
+    ray_address: str | None = None,
 ) -> EvalRun:
     """Run ``layouts`` (and the reference) over ``dataset`` (default: the generated held-out set) and aggregate.
 
     ``progress(label)`` wraps long steps (exports, compiles); ``bar(total, initial, desc)`` makes a progress bar
     with ``update()``/``close()``; ``on_skip`` sees each bad record as it is found; ``on_item(record, results)``
     is called after each finished item (``results``: layout key -> result, ``None`` if the item failed).
+    ``ray_address``: run the items of the layouts that run on this host as Ray tasks on that cluster (``workers``
+    actors, or one per CPU of the cluster; every node must see the store at the same path).
     """
     from .. import plugins as plugins_mod
     from ..model import open_model
@@ -154,7 +157,7 @@ def evaluate(
         if on_item is not None:
             on_item(record, results)
 
-    def phase(side_list, n_workers):
+    def phase(side_list, n_workers, on_ray=False):
         if not side_list:
             return
         todo = pending(side_list)
@@ -173,24 +176,24 @@ def evaluate(
             finished(record, results, error)
 
         try:
-            if n_workers > 1 and len(todo) > 1:
+            if (n_workers > 1 or (on_ray and ray_address)) and len(todo) > 1:
                 config = WorkerConfig(str(fvlm.path), str(store.root),
                                       tuple((s.label, s.key, s.pipe.layout, s.is_reference) for s in run_sides),
                                       settings, str(cache.root), run_id)
                 engine.run_items(todo, run_sides, cache, settings, run_id, workers=n_workers, config=config,
-                                 on_item=done)
+                                 ray_address=ray_address if on_ray else None, on_item=done)
             else:
                 engine.run_items(todo, run_sides, cache, settings, run_id, on_item=done)
         finally:
             progress_bar.close()
 
     if ref in host_sides:
-        phase(host_sides, workers)
+        phase(host_sides, workers, on_ray=True)
     else:
         for s in hosted_sides[:1]:  # the reference itself is batched: it goes first, in this process
             engine.precompute(s, pending([s]), batched[s.key], progress)
             phase([s], 1)
-        phase([s for s in host_sides], workers)
+        phase([s for s in host_sides], workers, on_ray=True)
     for s in hosted_sides:
         if s is ref:
             continue

@@ -380,12 +380,20 @@ def _worker_item(record: Record):
 
 
 def run_items(records: Sequence[Record], sides: Sequence[Side], cache: ResultCache, settings, run_id: str = "", *,
-              workers: int = 1, config: WorkerConfig | None = None,
+              workers: int = 1, config: WorkerConfig | None = None, ray_address: str | None = None,
               on_item: Callable[[Record, dict | None, str | None], None] | None = None) -> None:
-    """Run ``records`` through ``sides`` (the reference first), in this process or in ``workers`` processes
-    (each builds its own pipelines from ``config``; the artifacts are already in the store). ``on_item(record,
-    results, error)`` is called in this process as each item finishes."""
+    """Run ``records`` through ``sides`` (the reference first), in this process, in ``workers`` processes (each
+    builds its own pipelines from ``config``; the artifacts are already in the store) or, with ``ray_address``, on
+    Ray actors (:func:`vlmrun.tune.executors.run_items_on_ray`). ``on_item(record, results, error)`` is called in
+    this process as each item finishes."""
     ref = next(s for s in sides if s.is_reference)
+    if ray_address and config is not None and records:
+        from ..tune.executors import run_items_on_ray
+
+        by_key = {r.key: r for r in records}
+        run_items_on_ray(ray_address, records, config, workers,
+                         lambda key, results, error: on_item and on_item(by_key[key], results, error))
+        return
     if workers <= 1 or len(records) <= 1:
         for record in records:
             try:

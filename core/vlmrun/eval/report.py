@@ -12,6 +12,7 @@ import numpy as np
 
 from ..diff.metrics import SQNR_CAP_DB, fmt
 from .answers import normalize_answer
+from ..handles import device_bytes
 
 #: The stage boundaries whose drift is summarised, in pipeline order.
 DRIFT_CHECKPOINTS = ("preprocess/pixel_values", "vision/image_features", "projector/image_embeds",
@@ -85,6 +86,7 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
                         if side.pipe.layout.stages[s].options},
             "batched_stages": list((batched or {}).get(side.key, [])),
             "items": len(rows),
+            "device_bytes": device_bytes(side.pipe.handles),
             "accuracy": _accuracy(rows),
             "same_answer_as_reference": (sum(same) / len(same)) if same else None,
             "computed": timing[side.key]["computed"],

@@ -415,6 +415,15 @@ def run_stage(backend, stage, handle, inputs):
 
 
 @hookimpl
+def layer_precisions(backend, stage, options):
+    """What ``layer_precision`` can set a layer of ``stage`` to, cheapest first (``vlmrun tune``): a w4a16 decoder's
+    layers go to 8-bit weights, then 16-bit activations and weights; other quantized precisions to a16w16."""
+    if not mine(backend, NAME):
+        return None
+    return list(recipe.TUNE_LADDERS.get(str(options.get("precision") or "fp16"), ())) if stage != "embed" else []
+
+
+@hookimpl
 def run_request(backend, handles, request):
     """A bundle's whole request through Genie's pipeline (:mod:`.bundle`); other layouts go stage by stage."""
     if not mine(backend, NAME) or not hasattr(handles.get("decoder"), "runtime"):

@@ -36,6 +36,8 @@ DEFAULT_SEQ_MSE_CANDIDATES = 20  # AIMET's default
 DEFAULT_ADAROUND_ITERATIONS = 2000  # AIMET recommends 10-15k; 2000 reached 26.0 dB on the tiny decoder in 150 s
 #: per-layer precisions (``layer_precision`` values) and the option each is the same as
 LAYER_PRECISIONS = {"fp16": "keep_fp", "a16w16": "keep_a16w16", "w8": "keep_w8", "w4": "keep_w4"}
+#: per stage precision, the per-layer precisions above it, cheapest first (what ``vlmrun tune`` searches over)
+TUNE_LADDERS = {"w4a16": ("w8", "a16w16"), "w8a16": ("a16w16",), "int8": ("a16w16",), "a16w8": ("a16w16",)}
 AIMET_EXTRA = "pip install 'vlmrun-qnn-htp[aimet]'"
 #: what the AIMET engine quantizes (the fixed decoder's additive -65504 mask needs onnxruntime's Softmax ranges)
 AIMET_FORMS = ("vision", "projector", "embed", "decoder/parts")

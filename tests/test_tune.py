@@ -1,0 +1,217 @@
+"""``vlmrun tune``: every point of the front is a build measured on the emulator (its figures equal an independent
+``vlmrun eval`` / ``vlmrun compile`` of its layout on a store that has no eval results); the TOML it writes
+reproduces the winner; a resumed tune builds nothing; bad arguments are one line each before any work; on a real
+local Ray cluster (loopback only) the same tune gives the same points, and ``vlmrun eval --ray`` the same figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+LAYERS = "decoder.layer0,decoder.lm_head"
+ITEMS = 2
+SMALL = ["tune", "--stages", "decoder", "--layers", LAYERS, "--limit", str(ITEMS), "--beam", "2",
+         "--max-candidates", "4", "--json"]
+UNREACHABLE = ["--min-logits-sqnr", "80"]
+
+
+def artifact_dirs(cache: Path) -> set[str]:
+    return {p.name for p in (cache / "artifacts").iterdir()} if (cache / "artifacts").is_dir() else set()
+
+
+def fresh_copy(cache: Path, dest: Path) -> Path:
+    """The store's model and compiled artifacts, without any eval result or tuned point."""
+    dest.mkdir(parents=True)
+    for p in cache.iterdir():
+        if p.name in ("eval", "tune"):
+            continue
+        (shutil.copytree if p.is_dir() else shutil.copy2)(p, dest / p.name)
+    return dest
+
+
+def eval_figures(cache: Path, layout_file: Path, extra=(), env=None) -> dict:
+    res = run_cli(["eval", "-L", f"pt={layout_file}", "--limit", str(ITEMS), "--json", *extra], cache, env_extra=env,
+                  timeout=900)
+    assert res.returncode == 0, res.stderr
+    lay = next(e for e in json.loads(res.stdout)["layouts"] if not e["is_reference"])
+    return {"accuracy": lay["accuracy"]["all"]["accuracy"], "answers": lay["same_answer_as_reference"],
+            "sqnr": lay["drift"]["decoder/logits"]["sqnr_db"]["median"]}
+
+
+def compiled_bytes(cache: Path, layout_file: Path) -> int:
+    """Bytes of the binaries a layout compiles to, from the files on disk."""
+    res = run_cli(["compile", "--layout-file", str(layout_file), "--json"], cache, timeout=900)
+    assert res.returncode == 0, res.stderr
+    total = 0
+    for art in json.loads(res.stdout)["artifacts"]:
+        for name in art.get("binary_bytes") or {}:
+            total += (Path(art["path"]) / name).stat().st_size
+    return total
+
+
+@pytest.fixture(scope="module")
+def first_tune(cache_dir, tmp_path_factory):
+    """A small tune whose budget no build meets: it climbs until --max-candidates (4 builds)."""
+    before = artifact_dirs(cache_dir)
+    res = run_cli([*SMALL, *UNREACHABLE], cache_dir, timeout=1800)
+    assert res.returncode == 1, res.stderr
+    assert "no build met the budget" in res.stderr.splitlines()[-1]
+    assert "Traceback" not in res.stderr
+    return json.loads(res.stdout), before
+
+
+def test_points_are_measured_builds(first_tune, cache_dir, tmp_path_factory):
+    result, before = first_tune
+    points = result["points"]
+    assert [p["label"] for p in points] == ["base", "c1", "c2", "c3"]
+    assert result["built"] == 4 and result["winner"] is None
+    # step 1 raised the two most sensitive layers, one each; every raise is a rung of the w4a16 ladder
+    assert result["ladders"] == {"decoder": ["w8", "a16w16"]}
+    ranked = [name for name, _ in result["sensitivity"]["decoder"] if name in LAYERS.split(",")]
+    assert [next(iter(p["layers"])) for p in points[1:3]] == ranked
+    assert all(set(p["layers"]) <= set(LAYERS.split(",")) for p in points)
+    assert all(v in ("w8", "a16w16") for p in points for v in p["layers"].values())
+    assert len({p["key"] for p in points}) == 4  # four distinct builds
+    assert len(artifact_dirs(cache_dir) - before) >= 3  # each raise compiled a new decoder binary
+
+    # each point's figures equal an independent eval (no cached results) and compile of its layout
+    from vlmrun.tune.front import layout_text
+    from vlmrun.tune.search import Point
+
+    copy = fresh_copy(cache_dir, tmp_path_factory.mktemp("tune-independent") / "cache")
+    for p in points:
+        toml = copy.parent / f"{p['label']}.toml"
+        toml.write_text(layout_text(Point.from_json(p), "test"))
+        got = eval_figures(copy, toml)
+        assert got["accuracy"] == p["accuracy"]
+        assert got["answers"] == p["answers_as_reference"]
+        assert got["sqnr"] == pytest.approx(p["logits_sqnr_db"], abs=1e-6)
+        assert compiled_bytes(copy, toml) == p["bytes"]
+
+    # the front: exactly the points no other point dominates, computed here
+    def objectives(p):
+        return (-p["bytes"], p["logits_sqnr_db"], p["answers_as_reference"], p["accuracy"])
+
+    def dominated(p):
+        return any(all(a >= b for a, b in zip(objectives(q), objectives(p))) and objectives(q) != objectives(p)
+                   for q in points)
+
+    assert sorted(result["front"]) == sorted(p["label"] for p in points if not dominated(p))
+    assert result["front"]
+
+
+def test_winner_toml_and_resume(first_tune, cache_dir, tmp_path):
+    result, _ = first_tune
+    points = {p["label"]: p for p in result["points"]}
+    step1 = [points["c1"], points["c2"]]
+    target = max(p["logits_sqnr_db"] for p in step1) - 1e-3
+    expected = min((p for p in step1 if p["logits_sqnr_db"] >= target), key=lambda p: p["bytes"])
+    before = artifact_dirs(cache_dir)
+    out, report = tmp_path / "best.toml", tmp_path / "report"
+    res = run_cli([*SMALL, "--min-logits-sqnr", str(target), "--out", str(out), "--report", str(report)], cache_dir)
+    assert res.returncode == 0, res.stderr
+    again = json.loads(res.stdout)
+    assert again["built"] == 0  # every point came back from the store
+    assert artifact_dirs(cache_dir) == before  # nothing compiled
+    assert again["winner"] == expected["label"]
+    won = next(p for p in again["points"] if p["label"] == again["winner"])
+    assert won["bytes"] == expected["bytes"] and won["logits_sqnr_db"] == expected["logits_sqnr_db"]
+    # the TOML reproduces the winner's figures (through vlmrun eval on the same store)
+    text = out.read_text()
+    assert "layer_precision" in text and 'precision = "w4a16"' in text
+    got = eval_figures(cache_dir, out)
+    assert got["sqnr"] == pytest.approx(won["logits_sqnr_db"], abs=1e-6)
+    assert got["answers"] == won["answers_as_reference"] and got["accuracy"] == won["accuracy"]
+    page = (report / "index.html").read_text()
+    assert "<img alt=\"bytes against logits SQNR\" src=\"data:image/png;base64," in page and "<table>" in page
+    assert json.loads((report / "tune.json").read_text())["winner"] == expected["label"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-accuracy-drop", "1.5"], "--max-accuracy-drop '1.5' is outside 0..1"),
+    (["--min-answers-as-reference", "most"], "--min-answers-as-reference 'most' is not a number"),
+    (["--min-logits-sqnr", "loud"], "--min-logits-sqnr 'loud' is not a number of dB"),
+    (["--layers", "decoder.layer99"], "'decoder.layer99' is not a layer of stage 'decoder'; its layers are"
+                                      " decoder.layer0, decoder.layer1, decoder.layer2, decoder.norm, decoder.lm_head"),
+    (["--stages", "decoder", "--layers", "vision.stem"], "--layers vision.stem: its stage 'vision' is not tuned"),
+    (["--layout", "all-npu", "--stages", "decoder"], "stage 'decoder' (qnn_htp, precision fp16) has no quantized"
+                                                     " precision to tune"),
+    (["--layout", "reference"], "has no stage with a quantized precision to tune"),
+    (["--stages", "splice"], "unknown stage 'splice' in --stages"),
+])
+def test_bad_arguments_one_line_before_work(cache_dir, ref_pipe, args, message):
+    before = artifact_dirs(cache_dir)
+    res = run_cli(["tune", *args], cache_dir)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("vlmrun")]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+    assert {d for d in artifact_dirs(cache_dir) - before if "qnn_htp" in d} == set()  # nothing compiled
+
+
+# -- Ray ------------------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A real local Ray cluster listening on 127.0.0.1 only."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    port = _free_port()
+    start = subprocess.run([str(ray_cli), "start", "--head", "--num-cpus", "2", "--node-ip-address=127.0.0.1",
+                            "--include-dashboard=false", "--disable-usage-stats", "--port", str(port)],
+                           capture_output=True, text=True, env=env, timeout=180)
+    assert start.returncode == 0, start.stderr
+    try:
+        yield f"127.0.0.1:{port}", env
+    finally:
+        subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def test_ray_gives_the_single_process_results(first_tune, cache_dir, ray_cluster, tmp_path_factory):
+    address, env = ray_cluster
+    result, _ = first_tune
+    copy = fresh_copy(cache_dir, tmp_path_factory.mktemp("tune-ray") / "cache")
+    res = run_cli([*SMALL, *UNREACHABLE, "--ray", address], copy, env_extra=env, timeout=1800)
+    assert res.returncode == 1, res.stderr
+    on_ray = json.loads(res.stdout)
+    assert on_ray["built"] == 4
+    assert [(p["label"], p["layers"], p["bytes"], p["accuracy"], p["answers_as_reference"])
+            for p in on_ray["points"]] == [(p["label"], p["layers"], p["bytes"], p["accuracy"],
+                                            p["answers_as_reference"]) for p in result["points"]]
+    for a, b in zip(on_ray["points"], result["points"]):
+        assert a["logits_sqnr_db"] == pytest.approx(b["logits_sqnr_db"], abs=1e-6)
+    assert on_ray["front"] == result["front"]
+    # vlmrun eval --ray: the items on Ray actors, the same figures as in one process
+    from vlmrun.tune.front import layout_text
+    from vlmrun.tune.search import Point
+
+    last = result["points"][-1]
+    toml = copy.parent / "last.toml"
+    toml.write_text(layout_text(Point.from_json(last), "test"))
+    shutil.rmtree(copy / "eval")
+    got = eval_figures(copy, toml, ["--ray", address], env)
+    assert got["sqnr"] == pytest.approx(last["logits_sqnr_db"], abs=1e-6)
+    assert got["answers"] == last["answers_as_reference"] and got["accuracy"] == last["accuracy"]
+
+
+def test_ray_unreachable_is_one_line(cache_dir, ref_pipe):
+    res = run_cli(["tune", "--layers", "decoder.layer0", "--ray", f"127.0.0.1:{_free_port()}"], cache_dir,
+                  env_extra={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, timeout=300)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("vlmrun")]
+    assert len(lines) == 1 and "cannot join the Ray cluster at 127.0.0.1:" in lines[0], res.stderr
