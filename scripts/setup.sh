@@ -24,7 +24,7 @@ echo "setup: installing packages into .venv (first time: several minutes, torch 
 .venv/bin/python -m pip install -q --upgrade pip
 # timm (FastVLM's vision tower) imports torchvision; this is the pair that imports on these machines.
 .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-args=(-e ".[export,test,serve,tune]")
+args=(-e ".[export,test,serve,tune,docs]")
 for p in "${plugins[@]}"; do
     case "$p" in
         plugins/qnn_htp/) args+=(-e "plugins/qnn_htp[aimet]") ;;  # with AIMET-ONNX (quantizer = "aimet")

@@ -351,6 +351,23 @@ cli.add_command(eval_command, "eval")
 cli.add_command(bundle_command, "bundle")
 cli.add_command(tune_command, "tune")
 
+#: the documentation page that explains each command (docs/, the site `mkdocs build` makes from it)
+DOCS_PAGES = {
+    "": "getting-started.md", "demo": "getting-started.md", "doctor": "getting-started.md",
+    "export": "models.md", "make-tiny": "models.md", "store": "models.md", "plugins": "layouts.md",
+    "compile": "qnn_htp.md", "profile": "qaihub.md", "diff": "diff.md", "eval": "eval.md", "tune": "tune.md",
+    "bundle": "bundles.md", "serve": "serve.md",
+}
+
+
+def _point_to_docs() -> None:
+    for name, page in DOCS_PAGES.items():
+        cmd = cli if not name else cli.commands[name]
+        cmd.epilog = f"Docs: docs/{page} (the site: mkdocs serve, or mkdocs build into site/)"
+
+
+_point_to_docs()
+
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)

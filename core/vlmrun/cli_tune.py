@@ -63,7 +63,6 @@ def tune_command(dataset, layout_spec, layout_file, limit, max_accuracy_drop, mi
       vlmrun tune --layers decoder.layer0,decoder.lm_head --limit 4 --json
       vlmrun eval -L best.toml          # the winner again; vlmrun bundle OUT --layout-file best.toml ships it
     Exit status: 0 with a winner, 1 when no build met the budget, 2 for bad arguments.
-    Docs: docs/tune.md
     """
     from . import tune as tn
     from .errors import VlmrunError

@@ -38,17 +38,17 @@ CORE = "vlmrun"  # the owner of the options every backend takes
 class Option:
     """One per-stage option of a backend.
 
-    :param backend: the backend that reads it (``vlmrun`` for the core's own options).
-    :param name: the layout key (``snake_case``).
-    :param type: ``str``, ``int``, ``float``, ``bool`` or ``pathlib.Path``; values are converted to it.
-    :param choices: the allowed values (compared case-insensitively for strings), or ``None``.
-    :param stages: the stages it applies to (``None``: every stage the backend runs).
-    :param default: what the backend uses when the option is not given (shown in help; not filled in).
-    :param flag: a command-line flag for it (``--precision``); several backends may declare the same flag.
-    :param minimum: the smallest allowed value of a number.
-    :param keyed: the value changes what this plugin compiles: when it compiles for another backend
+    :ivar backend: the backend that reads it (``vlmrun`` for the core's own options).
+    :ivar name: the layout key (``snake_case``).
+    :ivar type: ``str``, ``int``, ``float``, ``bool`` or ``pathlib.Path``; values are converted to it.
+    :ivar choices: the allowed values (compared case-insensitively for strings), or ``None``.
+    :ivar stages: the stages it applies to (``None``: every stage the backend runs).
+    :ivar default: what the backend uses when the option is not given (shown in help; not filled in).
+    :ivar flag: a command-line flag for it (``--precision``); several backends may declare the same flag.
+    :ivar minimum: the smallest allowed value of a number.
+    :ivar keyed: the value changes what this plugin compiles: when it compiles for another backend
         (``--compiler``), the stage's value keys the compiled artifact (a device, a toolchain version).
-    :param key: for a keyed option whose default depends on other options: ``key(stage options) -> value``, the
+    :ivar key: for a keyed option whose default depends on other options: ``key(stage options) -> value``, the
         value the compiler will really use (given or not), which keys the artifact instead of the raw one (a
         device named explicitly and the same device picked from the SoC key alike).
     """

@@ -133,12 +133,15 @@ def _plot(result) -> str:
 
 
 def write_html(result, directory: str | os.PathLike) -> Path:
-    """DIR/index.html (the table, the plot embedded) and DIR/tune.json."""
+    """DIR/index.html (the table, the plot embedded), DIR/front.png (the plot) and DIR/tune.json."""
+    import base64
     import html
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     esc = html.escape
+    png = _plot(result)
+    (d / "front.png").write_bytes(base64.b64decode(png))
     rows = "".join(
         f"<tr class='{'ok' if p.within_budget else 'bad'}'><td>{esc(p.label)}"
         f"{' &#9733;' if result.winner is not None and p is result.winner else ''}</td><td>{p.bytes:,}</td>"
@@ -162,7 +165,7 @@ pre {{ background: #f5f5f5; padding: 1em; overflow: auto; font-size: 0.85em; }}
 <p>base: <code>{esc(result.base)}</code><br>budget: {esc(result.budget.describe())}<br>
 {len(result.points)} points ({result.built} built by this run) on {result.items} items of
 <code>{esc(result.dataset)}</code>, {result.wall_s:.0f} s</p>
-<img alt="bytes against logits SQNR" src="data:image/png;base64,{_plot(result)}">
+<img alt="bytes against logits SQNR" src="data:image/png;base64,{png}">
 <h2>Points</h2>
 <table><tr><th>point</th><th>bytes</th><th>accuracy</th><th>drop</th><th>answers as reference</th>
 <th>logits SQNR dB</th><th>front</th><th>raised</th><th>misses</th></tr>{rows}</table>

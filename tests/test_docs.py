@@ -1,0 +1,223 @@
+"""The docs cannot lie: every example in README.md and docs/*.md runs (or, marked as needing hardware, parses with
+vlmrun's own parser); a wrong flag in an example fails the checker; the site builds strictly and renders in a real
+headless browser; the README fits in 120 lines and opens with the two commands .ci/run uses; every command's --help
+points to its page."""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import docs_examples  # noqa: E402
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_readme_fits_a_screen_and_opens_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 120
+    assert lines[2:6] == [
+        "```bash",
+        "scripts/setup.sh && .venv/bin/vlmrun demo                 # run FastVLM on the tiny default model",
+        "scripts/setup.sh && .venv/bin/python -m pytest            # run the whole test suite",
+        "```"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "scripts/setup.sh" in ci and ".venv/bin/python -m pytest" in ci
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_examples_run(page, cache_dir, ref_pipe, tmp_path):
+    errors = docs_examples.check_page(page, tmp_path / "work", cache_dir)
+    assert not errors, "\n".join(errors)
+
+
+def test_every_page_is_in_the_site_and_every_example_block_is_checked():
+    import yaml
+
+    nav = json.dumps(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    for page in (ROOT / "docs").glob("*.md"):
+        assert f'"{page.name}"' in nav, f"{page.name} is not in mkdocs.yml's nav"
+        for block in docs_examples.blocks(page):
+            assert block.lang in ("console", "python", "toml", "json", "text", ""), (page.name, block.line, block.lang)
+
+
+# -- the checker itself ---------------------------------------------------------------------------------------------
+
+def _page(tmp_path, text: str) -> Path:
+    page = tmp_path / "page.md"
+    page.write_text(text)
+    return page
+
+
+def test_a_wrong_flag_in_an_example_fails(tmp_path, cache_dir, ref_pipe):
+    page = _page(tmp_path, "# p\n\n```console\n$ vlmrun eval --limt 2\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
+    assert len(errors) == 1 and "vlmrun eval --limt 2: exit 2" in errors[0] and "--limt" in errors[0], errors
+    # the same flag in a block marked as needing hardware: parsed by vlmrun's own parser, still caught
+    page = _page(tmp_path, "# p\n\n<!-- needs: a phone -->\n```console\n$ vlmrun --target android --limt 2\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
+    assert len(errors) == 1 and "No such option: --limt" in errors[0], errors
+    # a bad value, a benchmark's own flag
+    page = _page(tmp_path, "# p\n\n<!-- needs: time -->\n```console\n$ vlmrun eval --limit zero\n"
+                           "$ python benchmarks/tune.py --itemz 3\n$ python benchmarks/tune.py --items 3 --full-size\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
+    assert len(errors) == 2, errors
+    assert "'zero' is not a valid integer" in errors[0] and "unrecognized arguments: --itemz 3" in errors[1], errors
+
+
+def test_printed_output_and_exit_codes_are_checked(tmp_path, cache_dir, ref_pipe):
+    page = _page(tmp_path, "# p\n\n```console\n$ vlmrun --image photo.jpg --prompt 'Describe the image.'\n"
+                           "A blue square on a red background.\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
+    assert len(errors) == 1 and "expected output line not printed" in errors[0], errors
+    page = _page(tmp_path, "# p\n\n```console\n$ vlmrun --image nothere.jpg --prompt 'Describe the image.'\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
+    assert len(errors) == 1 and "exit 1 (expected 0): vlmrun: error: image not found: nothere.jpg" in errors[0]
+    page = _page(tmp_path, "# p\n\n```python\nimport vlmrun\nprint(vlmrun.__version__)  # prints: 9.9.9\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
+    assert len(errors) == 1 and "'9.9.9'" in errors[0], errors
+    page = _page(tmp_path, "# p\n\n```bash\nvlmrun demo\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
+    assert len(errors) == 1 and "write commands as ```console" in errors[0], errors
+
+
+# -- --help ---------------------------------------------------------------------------------------------------------
+
+def test_every_command_help_points_to_its_page(cache_dir):
+    from vlmrun.cli import DOCS_PAGES, cli
+
+    assert set(DOCS_PAGES) == {"", *cli.commands}
+    for name, page in DOCS_PAGES.items():
+        res = run_cli([*([name] if name else []), "--help"], cache_dir)
+        assert res.returncode == 0, res.stderr
+        assert f"Docs: docs/{page}" in " ".join(res.stdout.split()), name
+        assert (ROOT / "docs" / page).is_file()
+
+
+# -- the site ---------------------------------------------------------------------------------------------------------
+
+HARNESS = """<!DOCTYPE html><html><head><title>harness</title></head><body><pre id="out">pending</pre><script>
+const pages = PAGES; const results = {}; let i = 0;
+function next() {
+  if (i >= pages.length) { document.getElementById('out').textContent = JSON.stringify(results); return; }
+  const f = document.createElement('iframe'); f.style.width = '1280px'; f.style.height = '900px';
+  f.onload = () => setTimeout(() => {
+    const d = f.contentDocument, art = d.querySelector('article');
+    const imgs = Array.from(d.querySelectorAll('article img'));
+    results[pages[i]] = {
+      title: d.title, h1: art && art.querySelector('h1') ? art.querySelector('h1').textContent : null,
+      nav: d.querySelectorAll('nav.md-nav a.md-nav__link').length, code: d.querySelectorAll('article pre code').length,
+      tables: d.querySelectorAll('article table').length, width: art ? art.getBoundingClientRect().width : 0,
+      images: imgs.map(im => [im.getAttribute('src'), im.naturalWidth, im.naturalHeight]),
+      styled: getComputedStyle(d.body).fontFamily};
+    f.remove(); i++; next(); }, 500);
+  f.src = pages[i]; document.body.appendChild(f);
+}
+next();
+</script></body></html>"""
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site") / "site"
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d",
+                          str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_site_builds_strictly_with_the_api_reference(site):
+    api = (site / "api" / "index.html").read_text()
+    for name in ("vlmrun.Pipeline", "vlmrun.hookspecs.load_stage", "vlmrun.hookspecs.layer_precisions",
+                 "vlmrun.tune.tune"):
+        assert f'id="{name}"' in api, name
+    # a broken link fails the strict build
+    broken = site.parent / "broken"
+    shutil.copytree(ROOT / "docs", broken / "docs")
+    (broken / "docs" / "eval.md").write_text((broken / "docs" / "eval.md").read_text() + "\n[gone](nosuch.md)\n")
+    cfg = (ROOT / "mkdocs.yml").read_text().replace("paths: [core]", f"paths: [{ROOT / 'core'}]")
+    (broken / "mkdocs.yml").write_text(cfg)
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(broken / "site")],
+                         capture_output=True, text=True, timeout=600, cwd=broken)
+    assert res.returncode != 0 and "nosuch.md" in res.stderr
+
+
+def test_site_renders_in_a_headless_browser(site):
+    browser = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+    assert browser, "Chromium is not installed (apt-get install chromium-headless-shell; .ci/run installs it)"
+    pages = ["index.html", "getting-started/index.html", "tune/index.html", "measured/index.html", "api/index.html"]
+    (site / "harness.html").write_text(HARNESS.replace("PAGES", json.dumps(pages)))
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *a, **k: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/harness.html"
+        res = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=30000",
+                              "--dump-dom", url], capture_output=True, text=True, timeout=180)
+    finally:
+        server.shutdown()
+    m = re.search(r'<pre id="out">(.*?)</pre>', res.stdout, re.S)
+    assert m and m.group(1) != "pending", res.stdout[-2000:] + res.stderr[-2000:]
+    got = json.loads(html.unescape(m.group(1)))
+    assert got["index.html"]["title"] == "vlmrun" and got["index.html"]["h1"].startswith("vlmrun")
+    assert got["tune/index.html"]["title"].startswith("Tune") and got["measured/index.html"]["title"].startswith("Measured")
+    for page, r in got.items():
+        assert r["nav"] >= 15, (page, r)  # the navigation rendered, every page in it
+        assert r["width"] > 300, (page, r)  # the article laid out
+        assert "Roboto" in r["styled"] or "sans" in r["styled"], (page, r)  # the theme's CSS applied
+    assert got["getting-started/index.html"]["code"] >= 2 and got["getting-started/index.html"]["tables"] >= 1
+    plots = [im for im in got["measured/index.html"]["images"] if im[0].endswith(".png")]
+    assert plots and all(w > 100 and h > 100 for _, w, h in plots), got["measured/index.html"]["images"]
+
+
+# -- measured figures ---------------------------------------------------------------------------------------------
+
+def _table_after(text: str, heading: str) -> list[dict]:
+    """The first Markdown table after ``heading``: its rows as dicts of header -> cell."""
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    head, body = rows[0], rows[2:]
+    return [dict(zip(head, r)) for r in body]
+
+
+def test_measured_qnn_htp_figures_hold(tmp_path):
+    """benchmarks/qnn_htp.py reruns in seconds: its sizes within 2% and cosines within 0.003 of the page's."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "qnn_htp.py"), "--cache-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout)["stages"]
+    rows = {r["stage"]: r for r in _table_after((ROOT / "docs" / "measured.md").read_text(),
+                                                 "## qnn_htp on the HTP v79 emulator")}
+    measured = {
+        "vision fp16": (sum(got["vision"]["binary_bytes"].values()), None),
+        "vision int8": (got["vision"]["int8"]["binary_bytes"], got["vision"]["int8"]["cosine_vs_cpu"]),
+        "vision a16w8": (got["vision"]["a16w8"]["binary_bytes"], got["vision"]["a16w8"]["cosine_vs_cpu"]),
+        "projector fp16": (sum(got["projector"]["binary_bytes"].values()), None),
+        "embed fp16 (seq 32)": (sum(got["embed"]["binary_bytes"].values()), None),
+        "decoder fp16 (prompt + token)": (sum(got["decoder"]["binary_bytes"].values()), None),
+    }
+    assert set(measured) == set(rows)
+    for stage, (size, cos) in measured.items():
+        assert size == pytest.approx(int(rows[stage][".bin bytes"]), rel=0.02), stage
+        if cos is not None:
+            assert cos == pytest.approx(float(rows[stage]["cosine vs CPU"]), abs=0.003), stage
