@@ -11,6 +11,13 @@ if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libatomic.so.1'; then
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libatomic1 >/dev/null
 fi
 
+# The docs test opens the built site in a real headless browser: Chromium's headless shell from Debian.
+if ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then
+    echo "setup: installing chromium-headless-shell (the docs site's browser test)" >&2
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium-headless-shell >/dev/null
+fi
+
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || { echo "setup: creating .venv" >&2; "$PY" -m venv .venv; }
 

@@ -140,7 +140,6 @@ class Point:
     within_budget: bool = False
     misses: list = attrs.field(factory=list)
     on_front: bool = False
-    boundary_sqnr_db: dict = attrs.field(factory=dict)  # stage boundary -> median SQNR over the items
 
     @property
     def accuracy_drop(self) -> float | None:
@@ -260,8 +259,6 @@ def measure(job: MeasureJob) -> dict:
         answers_as_reference=dev.get("same_answer_as_reference", 1.0 if dev is ref else None),
         logits_sqnr_db=logits.get("median"), diff_pass_rate=dev.get("diff_pass_rate"), items=int(dev["items"]),
         key=dev["key"], seconds=round(time.perf_counter() - t0, 2), built=True,
-        boundary_sqnr_db={cp: (m.get("sqnr_db") or {}).get("median") for cp, m in (dev.get("drift") or {}).items()
-                          if cp in SHARE_BOUNDARIES.values()},
     ).to_json()
 
 
@@ -329,31 +326,6 @@ def sensitivity(ref_pipe, dev_pipe, stages: Sequence[str], record, max_new_token
 
 # --------------------------------------------------------------------------------------------------------------
 # the search
-
-
-#: the stage boundary whose drift is each stage's output
-SHARE_BOUNDARIES = {"vision": "vision/image_features", "projector": "projector/image_embeds",
-                    "decoder": "decoder/logits"}
-
-
-def stage_shares(sqnr_db: Mapping[str, float | None], stages: Sequence[str]) -> dict[str, float]:
-    """Each stage's share of the noise power at the logits, to first order: the noise a stage adds at its output
-    (its boundary's noise power minus the previous boundary's), carried to the logits with unit gain, over the
-    logits' noise power. Without the figures: every share 1 (stages ranked by their layers' own figures)."""
-    def noise(stage):
-        v = sqnr_db.get(SHARE_BOUNDARIES[stage])
-        return None if v is None else 10 ** (-float(v) / 10)
-
-    total = noise("decoder")
-    if not total:
-        return dict.fromkeys(stages, 1.0)
-    out, before = {}, 0.0
-    for stage in ("vision", "projector", "decoder"):
-        n = noise(stage)
-        n = before if n is None else min(max(n, before), total)
-        out[stage] = max(0.0, n - before) / total
-        before = n
-    return {s: out[s] for s in stages}
 
 
 def _gain(prev: Point, new: Point) -> float:
@@ -534,12 +506,15 @@ def tune(
                 sens = sensitivity(ref_pipe, dev_pipe, tuned, records[0], max_new_tokens, progress)
             cache.put(sens_key, sens)
         sensitivities.update(sens)
-        # across stages the noise at different outputs is not comparable: each layer's score is weighted by its
-        # stage's share of the logits' noise on the base build (first order, see stage_shares)
-        shares = stage_shares(first[0].boundary_sqnr_db, tuned)
-        scores = {k: v * shares.get(stage, 1.0) for stage in tuned for k, v in sens[stage]}
-        out = sorted((n for n in allowed if n in scores), key=lambda n: -scores[n])
-        out += sorted(n for n in allowed if n not in scores)  # not reported by the device probe: last
+        # across stages the noise at different outputs is not comparable: the stage nearest the logits first (its
+        # error reaches them directly; the decoder attenuates what vision hands it), each stage's layers by their
+        # own error
+        out = []
+        for stage in sorted(tuned, key=lambda st: -TUNABLE.index(st)):
+            score = dict((k, v) for k, v in sens[stage])
+            names = [n for n in allowed if n.split(".", 1)[0] == stage]
+            out += sorted((n for n in names if n in score), key=lambda n: (-score[n], n))
+            out += sorted(n for n in names if n not in score)  # not reported by the device probe: last
         return out
 
     # the climb: raise the most sensitive layers a rung at a time; a raise that does not help is not taken (the
