@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -70,7 +69,7 @@ def test_a_wrong_flag_in_an_example_fails(tmp_path, cache_dir, ref_pipe):
     # the same flag in a block marked as needing hardware: parsed by vlmrun's own parser, still caught
     page = _page(tmp_path, "# p\n\n<!-- needs: a phone -->\n```console\n$ vlmrun --target android --limt 2\n```\n")
     errors = docs_examples.check_page(page, tmp_path / "w", cache_dir)
-    assert len(errors) == 1 and "No such option: --limt" in errors[0], errors
+    assert len(errors) == 1 and "No such option" in errors[0] and "--limt" in errors[0], errors
     # a bad value, a benchmark's own flag
     page = _page(tmp_path, "# p\n\n<!-- needs: time -->\n```console\n$ vlmrun eval --limit zero\n"
                            "$ python benchmarks/tune.py --itemz 3\n$ python benchmarks/tune.py --items 3 --full-size\n```\n")
@@ -97,14 +96,16 @@ def test_printed_output_and_exit_codes_are_checked(tmp_path, cache_dir, ref_pipe
 
 # -- --help ---------------------------------------------------------------------------------------------------------
 
-def test_every_command_help_points_to_its_page(cache_dir):
+def test_every_command_help_points_to_its_page():
+    from click.testing import CliRunner
+
     from vlmrun.cli import DOCS_PAGES, cli
 
     assert set(DOCS_PAGES) == {"", *cli.commands}
     for name, page in DOCS_PAGES.items():
-        res = run_cli([*([name] if name else []), "--help"], cache_dir)
-        assert res.returncode == 0, res.stderr
-        assert f"Docs: docs/{page}" in " ".join(res.stdout.split()), name
+        res = CliRunner().invoke(cli, [*([name] if name else []), "--help"], prog_name="vlmrun")
+        assert res.exit_code == 0, res.output
+        assert f"Docs: docs/{page}" in " ".join(res.output.split()), name
         assert (ROOT / "docs" / page).is_file()
 
 

@@ -235,11 +235,14 @@ def test_cli_compile_reuses_and_records_random_calibration(htp_pipe, cache_dir):
     res = run("--stage", "vision")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "reused vision" in res.stdout and "SM8750" in res.stdout
-    res = run("--stage", "projector", "--precision", "int8", "--json")
+    # a key no other test (or docs example) of the session compiles: built once, then reused
+    res = run("--stage", "projector", "--precision", "int8", "--soc", "sm8650", "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     art = json.loads(res.stdout)["artifacts"][0]  # stdout is pure JSON: the QNN banner goes to stderr
     m = json.loads((Path(art["path"]) / "manifest.json").read_text())
     assert art["built"] and m["quantization"]["calibration"] == "random" and m["precision"] == "int8"
+    res = run("--stage", "projector", "--precision", "int8", "--soc", "sm8650", "--json")
+    assert res.returncode == 0 and not json.loads(res.stdout)["artifacts"][0]["built"]
     res = run("--stage", "vision", "--soc", "sm9999")
     assert res.returncode == 2 and res.stderr.strip() == (
         "vlmrun: error: stage 'vision' (qnn_htp): option 'soc' must be one of SM8750, SM8650, SM8550, SM8475,"

@@ -355,7 +355,7 @@ cli.add_command(tune_command, "tune")
 DOCS_PAGES = {
     "": "getting-started.md", "demo": "getting-started.md", "doctor": "getting-started.md",
     "export": "models.md", "make-tiny": "models.md", "store": "models.md", "plugins": "layouts.md",
-    "compile": "qnn_htp.md", "profile": "qaihub.md", "diff": "diff.md", "eval": "eval.md", "tune": "tune.md",
+    "compile": "npu.md", "profile": "cloud.md", "diff": "diff.md", "eval": "eval.md", "tune": "tune.md",
     "bundle": "bundles.md", "serve": "serve.md",
 }
 

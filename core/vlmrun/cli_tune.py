@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
+from .cli_eval import _bar
 from .cli_options import model_options
 
 
@@ -52,7 +52,7 @@ def tune_command(dataset, layout_spec, layout_file, limit, max_accuracy_drop, mi
 
     \b
     Ranks the layers of each quantized stage by their own error on the device (as diff --locate measures it),
-    then raises the most sensitive ones a rung at a time (qnn_htp: a w4a16 decoder layer to 8-bit weights, then
+    then raises the most sensitive ones a rung at a time (the NPU backend: a w4a16 decoder layer to 8-bit weights, then
     a16w16; an int8 vision layer to a16w16), building and evaluating each candidate with vlmrun eval on DATASET
     (default: the generated held-out set), until one meets the budget. Prints every point with the Pareto front
     (bytes on the device, accuracy, answers as the reference, logits SQNR) and writes the winner with --out.
@@ -84,7 +84,7 @@ def tune_command(dataset, layout_spec, layout_file, limit, max_accuracy_drop, mi
     result = tn.tune(layout_spec, dataset, layout_file=layout_file, budget=budget, stages=split(stages),
                      layers=split(layers), anchors=list(anchors), limit=limit, max_candidates=max_candidates,
                      beam=beam, model=model_dir, store=cache_dir, max_new_tokens=max_new_tokens,
-                     ray_address=ray_address, progress=step, on_point=on_point)
+                     ray_address=ray_address, progress=step, bar=_bar, on_point=on_point)
     if report_dir is not None:
         click.echo(f"report: {tn.write_html(result, report_dir)}", err=True)
     if out is not None and result.winner is not None:

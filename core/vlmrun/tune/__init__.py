@@ -7,7 +7,7 @@
 
 The **base** layout sets each quantized stage's precision (the cheapest build the search starts from: by default
 all-npu with a w4a16 decoder and int8 vision and projector). Each layer of a tuned stage can be raised to the
-precisions its backend offers above the stage's own (the optional ``layer_precisions`` hook; qnn_htp: a w4a16
+precisions its backend offers above the stage's own (the optional ``layer_precisions`` hook; the NPU backend: a w4a16
 decoder layer to 8-bit weights, then to a16w16; an int8 or a16w8 vision layer to a16w16), written into the
 stage's ``layer_precision`` option.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -15,7 +16,7 @@ import attrs
 from ..errors import UsageError
 from ..stages import STAGES
 
-#: the default base: every stage on qnn_htp at its cheapest quantized precision
+#: the default base: the all-npu preset, each stage at its cheapest quantized precision
 DEFAULT_BASE = "all-npu,vision.precision=int8,projector.precision=int8,decoder.precision=w4a16"
 TUNABLE = ("vision", "projector", "decoder")  # stages with layers (embed is a table lookup)
 LAYER_OPTION = "layer_precision"
@@ -240,13 +241,14 @@ class MeasureJob:
     max_new_tokens: int
 
 
-def measure(job: MeasureJob) -> dict:
-    """Build the candidate, run :func:`vlmrun.eval.evaluate` on it, return its figures (a :class:`Point`'s JSON)."""
+def measure(job: MeasureJob, bar: Callable | None = None) -> dict:
+    """Build the candidate, run :func:`vlmrun.eval.evaluate` on it, return its figures (a :class:`Point`'s JSON).
+    ``bar``: eval's progress bar factory (in this process; a Ray task shows none)."""
     from ..eval import evaluate
 
     t0 = time.perf_counter()
     run = evaluate([job.spec], job.dataset, reference=job.reference, model=job.model, store=job.store,
-                   limit=job.limit, max_new_tokens=job.max_new_tokens)
+                   limit=job.limit, max_new_tokens=job.max_new_tokens, bar=bar)
     ref = run.report["layouts"][0]
     dev = next((e for e in run.report["layouts"] if not e["is_reference"]), ref)
     logits = ((dev.get("drift") or {}).get("decoder/logits") or {}).get("sqnr_db") or {}
@@ -354,6 +356,7 @@ def tune(
     max_new_tokens: int | None = None,
     ray_address: str | None = None,
     progress=None,
+    bar: Callable | None = None,
     on_point: Callable[[Point], None] | None = None,
 ) -> TuneResult:
     """Search the smallest build of ``layout`` within ``budget`` (see the package docstring).
@@ -361,7 +364,8 @@ def tune(
     ``stages``: the stages to tune (default: every stage of the layout whose backend offers per-layer
     precisions at its precision); ``layers``: only these layers (probe names, e.g. ``decoder.layer1``);
     ``anchors``: more layouts to measure and place on the front (``vlmrun eval --layout`` specs, e.g. the uniform
-    w8a16 build); ``on_point(point)`` sees each point as it is measured or read back.
+    w8a16 build); ``on_point(point)`` sees each point as it is measured or read back; ``bar`` makes the progress
+    bars of the evals run in this process (as :func:`vlmrun.eval.evaluate` takes it).
     Raises :class:`vlmrun.errors.UsageError` for a bad budget, stage or layer before anything is compiled.
     """
     from .. import plugins as plugins_mod
@@ -474,7 +478,7 @@ def tune(
             what = ", ".join(j.label for j in jobs)
             with progress(f"building and evaluating {len(jobs)} candidate(s) on {len(records)} items ({what})"
                           f"{' on Ray' if ray_address else ''}"):
-                measured = executor.map(measure, jobs)
+                measured = executor.map(measure if ray_address else functools.partial(measure, bar=bar), jobs)
             for i, job, m in zip(where, jobs, measured):
                 p = Point.from_json(m)
                 cache.put(cache_key(job.spec), {**m, "built": False})
