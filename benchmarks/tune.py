@@ -103,6 +103,9 @@ def tiny(args) -> dict:
         try:
             on_ray = run_tune(rl.budget, args, ArtifactStore(copy), ray_address=address)
         finally:
+            import ray
+
+            ray.shutdown()  # before the cluster stops: a connected driver prints the raylet's death on stdout
             if args.ray == "local":
                 subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], capture_output=True)
             shutil.rmtree(copy, ignore_errors=True)
