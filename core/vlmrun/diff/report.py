@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import VlmrunError
+from ..plots import png_base64
 from .metrics import SQNR_CAP_DB, fmt, fmt_shape
 
 if TYPE_CHECKING:
@@ -98,15 +99,7 @@ def _data(run_: DiffRun) -> dict:
 
 
 def _png(fig) -> str:
-    import base64
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return png_base64(fig)
 
 
 def _plots(run_: DiffRun) -> dict[str, str]:

@@ -384,12 +384,10 @@ def run_items(records: Sequence[Record], sides: Sequence[Side], cache: ResultCac
               on_item: Callable[[Record, dict | None, str | None], None] | None = None) -> None:
     """Run ``records`` through ``sides`` (the reference first), in this process, in ``workers`` processes (each
     builds its own pipelines from ``config``; the artifacts are already in the store) or, with ``ray_address``, on
-    Ray actors (:func:`vlmrun.tune.executors.run_items_on_ray`). ``on_item(record, results, error)`` is called in
+    Ray actors (:func:`run_items_on_ray`). ``on_item(record, results, error)`` is called in
     this process as each item finishes."""
     ref = next(s for s in sides if s.is_reference)
     if ray_address and config is not None and records:
-        from ..tune.executors import run_items_on_ray
-
         by_key = {r.key: r for r in records}
         run_items_on_ray(ray_address, records, config, workers,
                          lambda key, results, error: on_item and on_item(by_key[key], results, error))
@@ -418,6 +416,38 @@ def run_items(records: Sequence[Record], sides: Sequence[Side], cache: ResultCac
         raise
     finally:
         pool.join()
+
+
+class _EvalActor:
+    """A Ray actor holding the layouts' pipelines (built once per actor), running items as the worker processes do."""
+
+    def __init__(self, config: WorkerConfig):
+        _worker_init(config)
+
+    def item(self, record: Record):
+        return _worker_item(record)
+
+
+def run_items_on_ray(address: str, records: Sequence[Record], config: WorkerConfig, workers: int, on_item) -> None:
+    """``vlmrun eval --ray``: ``records`` over ``workers`` Ray actors (1: one per CPU of the cluster); each result is
+    handed to ``on_item(key, results, error)`` here as it finishes. Every node must see the store (:mod:`..cluster`)."""
+    from ..cluster import connect, raise_task_error
+
+    ray = connect(address, Path(config.store))
+    from ray.util import ActorPool
+
+    if workers <= 1:
+        workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    actor = ray.remote(num_cpus=1, max_restarts=0)(_EvalActor)
+    actors = [actor.remote(config) for _ in range(min(workers, len(records)))]
+    try:
+        for key, results, error in ActorPool(actors).map_unordered(lambda a, r: a.item.remote(r), list(records)):
+            on_item(key, results, error)
+    except ray.exceptions.RayError as exc:
+        raise_task_error(ray, exc, "a Ray eval worker")
+    finally:
+        for a in actors:
+            ray.kill(a)
 
 
 def skipped_from_error(record: Record, error: str) -> Skipped:

@@ -212,7 +212,7 @@ def _f(v, digits: int) -> str:
 
 
 def _plots(report: Mapping) -> dict[str, str]:
-    from ..diff.report import _png
+    from ..plots import png_base64 as _png
 
     import matplotlib
 

@@ -31,7 +31,7 @@ and ``vlmrun eval``; a table, JSON, and an HTML page with the plot.
 set and the item count) and the compiled binaries and eval results are cached there too: an interrupted tune
 resumes, and a finished one run again builds nothing.
 
-**Ray** (:mod:`.executors`): ``ray_address`` runs the candidates of a step as Ray tasks (each declares one CPU and
+**Ray** (:mod:`.executors`, :mod:`vlmrun.cluster`): ``ray_address`` runs the candidates of a step as Ray tasks (each declares one CPU and
 the memory a compile of this model needs, so two full-size compiles do not land on one node). Every node must see
 the store at the same path (a shared filesystem): the tasks compile into it and write their eval results there;
 the driver checks that before the first task.

@@ -104,7 +104,7 @@ def write_toml(point, path: str | os.PathLike, base: str = "") -> Path:
 def _plot(result) -> str:
     import matplotlib
 
-    from ..diff.report import _png
+    from ..plots import png_base64 as _png
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
