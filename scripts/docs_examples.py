@@ -250,8 +250,9 @@ def install_example(path: str, cwd: Path, env: dict) -> str | None:
 def serving(args: str, cwd: Path, env: dict):
     import urllib.request
 
-    argv = [sys.executable, "-m", "vlmrun.cli", "serve", *shlex.split(args)]
-    port = shlex.split(args)[shlex.split(args).index("--port") + 1] if "--port" in args else "8000"
+    words = shlex.split(args)
+    argv = [sys.executable, "-m", "vlmrun.cli", "serve", *words]
+    port = words[words.index("--port") + 1] if "--port" in words else "8000"
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 600
@@ -263,6 +264,8 @@ def serving(args: str, cwd: Path, env: dict):
                 break
             except OSError:
                 time.sleep(0.5)
+        else:
+            raise RuntimeError(f"vlmrun serve {args} did not answer /health within 600 s")
         yield
     finally:
         proc.terminate()

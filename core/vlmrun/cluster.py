@@ -70,7 +70,7 @@ def connect(address: str, store_root: Path):
 
 
 
-def raise_task_error(ray, exc, what: str):
+def raise_task_error(exc, what: str):
     """A failed Ray task or actor as vlmrun's error: the task's own VlmrunError as it was, else one line."""
     cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, VlmrunError):

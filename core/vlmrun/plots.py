@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from .errors import VlmrunError
+
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
+    """matplotlib.pyplot on the Agg backend (no display needed); one error line when matplotlib is missing."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise VlmrunError(f"--report needs matplotlib ({exc}); pip install matplotlib") from None
     return plt
 
 

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import VlmrunError
-from ..plots import png_base64
+from ..plots import png_base64, pyplot
 from .metrics import SQNR_CAP_DB, fmt, fmt_shape
 
 if TYPE_CHECKING:
@@ -98,18 +97,8 @@ def _data(run_: DiffRun) -> dict:
     return data
 
 
-def _png(fig) -> str:
-    return png_base64(fig)
-
-
 def _plots(run_: DiffRun) -> dict[str, str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise VlmrunError(f"--report needs matplotlib ({exc}); pip install matplotlib") from None
+    plt = pyplot()
     result = run_.result
     figs: dict[str, str] = {}
 
@@ -126,7 +115,7 @@ def _plots(run_: DiffRun) -> dict[str, str]:
     ax.set_xticks(range(len(tensors)), labels, fontsize=8)
     ax.set_ylabel("SQNR (dB)")
     ax.set_title(f"SQNR per stage boundary (capped at {SQNR_CAP_DB:.0f} dB; dashes: thresholds; red: failed)")
-    figs["sqnr"] = _png(fig)
+    figs["sqnr"] = png_base64(fig)
 
     steps = result.steps
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True)
@@ -141,7 +130,7 @@ def _plots(run_: DiffRun) -> dict[str, str]:
     a2.set_yscale("symlog", linthresh=1e-9)
     a2.set_ylabel("KL(ref || dev)")
     a2.set_xlabel("generation step")
-    figs["steps"] = _png(fig)
+    figs["steps"] = png_base64(fig)
 
     worst = result.worst()
     shown = [worst] if worst is not None else []
@@ -168,11 +157,11 @@ def _plots(run_: DiffRun) -> dict[str, str]:
                      + ("; all errors zero" if not np.any(err) else ""), fontsize=9)
         ax.set_xlabel("error (device - reference)")
         ax.set_ylabel("count")
-    figs["hist"] = _png(fig)
+    figs["hist"] = png_base64(fig)
     if getattr(run_, "location", None) is not None:  # --locate: the per-layer curve
         from .locate import plot_location
 
-        figs["locate"] = _png(plot_location(run_.location, plt))
+        figs["locate"] = png_base64(plot_location(run_.location, plt))
     return figs
 
 

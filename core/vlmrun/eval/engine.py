@@ -444,7 +444,7 @@ def run_items_on_ray(address: str, records: Sequence[Record], config: WorkerConf
         for key, results, error in ActorPool(actors).map_unordered(lambda a, r: a.item.remote(r), list(records)):
             on_item(key, results, error)
     except ray.exceptions.RayError as exc:
-        raise_task_error(ray, exc, "a Ray eval worker")
+        raise_task_error(exc, "a Ray eval worker")
     finally:
         for a in actors:
             ray.kill(a)

@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..diff.metrics import SQNR_CAP_DB, fmt
-from .answers import normalize_answer
 from ..handles import device_bytes
+from .answers import normalize_answer
 
 #: The stage boundaries whose drift is summarised, in pipeline order.
 DRIFT_CHECKPOINTS = ("preprocess/pixel_values", "vision/image_features", "projector/image_embeds",
@@ -212,12 +212,9 @@ def _f(v, digits: int) -> str:
 
 
 def _plots(report: Mapping) -> dict[str, str]:
-    from ..plots import png_base64 as _png
+    from ..plots import png_base64, pyplot
 
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figs = {}
     lays = report["layouts"]
@@ -233,7 +230,7 @@ def _plots(report: Mapping) -> dict[str, str]:
     ax.set_ylabel("accuracy (%)")
     ax.set_title("accuracy per layout and question kind (exact match)")
     ax.legend(fontsize=8, loc="lower right")
-    figs["accuracy"] = _png(fig)
+    figs["accuracy"] = png_base64(fig)
 
     others = [lay for lay in lays if not lay["is_reference"]]
     if others:
@@ -255,7 +252,7 @@ def _plots(report: Mapping) -> dict[str, str]:
         ax.set_ylabel("SQNR (dB)")
         ax.set_title(f"drift per stage boundary over the items (SQNR capped at {SQNR_CAP_DB:.0f} dB)")
         ax.legend(fontsize=7, loc="upper right")
-        figs["drift"] = _png(fig)
+        figs["drift"] = png_base64(fig)
 
         fig, ax = plt.subplots(figsize=(8, 3.0))
         data, names = [], []
@@ -274,7 +271,7 @@ def _plots(report: Mapping) -> dict[str, str]:
             ax.set_ylabel("top-1 agreement")
             ax.set_title("decoder: teacher-forced top-1 agreement with the reference, over the items")
             ax.legend(fontsize=8, loc="lower right")
-        figs["top1"] = _png(fig)
+        figs["top1"] = png_base64(fig)
     return figs
 
 

@@ -38,7 +38,7 @@ class RayExecutor:
         try:
             return ray.get(refs)
         except ray.exceptions.RayTaskError as exc:
-            raise_task_error(ray, exc, "a Ray task")
+            raise_task_error(exc, "a Ray task")
 
 
 def _run_job(fn, job):

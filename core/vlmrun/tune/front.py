@@ -102,13 +102,9 @@ def write_toml(point, path: str | os.PathLike, base: str = "") -> Path:
 
 
 def _plot(result) -> str:
-    import matplotlib
+    from ..plots import png_base64, pyplot
 
-    from ..plots import png_base64 as _png
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     pts = [p for p in result.points if p.logits_sqnr_db is not None]
     ax.scatter([p.bytes / 1e6 for p in pts], [p.logits_sqnr_db for p in pts],
@@ -129,7 +125,7 @@ def _plot(result) -> str:
     ax.set_title("vlmrun tune: green within the budget, red outside")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png_base64(fig)
 
 
 def write_html(result, directory: str | os.PathLike) -> Path:

@@ -465,7 +465,8 @@ def tune(
         jobs, where = [], []
         for i, c in enumerate(cands):
             spec = candidate_spec(base, c)
-            hit = cache.get(cache_key(spec))
+            key = cache_key(spec)
+            hit = cache.get(key)
             if hit is not None:
                 p = Point.from_json(hit)
                 p.label, p.layers, p.anchor, p.built = c.label, dict(c.layers), c.anchor, False
@@ -473,16 +474,15 @@ def tune(
             else:
                 jobs.append(MeasureJob(c.label, c.layers, c.anchor, spec, ref_spec, str(fvlm.path), str(store.root),
                                        str(dataset), limit, max_new_tokens))
-                where.append(i)
+                where.append((i, key))
         if jobs:
             what = ", ".join(j.label for j in jobs)
             with progress(f"building and evaluating {len(jobs)} candidate(s) on {len(records)} items ({what})"
                           f"{' on Ray' if ray_address else ''}"):
                 measured = executor.map(measure if ray_address else functools.partial(measure, bar=bar), jobs)
-            for i, job, m in zip(where, jobs, measured):
-                p = Point.from_json(m)
-                cache.put(cache_key(job.spec), {**m, "built": False})
-                out[i] = p
+            for (i, key), m in zip(where, measured):
+                cache.put(key, {**m, "built": False})
+                out[i] = Point.from_json(m)
                 built += 1
         result = [out[i] for i in range(len(cands))]
         for p in result:
