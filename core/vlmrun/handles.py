@@ -40,10 +40,16 @@ class DecoderHandle(StageHandle):
         follows the layout's ``context_length`` option or the model; the core checks prompt lengths against it.
     :ivar last_timings: figures the runtime measured during the last ``decode`` (e.g. ``ttft_ms``,
         ``tokens_per_s``, ``prompt_tokens_per_s``); they replace the host-clock figures of a generation.
+    :ivar runtime_name: the name of the runtime that generates (``decode`` / ``run_request``) when it is NOT the engine
+        behind ``run_stage`` (e.g. ``"Genie 1.21"`` generating over binaries that ``run_stage`` runs in vlmrun's
+        host engine); ``None`` when both are the same code. A diff then captures the logits of both, teacher-forced
+        on the same tokens, and names the runtime when it departs from the engine (``vlmrun diff``). Such a runtime
+        must honour ``on_logits`` and ``teacher_tokens`` of its requests.
     """
 
     context_length: int | None = None
     last_timings: Mapping[str, float] = _EMPTY
+    runtime_name: str | None = None
 
 
 def artifacts_of(handle: object) -> list:
@@ -56,6 +62,10 @@ def profile_of(handle: object) -> dict:
 
 def context_of(handle: object) -> int | None:
     return handle.context_length if isinstance(handle, DecoderHandle) else None
+
+
+def runtime_of(handle: object) -> str | None:
+    return handle.runtime_name if isinstance(handle, DecoderHandle) else None
 
 
 def timings_of(handle: object) -> dict[str, float]:

@@ -22,11 +22,11 @@ import numpy as np
 from . import layouts as layouts_mod
 from . import plugins as plugins_mod
 from .errors import BackendError, InputError
-from .handles import context_of, profile_of, timings_of
+from .handles import context_of, profile_of, runtime_of, timings_of
 from .model import FastVLMModel, open_model
 from .progress import no_progress
 from .preprocess import load_image, preprocess_image, render_prompt, splice, tokenize_prompt
-from .sampling import Sampler, SamplingSettings
+from .sampling import ForcedSampler, Sampler, SamplingSettings
 from .stages import (CONTRACTS, STAGES, CompileContext, CompileRequest, DecodeRequest, ExportForm, RequestRun,
                      check_tensor)
 from .store import Artifact, ArtifactStore
@@ -208,9 +208,11 @@ class Generation:
     """An iterator of text pieces; after it is exhausted, ``token_ids``, ``text`` and ``timings`` are final."""
 
     def __init__(self, pipeline: "Pipeline", prepared: Prepared, settings: GenerationSettings,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, teacher_tokens: Sequence[int] | None = None):
         self.pipeline = pipeline
         self.step_logits: list[np.ndarray] | None = [] if keep_logits else None  # rows the decoder reported
+        # teacher forcing: step k takes teacher_tokens[k] (the decoder's own runtime forces them)
+        self.teacher_tokens = None if teacher_tokens is None else [int(t) for t in teacher_tokens]
         self.prepared = prepared
         self.settings = settings
         self.token_ids: list[int] = []
@@ -246,7 +248,8 @@ class Generation:
         p = self.prepared
         request = RequestRun(pixel_values=p.pixel_values, input_ids=p.input_ids, image_start=p.image_start,
                              prompt_text=p.prompt_text, max_new_tokens=budget, sampling=self.settings.sampling,
-                             stop_ids=stops, tensors=self.tensors)
+                             stop_ids=stops, tensors=self.tensors, on_logits=self._on_logits(),
+                             teacher_tokens=self.teacher_tokens)
         return pipe.registry.hook.run_request(backend=backend, handles=dict(pipe.handles), request=request)
 
     def _run(self) -> Iterator[str]:
@@ -262,14 +265,16 @@ class Generation:
     def _stage_by_stage(self, budget: int, stops: frozenset) -> Iterator[int]:
         pipe, s = self.pipeline, self.settings
         inputs_embeds = pipe.embed_prompt(self.prepared, self.timings, self.tensors, self.profiles)
+        sampler = Sampler(s.sampling, vocab_limit=pipe.model.vocab_limit)
         request = DecodeRequest(
             inputs_embeds=inputs_embeds,
             max_new_tokens=budget,
-            sampler=Sampler(s.sampling, vocab_limit=pipe.model.vocab_limit),
+            sampler=sampler if self.teacher_tokens is None else ForcedSampler(self.teacher_tokens, sampler),
             stop_ids=stops,
             embed_tokens=pipe.embed_tokens,
             context_length=pipe.context_length,
-            on_logits=None if self.step_logits is None else (lambda row: self.step_logits.append(np.array(row))),
+            on_logits=self._on_logits(),
+            teacher_tokens=self.teacher_tokens,
         )
         backend = pipe.layout.backend("decoder")
         self._t0 = time.perf_counter()
@@ -277,6 +282,9 @@ class Generation:
         if tokens is None:
             raise BackendError(f"backend '{backend}' does not implement decode")
         yield from tokens
+
+    def _on_logits(self):
+        return None if self.step_logits is None else (lambda row: self.step_logits.append(np.array(row)))
 
     def _stream(self, tokens: Iterator[int], budget: int, stops: frozenset) -> Iterator[str]:
         pipe, s = self.pipeline, self.settings
@@ -502,36 +510,62 @@ class Pipeline:
         return self.generate_prepared(self.prepare(image, prompt, settings.system), settings, keep_logits)
 
     def generate_prepared(self, prepared: Prepared, settings: GenerationSettings = GenerationSettings(),
-                          keep_logits: bool = False) -> Generation:
-        """:meth:`generate` for inputs already :meth:`prepare`-d (a server checks them before queueing)."""
+                          keep_logits: bool = False, teacher_tokens: Sequence[int] | None = None) -> Generation:
+        """:meth:`generate` for inputs already :meth:`prepare`-d (a server checks them before queueing).
+
+        ``teacher_tokens``: teacher forcing through the decoder's own runtime (step k takes token k)."""
         if settings.max_new_tokens < 1:
             raise InputError("max_new_tokens must be at least 1")
-        return Generation(self, prepared, settings, keep_logits)
+        return Generation(self, prepared, settings, keep_logits, teacher_tokens)
+
+    @property
+    def runtime_name(self) -> str | None:
+        """The runtime that generates, when it is not the engine behind ``run_stage`` for the decoder (e.g.
+        Genie over binaries vlmrun's host engine also runs): see :attr:`vlmrun.handles.DecoderHandle.runtime_name`."""
+        return runtime_of(self.handles.get("decoder"))
 
     def capture(self, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
                 teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
         """Every stage-boundary tensor of one request, for diffs.
 
-        Generates with ``settings`` and captures per-step ``logits`` under teacher forcing on
-        ``teacher_tokens`` (default: its own tokens): row k predicts token k. When the decoder reported its
-        logits while generating and it generated exactly the forced tokens, those rows are the teacher-forced
-        ones already; otherwise the decoder runs once more over the prompt plus the forced tokens.
+        Generates with ``settings`` (free-running: ``tokens``) and captures per-step ``logits`` under teacher
+        forcing on ``teacher_tokens`` (default: its own tokens): row k predicts token k. When the decoder reported
+        its logits while generating and it generated exactly the forced tokens, those rows are the teacher-forced
+        ones already; otherwise the decoder stage runs once more over the prompt plus the forced tokens.
+
+        When the decoder's runtime is not the engine behind ``run_stage`` (:attr:`runtime_name`, e.g. Genie), the
+        free-running generation is the runtime's as it ships (its own sampler), ``logits`` are the engine's over
+        the same binaries, and ``runtime_logits`` are the runtime's own, teacher-forced through it on the same
+        tokens (its ``teacher_tokens``): the two sides of the runtime boundary.
         """
-        gen = self.generate(image, prompt, settings, keep_logits=True).run()
+        runtime = self.runtime_name
+        gen = self.generate(image, prompt, settings, keep_logits=runtime is None).run()
         p, embeds = gen.prepared, gen.tensors["inputs_embeds"]
         forced = list(teacher_tokens if teacher_tokens is not None else gen.token_ids)
         n = max(len(forced), 1)
         rows = gen.step_logits or []
+        extra: dict[str, np.ndarray] = {}
         if forced == gen.token_ids[: len(forced)] and len(rows) >= n:
             logits = np.stack(rows[:n])[None].astype(np.float32)
         else:
             tail = self.embed_tokens(np.asarray(forced, dtype=np.int64)) if forced else embeds[:, :0]
             full = np.concatenate([embeds, tail], axis=1)
             logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"][:, embeds.shape[1] - 1 :][:, :n]
+        if runtime is not None:
+            # the runtime's own logits, teacher-forced on the same tokens through the runtime itself; a budget of
+            # exactly the forced tokens, stop tokens kept (a forced stop token ends it where the forced list ends)
+            budget = attrs.evolve(settings, max_new_tokens=max(len(forced), 1))
+            tf = self.generate_prepared(p, budget, keep_logits=True, teacher_tokens=forced or None).run()
+            got = tf.step_logits or []
+            if not got:
+                raise BackendError(f"the decoder's runtime ({runtime}) reported no logits under teacher forcing")
+            extra["runtime_logits"] = np.stack(got[:n])[None].astype(np.float32)
+            extra["runtime_tokens"] = np.asarray(tf.token_ids, dtype=np.int64)
         return {
             "pixel_values": p.pixel_values,
             "input_ids": p.input_ids,
             **gen.tensors,
             "logits": logits,
             "tokens": np.asarray(gen.token_ids, dtype=np.int64),
+            **extra,
         }

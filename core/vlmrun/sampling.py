@@ -49,6 +49,24 @@ class Sampler:
         return sample(logits, s, self._rng)
 
 
+class ForcedSampler:
+    """Teacher forcing: step k returns ``tokens[k]`` whatever the logits; past the list, ``then`` samples.
+
+    What the core hands a decoder (``DecodeRequest.sampler``) when a request is teacher-forced, so that every
+    decoder that samples through ``request.sampler`` is forced without knowing it."""
+
+    def __init__(self, tokens, then: Sampler):
+        self.tokens = [int(t) for t in tokens]
+        self.then = then
+        self.settings = then.settings
+        self.steps = 0
+
+    def __call__(self, logits: np.ndarray) -> int:
+        k = self.steps
+        self.steps += 1
+        return self.tokens[k] if k < len(self.tokens) else self.then(logits)
+
+
 FIRST_PREFIX = 64  # candidates sorted first; the prefix grows 8x until it holds the answer
 
 

@@ -165,6 +165,9 @@ class DecodeRequest:
     context_length: int
     # when set, a decoder that sees its logits calls it with each step's row [V] before sampling from it
     on_logits: Callable[[np.ndarray], None] | None = None
+    # teacher forcing: step k takes teacher_tokens[k] instead of sampling (``sampler`` already returns them; a
+    # runtime that samples inside itself must force them itself, e.g. through Genie's custom sampler)
+    teacher_tokens: Sequence[int] | None = None
 
 
 @attrs.define
@@ -180,6 +183,10 @@ class RequestRun:
         the tokens that end generation (empty: none).
     :ivar tensors: a dict the backend fills with the stage-boundary tensors it saw (e.g. ``image_embeds`` from
         its image encoder), for diffs.
+    :ivar on_logits: when set, the runtime hands it each step's full logits row [V] (float32) as it generates; a
+        runtime that cannot see its logits leaves it uncalled.
+    :ivar teacher_tokens: when set, step k must take ``teacher_tokens[k]`` instead of sampling (teacher forcing
+        through the runtime itself, so that its logits are comparable row by row with a reference's).
     """
 
     pixel_values: np.ndarray
@@ -190,6 +197,8 @@ class RequestRun:
     sampling: object
     stop_ids: frozenset[int]
     tensors: dict = attrs.field(factory=dict)
+    on_logits: Callable[[np.ndarray], None] | None = None
+    teacher_tokens: Sequence[int] | None = None
 
 
 @attrs.frozen

@@ -18,6 +18,9 @@ from ..stages import STAGES
 CAPTURE_KEYS = (
     "pixel_values", "input_ids", "image_features", "image_embeds", "text_embeds", "inputs_embeds", "logits", "tokens",
 )
+#: kept when a side has them: the logits and tokens of a runtime that is not the engine behind the decoder stage
+#: (a bundle's Genie), teacher-forced through that runtime
+OPTIONAL_KEYS = ("runtime_logits", "runtime_tokens")
 
 
 @attrs.define
@@ -126,8 +129,10 @@ def capture_pipeline(pipe, image, prompt: str, settings, teacher_tokens=None, im
     tensors = pipe.capture(image, prompt, settings, teacher_tokens=teacher_tokens)
     meta = _base_meta(pipe.model, image_desc, prompt, settings, teacher_tokens, tensors["tokens"])
     meta.update(source=f"layout {pipe.layout.name}", layout={s: pipe.layout.backend(s) for s in STAGES})
+    if pipe.runtime_name is not None:
+        meta["runtime"] = pipe.runtime_name
     # a runtime that fuses stages (a bundle's image encoder: vision + projector) has no tensor between them
-    return Capture({k: np.asarray(tensors[k]) for k in CAPTURE_KEYS if k in tensors}, meta)
+    return Capture({k: np.asarray(tensors[k]) for k in (*CAPTURE_KEYS, *OPTIONAL_KEYS) if k in tensors}, meta)
 
 
 def _prepare(model, image, prompt: str, system: str | None = None):

@@ -9,7 +9,8 @@ import numpy as np
 
 from .capture import Capture, jsonable
 from .metrics import (
-    CHECKPOINTS, METRICS_OF_STAGE, common_prefix, fmt, fmt_shape, generation_metrics, logits_steps, tensor_metrics,
+    CHECKPOINTS, METRICS_OF_STAGE, common_prefix, divergence_explained, fmt, fmt_shape, generation_metrics,
+    logits_steps, per_step_sqnr, tensor_metrics,
 )
 from .thresholds import thresholds_for
 
@@ -129,6 +130,12 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
     notes: list[str] = []
     steps: dict[str, list] = {"top1": [], "top5_overlap": [], "kl": []}
     for stage, name in CHECKPOINTS:
+        if name == "runtime_logits":  # only a device whose runtime is not the engine behind its decoder stage
+            if name in dev.tensors and "logits" in ref.tensors and "logits" in dev.tensors:
+                entry, runtime_steps = _runtime_entry(ref, dev, thresholds)
+                entries.append(entry)
+                steps.update(runtime_steps)
+            continue
         if name not in ref.tensors or name not in dev.tensors:
             side = "device" if name not in dev.tensors else "reference"
             notes.append(f"{name} is not observable on the {side} side (its runtime fuses the stages around it):"
@@ -136,7 +143,7 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
             continue
         r, d = np.asarray(ref.tensors[name]), np.asarray(dev.tensors[name])
         if name == "tokens":
-            m = generation_metrics(ref.tokens, dev.tokens)
+            m = {**generation_metrics(ref.tokens, dev.tokens), **_divergence(ref, dev)}
             entries.append(_apply(Entry(stage, name, r.shape, d.shape, m), thresholds))
             continue
         if name == "logits":
@@ -154,7 +161,7 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
         else:
             m = tensor_metrics(r, d)
         if name == "logits":
-            steps = logits_steps(r, d)
+            steps = {**steps, **logits_steps(r, d)}
             m.update(
                 steps=len(steps["top1"]),
                 top1_agreement=float(np.mean(steps["top1"])) if steps["top1"] else 1.0,
@@ -164,6 +171,65 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
             )
         entries.append(_apply(Entry(stage, name, r.shape, d.shape, m), thresholds))
     return DiffResult(entries, steps, thresholds, precision, dict(ref.meta), dict(dev.meta), notes)
+
+
+def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]:
+    """The runtime boundary: the runtime's own logits (teacher-forced through it) against the reference's, as the
+    decoder's are, and against the engine's over the same binaries (``engine_*``); the first step where the
+    runtime leaves the engine (its row's SQNR against the engine's below ``engine_sqnr_db``, or another top-1)."""
+    rows, _ = _comparable_rows(ref, dev)
+    r = np.asarray(ref.tensors["logits"])[:, :rows]
+    d = np.asarray(dev.tensors["runtime_logits"])[:, :rows]
+    e = np.asarray(dev.tensors["logits"])[:, :rows]
+    rows = min(r.shape[1], d.shape[1], e.shape[1])
+    r, d, e = r[:, :rows], d[:, :rows], e[:, :rows]
+    if r.shape != d.shape:
+        entry = Entry("runtime", "runtime_logits", r.shape, d.shape, {}, note=f"shape {fmt_shape(r.shape)} vs"
+                      f" {fmt_shape(d.shape)}")
+        return _apply(entry, thresholds), {}
+    m = tensor_metrics(r, d)
+    st = logits_steps(r, d)
+    eng = tensor_metrics(e, d)
+    step_sqnr = per_step_sqnr(e, d)
+    eng_top1 = (e.reshape(rows, -1).argmax(-1) == d.reshape(rows, -1).argmax(-1)).tolist()
+    floor = thresholds.get("runtime", {}).get("engine_sqnr_db")
+    first = next((k for k in range(rows) if not eng_top1[k] or (floor is not None and not step_sqnr[k] >= floor)),
+                 None)
+    m.update(
+        steps=rows,
+        top1_agreement=float(np.mean(st["top1"])) if rows else 1.0,
+        top5_overlap=float(np.mean(st["top5_overlap"])) if rows else 1.0,
+        kl_mean=float(np.mean(st["kl"])) if rows else 0.0,
+        kl_max=float(np.max(st["kl"])) if rows else 0.0,
+        engine_sqnr_db=eng["sqnr_db"],
+        engine_top1_agreement=float(np.mean(eng_top1)) if rows else 1.0,
+        first_departing_step=first,
+        runtime=dev.meta.get("runtime"),
+    )
+    entry = _apply(Entry("runtime", "runtime_logits", r.shape, d.shape, m), thresholds)
+    return entry, {"runtime_top1": st["top1"], "runtime_kl": st["kl"], "runtime_engine_sqnr": step_sqnr,
+                   "runtime_engine_top1": [float(x) for x in eng_top1], "runtime_argmax": st["dev_argmax"]}
+
+
+def _divergence(ref: Capture, dev: Capture) -> dict:
+    """Was the free-running generation made by the logits the diff checked? At the first step where it leaves the
+    reference, the context is the reference's on both sides, so the generating runtime's own teacher-forced row
+    there (``runtime_logits`` when the device has a separate runtime, else ``logits``) must give the device's token
+    (greedy; a near-tie is explained, :func:`~.metrics.divergence_explained`). 1 when it does not: the tokens come
+    from somewhere the teacher-forced checkpoints never measured (a runtime, a sampler, a KV cache)."""
+    rt, dt = ref.tokens, dev.tokens
+    p = common_prefix(rt, dt)
+    if p >= len(rt) or p >= len(dt):
+        return {"unexplained_divergence": 0}
+    key = "runtime_logits" if "runtime_logits" in dev.tensors else "logits"
+    if key not in dev.tensors:
+        return {"unexplained_divergence": 0}
+    rows = np.asarray(dev.tensors[key])
+    if rows.ndim != 3 or rows.shape[1] <= p or common_prefix(dev.forced_tokens, rt) < p:
+        return {"unexplained_divergence": 0}
+    explained, detail = divergence_explained(rows[0, p], dt[p])
+    return {"unexplained_divergence": 0 if explained else 1,
+            "divergence": {"step": p, "device_token": dt[p], "reference_token": rt[p], "judged_by": key, **detail}}
 
 
 def _comparable_rows(ref: Capture, dev: Capture) -> tuple[int, str]:

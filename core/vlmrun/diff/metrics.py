@@ -19,6 +19,7 @@ CHECKPOINTS: tuple[tuple[str, str], ...] = (
     ("embed", "text_embeds"),
     ("splice", "inputs_embeds"),
     ("decoder", "logits"),
+    ("runtime", "runtime_logits"),
     ("generation", "tokens"),
 )
 CHECK_STAGES = tuple(dict.fromkeys(s for s, _ in CHECKPOINTS))
@@ -27,7 +28,12 @@ CHECK_STAGES = tuple(dict.fromkeys(s for s, _ in CHECKPOINTS))
 TENSOR_METRICS = {"max_abs": "max", "mean_abs": "max", "rel_l2": "max", "cosine": "min", "sqnr_db": "min"}
 LOGITS_METRICS = {"top1_agreement": "min", "top5_overlap": "min", "kl_mean": "max", "kl_max": "max"}
 IDS_METRICS = {"mismatches": "max"}
-GENERATION_METRICS = {"matching_tokens": "min", "match_fraction": "min"}
+# the runtime that generates, when it is not the engine behind the decoder stage (a bundle's Genie): its own logits,
+# teacher-forced through it, against the reference (as the decoder's) and against the engine's over the same binaries
+RUNTIME_METRICS = {"engine_sqnr_db": "min", "engine_top1_agreement": "min"}
+# unexplained_divergence: 1 when the free-running generation leaves the reference at a step where the logits the
+# diff checked (the generating runtime's own, teacher-forced) did not lead there: the tokens were not made by them
+GENERATION_METRICS = {"matching_tokens": "min", "match_fraction": "min", "unexplained_divergence": "max"}
 METRICS_OF_STAGE: dict[str, dict[str, str]] = {
     "preprocess": {**TENSOR_METRICS, **IDS_METRICS},
     "vision": TENSOR_METRICS,
@@ -35,6 +41,7 @@ METRICS_OF_STAGE: dict[str, dict[str, str]] = {
     "embed": TENSOR_METRICS,
     "splice": TENSOR_METRICS,
     "decoder": {**TENSOR_METRICS, **LOGITS_METRICS},
+    "runtime": {**TENSOR_METRICS, **LOGITS_METRICS, **RUNTIME_METRICS},
     "generation": GENERATION_METRICS,
 }
 
@@ -106,6 +113,38 @@ def generation_metrics(ref_tokens: Sequence[int], dev_tokens: Sequence[int]) -> 
         "ref_len": len(ref_tokens),
         "dev_len": len(dev_tokens),
     }
+
+
+#: a free-running token is explained by a logits row when its probability is at least this fraction of the top
+#: token's: a near-tie that rounding flips is explained; a token the row gives far less weight is not
+EXPLAINED_PROB_RATIO = 0.5
+
+
+def divergence_explained(row: np.ndarray, token: int) -> tuple[bool, dict]:
+    """Whether a greedy runtime whose logits at this step are ``row`` could have chosen ``token``: its probability
+    is at least :data:`EXPLAINED_PROB_RATIO` of the top token's. Returns (explained, details)."""
+    row = np.asarray(row, np.float64).reshape(-1)
+    lp = _log_softmax(row)
+    top = int(row.argmax())
+    ok = 0 <= token < row.size
+    ratio = float(np.exp(lp[token] - lp[top])) if ok else 0.0
+    return ratio >= EXPLAINED_PROB_RATIO, {"row_argmax": top, "prob_ratio": ratio}
+
+
+def per_step_sqnr(ref: np.ndarray, dev: np.ndarray) -> list[float]:
+    """SQNR (dB, capped) of each row of [1, K, V] ``dev`` against ``ref``."""
+    r = np.asarray(ref, np.float64).reshape(-1, ref.shape[-1])
+    d = np.asarray(dev, np.float64).reshape(-1, dev.shape[-1])
+    out = []
+    for a, b in zip(r, d):
+        noise, signal = float(((a - b) ** 2).sum()), float((a ** 2).sum())
+        if noise == 0.0:
+            out.append(SQNR_CAP_DB)
+        elif not np.isfinite(noise):
+            out.append(float("nan"))
+        else:
+            out.append(float(np.clip(10 * np.log10(max(signal, 1e-300) / noise), -SQNR_CAP_DB, SQNR_CAP_DB)))
+    return out
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -56,6 +56,7 @@ def format_table(result: DiffResult) -> str:
             f" ({m['top1_agreement']:.3f}), top-5 overlap {m['top5_overlap']:.3f},"
             f" KL mean {fmt(m['kl_mean'])} max {fmt(m['kl_max'])}"
         )
+    lines += _runtime_lines(result)
     g = result.entry("generation")
     gm = g.metrics
     first = gm["first_divergent_step"]
@@ -64,11 +65,23 @@ def format_table(result: DiffResult) -> str:
         f" (device made {gm['dev_len']}); first divergent step: {'none' if first is None else first}"
         + ("" if g.passed else "  FAIL " + ", ".join(c.describe() for c in g.failures))
     )
+    div = gm.get("divergence") or {}
+    if gm.get("unexplained_divergence"):
+        judged = "the runtime's own" if div.get("judged_by") == "runtime_logits" else "the decoder's"
+        lines.append(
+            f"      the device's token {div.get('device_token')} at step {div.get('step')} is not what {judged}"
+            f" teacher-forced logits give there (top-1 {div.get('row_argmax')}; its probability"
+            f" {div.get('prob_ratio', 0):.2g}x the top token's): the answer was not made by the logits checked")
     for note in result.notes:
         lines.append(f"note: {note}")
     culprit = result.culprit
+    boundary = runtime_verdict(result)
     if culprit is None:
         lines.append("PASS: every checkpoint is within its thresholds")
+    elif boundary:
+        lines.append(boundary)
+        if len(result.failed_stages) > 1:
+            lines.append(f"      also failing downstream: {', '.join(result.failed_stages[1:])}")
     else:
         why = "; ".join(f"{e.tensor}: " + (e.note or ", ".join(c.describe() for c in e.failures))
                         for e in result.entries if e.stage == culprit and not e.passed)
@@ -76,6 +89,57 @@ def format_table(result: DiffResult) -> str:
         if len(result.failed_stages) > 1:
             lines.append(f"      also failing downstream: {', '.join(result.failed_stages[1:])}")
     return "\n".join(lines)
+
+
+def _runtime_lines(result: DiffResult) -> list[str]:
+    """The runtime boundary, when the device's runtime is not the engine behind its decoder stage (a bundle's
+    Genie): its teacher-forced logits against the reference and against the engine over the same binaries."""
+    try:
+        e = result.entry("runtime")
+    except KeyError:
+        return []
+    m = e.metrics
+    if "steps" not in m:
+        return []
+    n = m["steps"]
+    first = m.get("first_departing_step")
+    return [
+        f"runtime ({m.get('runtime') or 'the device runtime'}), teacher-forced through it, {n} steps: top-1"
+        f" agreement {int(round(m['top1_agreement'] * n))}/{n} with the reference,"
+        f" {int(round(m['engine_top1_agreement'] * n))}/{n} with the engine over the same binaries;"
+        f" SQNR {m['sqnr_db']:.1f} dB against the reference, {m['engine_sqnr_db']:.1f} dB against the engine;"
+        f" first step departing from the engine: {'none' if first is None else first}"
+    ]
+
+
+def runtime_verdict(result: DiffResult) -> str:
+    """The verdict when the runtime is the first to fail and the binaries it runs pass under the engine: the
+    runtime departs, not the binary, from its first departing step; '' otherwise."""
+    if result.culprit != "runtime":
+        return ""
+    e = result.entry("runtime")
+    m, steps = e.metrics, result.steps
+    first = m.get("first_departing_step")
+    name = m.get("runtime") or "the device runtime"
+    try:
+        engine = result.entry("decoder", "logits")
+        engine_ok = f"; the binaries pass under the engine (decoder logits {engine.metrics['sqnr_db']:.1f} dB)"
+    except KeyError:
+        engine_ok = ""
+    at = ""
+    if first is not None:
+        sq = steps.get("runtime_engine_sqnr", [])
+        top1 = steps.get("runtime_engine_top1", [])
+        ra, da = steps.get("ref_argmax", []), steps.get("runtime_argmax", [])
+        bits = []
+        if first < len(sq):
+            bits.append(f"step SQNR against the engine {sq[first]:.1f} dB")
+        if first < len(top1) and not top1[first] and first < len(da) and first < len(ra):
+            bits.append(f"top-1 token {da[first]} where the reference's is {ra[first]}")
+        at = f" from step {first}" + (f" ({', '.join(bits)})" if bits else "")
+    why = ", ".join(c.describe() for c in e.failures)
+    return (f"FAIL: the runtime departs, not the binary: {name} leaves the engine over the same binaries{at}:"
+            f" {why}{engine_ok}")
 
 
 def save_run(run_: DiffRun, directory: str | os.PathLike) -> Path:
@@ -187,6 +251,8 @@ def write_report(run_: DiffRun, directory: str | os.PathLike) -> Path:
     verdict = ("<p class='pass'>PASS: every checkpoint is within its thresholds</p>" if result.passed else
                f"<p class='fail'>FAIL: likely culprit <b>{esc(str(result.culprit))}</b>"
                f" (first stage to cross its thresholds; failing: {esc(', '.join(result.failed_stages))})</p>")
+    if runtime_verdict(result):
+        verdict += f"<p class='fail'>{esc(runtime_verdict(result))}</p>"
     rows = []
     for e in result.entries:
         m = e.metrics

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from vlmrun.errors import BackendError, UsageError
+from vlmrun.handles import DecoderHandle
 from vlmrun.layouts import bundle_manifest
 
 from .bundle import CONNECTIONS, LUT, NODES, _split, sha256
@@ -64,14 +66,19 @@ class BundleRuntime:
 
         return dequantize_values(rows, info).astype(np.float32)
 
-    def generator_config(self, sampling, max_new_tokens: int, stop_ids) -> dict:
-        """The bundle's text-generator config with this request's sampler, length and stop tokens."""
+    def generator_config(self, sampling, max_new_tokens: int, stop_ids, tap: bool = False) -> dict:
+        """The bundle's text-generator config with this request's sampler, length and stop tokens; ``tap``: the
+        custom sampler that hands every step's logits to the host and forces the teacher's tokens
+        (:mod:`vlmrun_qualcomm.genie_sampler`)."""
         from vlmrun_qualcomm import genie
+        from vlmrun_qualcomm.genie_sampler import custom_sampler_block
 
         cfg = json.loads((self.path / NODES["textGenerator"]).read_text())
         body = cfg["text-generator"]
         body["max-num-tokens"] = int(max_new_tokens)
-        if sampling is not None:
+        if tap:
+            body["sampler"] = custom_sampler_block()
+        elif sampling is not None:
             body["sampler"] = genie.sampler_config(sampling, body["context"]["n-vocab"])
         if stop_ids is not None:
             stops = sorted(stop_ids) or [body["context"]["n-vocab"] - 1]
@@ -79,24 +86,35 @@ class BundleRuntime:
         return cfg
 
     def request(self, prefix: str, pixels: Path, suffix: str, sampling, max_new_tokens: int, stop_ids,
-                embeddings_out: Path) -> dict:
+                embeddings_out: Path, tap: dict | None = None) -> dict:
         """The worker's request: the nodes' configs (the bundle's; the generator's for this request), the
-        connections, and the inputs in splice order."""
-        nodes = {node: (json.dumps(self.generator_config(sampling, max_new_tokens, stop_ids))
+        connections, and the inputs in splice order; ``tap`` (``rows``, ``forced``, ``vocab_limit``): the logits
+        tap of :mod:`vlmrun_qualcomm.genie_sampler`."""
+        nodes = {node: (json.dumps(self.generator_config(sampling, max_new_tokens, stop_ids, tap is not None))
                         if node == "textGenerator" else (self.path / name).read_text())
                  for node, name in NODES.items()}
-        return {"nodes": nodes, "connections": CONNECTIONS,
-                "inputs": [["lutEncoder", "text", prefix], ["imageEncoder", "image", str(pixels)],
-                           ["lutEncoder", "text", suffix]],
-                "embeddings_out": str(embeddings_out)}
+        req = {"nodes": nodes, "connections": CONNECTIONS,
+               "inputs": [["lutEncoder", "text", prefix], ["imageEncoder", "image", str(pixels)],
+                          ["lutEncoder", "text", suffix]],
+               "embeddings_out": str(embeddings_out)}
+        if tap is not None:
+            req["logits"] = tap
+        return req
 
     def generate(self, req) -> Iterator[int]:
-        """Run one whole request (``req``: a :class:`vlmrun.stages.RequestRun`); yield token ids. Genie hands out
-        text: each piece is tokenized back (the text is exact; the ids are those of the text, which may differ
-        from the ones Genie sampled where two tokenizations spell the same text). Genie ends at a stop token it
-        does not print, nor say which: an answer that ends before the budget gets the lowest stop id."""
+        """Run one whole request (``req``: a :class:`vlmrun.stages.RequestRun`); yield token ids.
+
+        As it ships (the bundle's own sampler), Genie hands out text: each piece is tokenized back (the text is
+        exact; the ids are those of the text, which may differ from the ones Genie sampled where two tokenizations
+        spell the same text). Genie ends at a stop token it does not print, nor say which: an answer that ends
+        before the budget gets the lowest stop id. A request that asks for logits or forces tokens
+        (``on_logits``, ``teacher_tokens``) runs with the custom sampler instead: every step's logits row reaches
+        ``on_logits``, the ids are the ones written back to Genie (the teacher's, else the argmax)."""
         tok = self.model.tokenizer
         before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
+        if self.phone is None and (req.on_logits is not None or req.teacher_tokens is not None):
+            yield from self._tapped(req, before, after)
+            return
         if self.phone is not None:
             gen = self.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
             pieces = iter([self.phone.answer(req, before, after, gen)])
@@ -110,10 +128,27 @@ class BundleRuntime:
         if req.stop_ids and count < req.max_new_tokens:
             yield min(req.stop_ids)
 
-    def _pieces(self, req, before: str, after: str) -> Iterator[str]:
+    def _tapped(self, req, before: str, after: str) -> Iterator[int]:
+        """The request with Genie's custom sampler: the ids it wrote back, as the steps come."""
+        from vlmrun_qualcomm.genie_sampler import LogitsRows
+
+        rows = LogitsRows(Path(tempfile.mkdtemp(prefix="vlmrun-bundle-logits-")) / "rows.f32", req.on_logits)
+        try:
+            sent = 0
+            for _ in self._pieces(req, before, after, rows, need_text=False):
+                while sent < len(rows.tokens):
+                    sent += 1
+                    yield rows.tokens[sent - 1]
+            yield from rows.tokens[sent:]
+            if not rows.tokens:
+                raise BackendError(f"bundle {self.path.name}: Genie's custom sampler was never called (no step ran)")
+        finally:
+            shutil.rmtree(rows.path.parent, ignore_errors=True)
+
+    def _pieces(self, req, before: str, after: str, rows=None, need_text: bool = True) -> Iterator[str]:
         """The answer's text pieces from the pipeline on this machine; the boundary tensors into ``req.tensors``
-        before the first; a run whose image never reached the generator, or with no text, is an error."""
-        import tempfile
+        before the first; a run whose image never reached the generator, or with no text, is an error. ``rows``
+        (a :class:`~vlmrun_qualcomm.genie_sampler.LogitsRows`): tap the logits, force ``req.teacher_tokens``."""
         import time
 
         from vlmrun_qualcomm.genie_pipeline import stream_pipeline
@@ -123,11 +158,15 @@ class BundleRuntime:
             pixels = tmp / "pixel_values.raw"
             np.ascontiguousarray(req.pixel_values, np.float32).tofile(pixels)
             emb_out = tmp / "image_embeddings.npy"
-            request = self.request(before, pixels, after, req.sampling, req.max_new_tokens, req.stop_ids, emb_out)
+            tap = None if rows is None else {"rows": str(rows.path), "forced": list(req.teacher_tokens or ()),
+                                             "vocab_limit": self.model.vocab_limit}
+            request = self.request(before, pixels, after, req.sampling, req.max_new_tokens, req.stop_ids, emb_out,
+                                   tap)
             result: dict = {}
             t0 = time.perf_counter()
             text, first = "", None
-            for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result):
+            for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result,
+                                         logits=rows):
                 if first is None:
                     first = time.perf_counter()
                     if "embeddings_dims" not in result:  # the worker hands the image's output before any text
@@ -137,7 +176,7 @@ class BundleRuntime:
                 yield piece
             if "embeddings_dims" not in result:
                 raise self._no_image()
-            if not text:
+            if not text and need_text:
                 raise BackendError(f"bundle {self.path.name}: Genie's pipeline returned success with no text; check"
                                    " the bundle with vlmrun bundle --verify (a generator without its LUT block"
                                    " stops silently)")
@@ -179,16 +218,29 @@ class BundleRuntime:
 _RUNTIMES: dict[tuple, BundleRuntime] = {}
 
 
-class BundleStage:
+class BundleFiles:
+    """The bundle's files as the one artifact its decoder stage reports: ``binary_bytes`` is every file the device
+    holds (binaries, token table, configs, tokenizer), so ``vlmrun eval`` reports a bundle's bytes on the device."""
+
+    def __init__(self, runtime: BundleRuntime):
+        self.path = runtime.path
+        self.manifest = {"binary_bytes": {name: int(f["bytes"]) for name, f in runtime.manifest["files"].items()}}
+
+
+class BundleStage(DecoderHandle):
     """One stage of a ``bundle:DIR`` layout. The bundle runs whole requests (``run_request``); a single stage runs
     only where the bundle's own binary can be driven alone: the decoder (teacher forcing, for diffs) by vlmrun's host
-    engine over the store's compile whose binaries are byte-identical to the bundle's."""
+    engine over the store's compile whose binaries are byte-identical to the bundle's. The decoder's
+    ``runtime_name`` says Genie's pipeline generates (a diff then teacher-forces Genie too, through its custom
+    sampler); on a phone genie-app hands out no logits, and the runtime is not named."""
 
     def __init__(self, runtime: BundleRuntime, stage: str, ctx):
         self.runtime, self.stage, self.ctx = runtime, stage, ctx
-        self.artifacts = ()
+        self.artifacts = [BundleFiles(runtime)] if stage == "decoder" else []
         self.load_s = 0.0
         self._decoder = None
+        if stage == "decoder" and runtime.phone is None:
+            self.runtime_name = "Genie's pipeline (libGenie)"
 
     @property
     def context_length(self) -> int:

@@ -32,6 +32,7 @@ import numpy as np
 from vlmrun.errors import BackendError
 
 from .genie import WorkerLines, _last_error_line, capture_fd, status_name
+from .genie_sampler import LogitsRows, LogitsTap
 
 # GenieNode_IOName_t
 TEXT_GENERATOR_TEXT_INPUT, TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 0, 1, 2
@@ -243,8 +244,14 @@ def _worker(argv: Sequence[str] | None = None) -> int:
 
     try:
         lib = PipelineLibrary(a.lib)
+        tap = None
+        if req.get("logits"):  # the generator's sampler block names this callback (genie_sampler.py)
+            t = req["logits"]
+            tap = LogitsTap(lib.lib, out, t["rows"], t.get("forced") or (), t.get("vocab_limit"))
         run_pipeline(lib, req["nodes"], req["connections"], req["inputs"], on_text, on_embedding)
         flush_embeddings()
+        if tap is not None:
+            tap.close()
         out.write("DONE\n")
         return 0
     except BackendError as exc:
@@ -253,10 +260,11 @@ def _worker(argv: Sequence[str] | None = None) -> int:
 
 
 def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float = 600.0,
-                    result: dict | None = None) -> Iterator[str]:
+                    result: dict | None = None, logits: LogitsRows | None = None) -> Iterator[str]:
     """Run ``request`` (see :func:`_worker`) in a worker process whose working directory is ``cwd`` (the bundle:
     its configs name their files relative to it, as genie-app runs them on a phone); yield the generator's text
-    pieces. ``result`` gets ``embeddings_dims`` when the image encoder's callback fired."""
+    pieces. ``result`` gets ``embeddings_dims`` when the image encoder's callback fired, and ``tokens``, the ids
+    the custom sampler wrote, when ``request["logits"]`` taps the logits (each row to ``logits``)."""
     import shutil
     import tempfile
 
@@ -276,6 +284,8 @@ def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str |
                     yield text
             elif word == "EMBEDDINGS":
                 result["embeddings_dims"] = json.loads(rest)
+            elif word == "LOGITS" and logits is not None:
+                logits.event(rest)
             elif word == "DONE":
                 done = True
             elif word == "ERROR":
