@@ -128,7 +128,7 @@ def test_torch_vs_reference_passes_fp32(ref_pipe, tiny_model, store, image_path)
     assert result.passed, diff.format_table(result)
     # the figures are what an independent computation gives
     for stage, name in diff.CHECKPOINTS:
-        if name in ("input_ids", "tokens"):
+        if name in ("input_ids", "tokens", "runtime_logits"):  # no runtime apart from the engine here
             continue
         ref, dev = run.reference.tensors[name], run.device.tensors[name]
         if name == "logits":

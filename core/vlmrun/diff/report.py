@@ -258,7 +258,8 @@ def write_report(run_: DiffRun, directory: str | os.PathLike) -> Path:
         m = e.metrics
         cells = [e.stage, e.tensor, fmt_shape(e.shape_ref) + ("" if e.shape_ref == e.shape_dev else
                                                              " vs " + fmt_shape(e.shape_dev))]
-        metric_text = ", ".join(f"{k} {fmt(v)}" for k, v in m.items())
+        metric_text = ", ".join(f"{k} {fmt(v) if isinstance(v, (int, float)) or v is None else v}"
+                                for k, v in m.items())
         checks = "; ".join(("ok " if c.ok else "FAIL ") + f"{c.metric} {c.op} {fmt(c.threshold)}"
                            for c in e.checks) or "(no check)"
         rows.append(

@@ -20,8 +20,25 @@ reset engine and scores the ``context-size - 1`` next-token predictions inside i
 a target); ``perplexity = exp(total NLL / total count)``. A generator with a LUT ``embedding`` block (a bundle's)
 is fed the LUT's rows, requantized to the decoder's input encoding.
 
-Checked on this machine (2026-11-26, x86_64 HTP emulator, the tiny default model's bundle): see
-:data:`FINDINGS`.
+Checked on this machine (2026-11-26; libGenie 1.21.0 of onnxruntime-qnn 2.7.0, QNN 2.51, x86_64 HTP emulator, the
+tiny default model's all-npu bundle: fp16 parts decoder, AR 128, context 512, uint16 LUT):
+
+* the node config is the bundle's ``text-generator.json`` as written (dialog body, sampler, ``embedding`` LUT
+  block, ``max-num-tokens`` 512 -- it plays no part: a 1100-token text is scored); the node needs no pipeline;
+  the worker's cwd must be the bundle folder (ctx-bins, tokenizer and LUT are relative paths);
+* ``GenieAccuracy_createFromNode`` needs a config (the header's "can be NULL" is not what the code does); the
+  plain ``{"dataset", "type"}`` config is enough for a ``basic`` generator (no ``engine`` block);
+* a key outside the schema: ``GenieAccuracyConfig_createFromJson`` -> GENIE_STATUS_ERROR_JSON_SCHEMA (-8), the
+  reason on stderr as a bare line ("Unknown config key: bogus");
+* a text shorter than the context: ``GenieAccuracy_compute`` -> GENIE_STATUS_ERROR_GENERAL (-1) with nothing in
+  the log (so :func:`perplexity` counts the tokens itself to say why); an unreadable dataset file: status 1
+  (EXIT_FAILURE, read as GENIE_STATUS_WARNING_ABORTED), also silent;
+* deterministic (the same figure run to run); ~13 s per run for 2 windows of 512 tokens, node creation included;
+* its figure is NOT the reference decoder's over the same windows to the last digit: chat-turn text of 1101
+  tokens (2 windows): Genie 62108, the reference decoder 69513 (the same binaries run by onnxruntime-qnn: within
+  0.2 % of the reference), window 1 alone 42703 vs 39421, window 0 alone 93968 vs 122575. Tokenization (no BOS,
+  special tokens matched), a leading pad/EOS, shifted targets and independent 128-token chunks were each ruled
+  out on the reference; the cause is inside Genie's LUT scoring path (``computeEmbeddings``) and not found.
 """
 
 from __future__ import annotations
@@ -40,9 +57,7 @@ from typing import Mapping, Sequence
 from vlmrun.errors import BackendError
 
 from .genie import AllocCB, WorkerLines, _last_error_line, capture_fd, status_name
-from .genie_pipeline import LOG_LEVEL_WARN, PipelineLibrary, _genie_reason, _with_reason
-
-FINDINGS = """filled in below"""
+from .genie_pipeline import LOG_LEVEL_WARN, PipelineLibrary
 
 ACCURACY_SIG = {
     "GenieAccuracyConfig_createFromJson": ([ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int32),
@@ -88,6 +103,29 @@ def accuracy_script(generator_config_file: str, dataset_file: str, accuracy_conf
 
 
 # -- the worker process ---------------------------------------------------------------------------------------
+NOISE = ("warn:", "[INFO]", "[ INFO ]", "[ WARN ]", "[WARN]", "#", "LIBNATIVE")
+
+
+def genie_reason(text: str) -> str:
+    """Genie's reason in its log: the last ``[ ERROR ]`` line, else the last line that is not a warning or info
+    (libGenie prints its exceptions to stderr as bare lines, e.g. "Unknown config key: bogus")."""
+    errors = [ln.split("]", 1)[-1].strip().strip('"') for ln in text.splitlines() if "ERROR" in ln and "]" in ln]
+    if errors:
+        return errors[-1][:300]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(NOISE)
+             and "LIBNATIVE" not in ln]
+    return lines[-1][:300] if lines else ""
+
+
+def _check(status: int, what: str, log: list[str]) -> None:
+    if int(status) == 0:
+        return
+    reason = genie_reason("".join(log))
+    if int(status) == 1 and what == "GenieAccuracy_compute" and not reason:
+        reason = "the dataset file cannot be read"
+    raise BackendError(f"Genie {what} failed: {status_name(status)}" + (f": {reason}" if reason else ""))
+
+
 def compute(lib: PipelineLibrary, node_config: str, accuracy_json: str) -> float:
     """Create the text generator of ``node_config`` (JSON), bind an accuracy of ``accuracy_json`` to it, compute."""
     L = lib.lib
@@ -108,17 +146,23 @@ def compute(lib: PipelineLibrary, node_config: str, accuracy_json: str) -> float
     cb = AllocCB(alloc)
     data = ctypes.c_void_p()
     try:
-        with _with_reason(log), capture_fd(2, log, 2), capture_fd(1, log, None):
-            lib.check(L.GenieLog_create(None, None, LOG_LEVEL_WARN, ctypes.byref(logger)), "GenieLog_create", log)
-            lib.check(L.GenieNodeConfig_createFromJson(node_config.encode(), ctypes.byref(cfg)),
-                      "text-generator config", log)
-            lib.check(L.GenieNodeConfig_bindLogger(cfg, logger), "bindLogger", log)
-            lib.check(L.GenieNode_create(cfg, ctypes.byref(node)), "GenieNode_create (text-generator)", log)
-            lib.check(L.GenieAccuracyConfig_createFromJson(accuracy_json.encode(), ctypes.byref(acfg)),
-                      "GenieAccuracyConfig_createFromJson", log)
-            lib.check(L.GenieAccuracy_createFromNode(acfg, node, ctypes.byref(acc)), "GenieAccuracy_createFromNode",
-                      log)
-            lib.check(L.GenieAccuracy_compute(acc, cb, ctypes.byref(data)), "GenieAccuracy_compute", log)
+        try:
+            with capture_fd(2, log, 2), capture_fd(1, log, None):  # Genie's reasons are only in its output
+                _check(L.GenieLog_create(None, None, LOG_LEVEL_WARN, ctypes.byref(logger)), "GenieLog_create", log)
+                _check(L.GenieNodeConfig_createFromJson(node_config.encode(), ctypes.byref(cfg)),
+                       "GenieNodeConfig_createFromJson (text-generator)", log)
+                _check(L.GenieNodeConfig_bindLogger(cfg, logger), "GenieNodeConfig_bindLogger", log)
+                _check(L.GenieNode_create(cfg, ctypes.byref(node)), "GenieNode_create (text-generator)", log)
+                _check(L.GenieAccuracyConfig_createFromJson(accuracy_json.encode(), ctypes.byref(acfg)),
+                       "GenieAccuracyConfig_createFromJson", log)
+                _check(L.GenieAccuracy_createFromNode(acfg, node, ctypes.byref(acc)), "GenieAccuracy_createFromNode",
+                       log)
+                _check(L.GenieAccuracy_compute(acc, cb, ctypes.byref(data)), "GenieAccuracy_compute", log)
+        except BackendError as exc:  # the log is complete once the capture ended
+            reason = genie_reason("".join(log))
+            if reason and reason not in str(exc):
+                raise BackendError(f"{exc}: {reason}") from None
+            raise
         if not data.value:
             raise BackendError("GenieAccuracy_compute returned success without a result")
         return read_perplexity(ctypes.string_at(data.value).decode("utf-8", "replace"))
@@ -150,6 +194,64 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     except BackendError as exc:
         out.write(f"ERROR {' '.join(str(exc).split())}\n")
         return 3
+
+
+# -- the host side --------------------------------------------------------------------------------------------
+def count_tokens(bundle_dir: str | os.PathLike, generator_config: Mapping, text: str) -> int | None:
+    """The text's token count by the generator's tokenizer (as Genie encodes it: no BOS added); None when the
+    tokenizer cannot be read here."""
+    body = next(iter(generator_config.values()), {}) if generator_config else {}
+    path = Path(bundle_dir) / str((body.get("tokenizer") or {}).get("path", "tokenizer.json"))
+    try:
+        from tokenizers import Tokenizer
+
+        return len(Tokenizer.from_file(str(path)).encode(text, add_special_tokens=False).ids)
+    except Exception:  # noqa: BLE001 - only to explain a refusal
+        return None
+
+
+def context_size(generator_config: Mapping) -> int | None:
+    body = next(iter(generator_config.values()), {}) if generator_config else {}
+    size = (body.get("context") or {}).get("size")
+    return int(size) if size else None
+
+
+def perplexity(lib_path: str | os.PathLike, bundle_dir: str | os.PathLike, generator_config: Mapping, text: str, *,
+               timeout: float = 600.0) -> float:
+    """The perplexity of ``text`` by the text generator ``generator_config`` (``{"text-generator": {...}}``, its
+    files relative to ``bundle_dir``), computed by libGenie's GenieAccuracy in a worker process (no onnxruntime in
+    it). One-line BackendError on any failure, a timeout, or a text shorter than the generator's context."""
+    tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-accuracy-"))
+    try:
+        dataset = tmp / "dataset.txt"
+        dataset.write_text(text, encoding="utf-8")
+        (tmp / "text-generator.json").write_text(json.dumps(generator_config, indent=1))
+        (tmp / "accuracy.json").write_text(json.dumps(accuracy_config(str(dataset))))
+        argv = [sys.executable, "-m", "vlmrun_qualcomm.genie_accuracy", "--lib", str(lib_path),
+                "--node-config", str(tmp / "text-generator.json"), "--accuracy-config", str(tmp / "accuracy.json")]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
+        run = WorkerLines(argv, timeout=timeout, what="the GenieAccuracy worker", env=env, cwd=bundle_dir)
+        ppl, error = None, None
+        for word, rest in run:
+            if word == "PERPLEXITY":
+                ppl = read_perplexity(json.dumps({"perplexity": float(rest)}))
+            elif word == "ERROR":
+                error = rest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if run.timed_out and ppl is None:
+        raise BackendError(f"GenieAccuracy timed out after {timeout:g} s (worker killed); give a shorter text or a"
+                           " longer timeout")
+    if error:
+        ctx, n = context_size(generator_config), count_tokens(bundle_dir, generator_config, text)
+        if ctx and n is not None and n < ctx:
+            raise BackendError(f"GenieAccuracy refused the text: it is {n} tokens, shorter than the text generator's"
+                               f" context of {ctx} tokens (perplexity is scored over whole context windows) ({error})")
+        raise BackendError(error)
+    if ppl is None or run.returncode != 0:
+        detail = _last_error_line(run.stderr) or "no message"
+        raise BackendError(f"the GenieAccuracy worker exited with status {run.returncode}: {detail}")
+    return ppl
 
 
 if __name__ == "__main__":
