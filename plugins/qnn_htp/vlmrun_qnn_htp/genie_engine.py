@@ -118,6 +118,7 @@ class GenieHtpHandle(DecoderHandle):
         self._host: GenieLayoutDecoder | None = None
         self.load_s = 0.0
         self.last_timings: dict = {}
+        self.runtime_name = genie.RUNTIME_NAME
 
     @property
     def context_length(self) -> int:
@@ -156,4 +157,5 @@ class GenieHtpHandle(DecoderHandle):
                              f" context holds {limit}; compile the decoder with a larger context_length")
         self.last_timings = {}
         yield from genie.stream_tokens_worker(self.lib.path, self.config(request), request.inputs_embeds,
-                                              self.lut_npy, timeout=self.timeout, profile_out=self.last_timings)
+                                              self.lut_npy, timeout=self.timeout, profile_out=self.last_timings,
+                                              **genie.tap_arguments(request, self.model))

@@ -102,6 +102,7 @@ def attach(handle, ctx, opts: dict, soc):
     adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
     handle.phone = GeniePhone(handle, files=files, adb=adb, soc=soc, lut=lut,
                               timeout=float(o.get("timeout") or 600))
+    handle.runtime_name = None  # genie-t2t-run hands out no logits: a diff judges its tokens by the engine's
     handle.load_s = float(getattr(handle, "load_s", 0.0) or 0.0) + handle.phone.load_s
     return handle
 

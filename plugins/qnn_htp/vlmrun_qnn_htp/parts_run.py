@@ -148,6 +148,7 @@ class GeniePartsHandle(PartsHandle):
         self.lut_npy = Path(lut_npy)
         self.timeout = float(timeout)
         self.lib = genie_mod.GenieLibrary(libgenie_path())
+        self.runtime_name = genie_mod.RUNTIME_NAME
 
     def config(self, request) -> dict:
         from vlmrun_qualcomm import genie as genie_mod
@@ -171,7 +172,8 @@ class GeniePartsHandle(PartsHandle):
                              f" context holds {limit}; compile the decoder with a larger context_length")
         self.last_timings = {}
         yield from genie_mod.stream_tokens_worker(self.lib.path, self.config(request), request.inputs_embeds,
-                                                  self.lut_npy, timeout=self.timeout, profile_out=self.last_timings)
+                                                  self.lut_npy, timeout=self.timeout, profile_out=self.last_timings,
+                                                  **genie_mod.tap_arguments(request, self.model))
 
 
 def load_parts(ctx, opts: dict, soc, artifact) -> PartsHandle:

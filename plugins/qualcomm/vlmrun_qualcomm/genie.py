@@ -799,6 +799,17 @@ def finish_t2t(stdout: str, stderr: str, returncode: int, profile: str | os.Path
     return result
 
 
+#: the name a diff gives Genie when it generates over binaries vlmrun's host engine also runs
+RUNTIME_NAME = "Genie (libGenie dialog)"
+
+
+def tap_arguments(request, model) -> dict:
+    """:func:`stream_tokens_worker`'s logits-tap arguments for a ``decode`` request (``vlmrun.stages
+    .DecodeRequest``): its ``on_logits`` and ``teacher_tokens``, the model's vocabulary limit."""
+    return {"on_logits": request.on_logits, "teacher_tokens": request.teacher_tokens,
+            "vocab_limit": getattr(model, "vocab_limit", None)}
+
+
 # -- libGenie in a worker process ----------------------------------------------------------------------------
 # libGenie's QnnHtp backend shares libQnnHtp.so with onnxruntime-qnn's execution provider; in one process the two
 # were seen to corrupt each other (wrong, run-to-run different tokens after the EP compiled or ran graphs).
@@ -814,6 +825,7 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--embeddings", required=True)
     ap.add_argument("--lut", required=True, help=".npy float32 [V,H]")
     ap.add_argument("--profile")
+    ap.add_argument("--tap", help="JSON: the logits tap (rows file, forced tokens, vocab limit), genie_sampler.py")
     a = ap.parse_args(argv)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything native code prints on stdout goes to stderr; the protocol has its own fd
@@ -822,11 +834,19 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         emb = np.fromfile(a.embeddings, dtype=np.float32).reshape(-1, lut.shape[1])
         cfg = Path(a.config).read_text()
         lib = GenieLibrary(a.lib)
+        tap = None
+        if a.tap:  # registered before the dialog exists; the config's sampler block names it
+            from .genie_sampler import LogitsTap
+
+            t = json.loads(Path(a.tap).read_text())
+            tap = LogitsTap(lib.lib, out, t["rows"], t.get("forced") or (), t.get("vocab_limit"))
         with lib.dialog(cfg, profile=bool(a.profile)) as dialog:
             for tok in dialog.stream_tokens(emb, lut):
                 out.write(f"TOKEN {tok}\n")
             if a.profile:
                 Path(a.profile).write_text(json.dumps(dialog.profile()))
+        if tap is not None:
+            tap.close()
         out.write("DONE\n")
         return 0
     except ContextLimitError as exc:
@@ -871,20 +891,37 @@ class WorkerLines:
 
 def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: np.ndarray,
                          lut_npy: str | os.PathLike, *, timeout: float = 600.0,
-                         profile_out: dict | None = None, env: Mapping[str, str] | None = None) -> Iterator[int]:
+                         profile_out: dict | None = None, env: Mapping[str, str] | None = None,
+                         on_logits: Callable[[np.ndarray], None] | None = None,
+                         teacher_tokens: Sequence[int] | None = None,
+                         vocab_limit: int | None = None) -> Iterator[int]:
     """Genie's ``embeddingTokenQuery`` in a worker process: yields token ids as they arrive.
 
-    ``profile_out`` (a dict) receives the parsed profile timings when the query finishes.
+    ``profile_out`` (a dict) receives the parsed profile timings when the query finishes. ``on_logits`` or
+    ``teacher_tokens``: the dialog samples through the logits tap (:mod:`.genie_sampler`, Genie's custom sampler):
+    each step's row reaches ``on_logits``; step k takes ``teacher_tokens[k]``, else the argmax below
+    ``vocab_limit``. The config's sampler block is replaced by the tap's.
     """
     import shutil
     import tempfile
 
+    from .genie_sampler import LogitsRows, custom_sampler_block
+
     tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-"))
     cfg_path, emb_path, prof = tmp / "genie_config.json", tmp / "embeddings.raw", tmp / "profile.json"
+    tapped = on_logits is not None or teacher_tokens is not None
+    if tapped:
+        config = json.loads(json.dumps(config))
+        config["dialog"]["sampler"] = custom_sampler_block()
     cfg_path.write_text(json.dumps(config, indent=1))
     write_embeddings(emb_path, embeds)
     argv = [sys.executable, "-m", "vlmrun_qualcomm.genie", "--lib", str(lib_path), "--config", str(cfg_path),
             "--embeddings", str(emb_path), "--lut", str(lut_npy), "--profile", str(prof)]
+    rows = LogitsRows(tmp / "rows.f32", on_logits)
+    if tapped:
+        (tmp / "tap.json").write_text(json.dumps({"rows": str(rows.path), "forced": list(teacher_tokens or ()),
+                                                  "vocab_limit": vocab_limit}))
+        argv += ["--tap", str(tmp / "tap.json")]
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}, **(env or {})}
     run = WorkerLines(argv, timeout=timeout, what="the Genie worker", env=env)
     done, error, limit = False, None, False
@@ -892,6 +929,8 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
         for word, rest in run:
             if word == "TOKEN":
                 yield int(rest)
+            elif word == "LOGITS":
+                rows.event(rest)
             elif word == "DONE":
                 done = True
             elif word in ("ERROR", "CONTEXT"):
