@@ -294,6 +294,9 @@ def write_bundle(request) -> dict:
                 "why": "the decoder's inputs_embeds take this encoding; Genie's generator embeds generated tokens"
                        " from this table without dequantizing it, so table and input share one encoding"},
         "embeds_input": {"encoding": embeds, "image_embeds_range": embeds["image_range"]},
+        # each stage's precision as its layout said (what a diff's thresholds follow)
+        "precisions": {"vision": enc_info.get("precision"), "projector": enc_info.get("precision"),
+                       "decoder": dec_art.manifest.get("precision")},
         "model_files": copied, "nodes": NODES, "connections": CONNECTIONS,
         "bytes": {"image_encoder": (out / IMAGE_BIN).stat().st_size,
                   "decoder": sum((out / b).stat().st_size for b in ctx_bins), "lut": (out / LUT).stat().st_size},
