@@ -12,7 +12,7 @@ the core what it loaded and what it measured; a plain object is a handle with no
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 _EMPTY: Mapping = MappingProxyType({})
 
@@ -50,6 +50,13 @@ class DecoderHandle(StageHandle):
     context_length: int | None = None
     last_timings: Mapping[str, float] = _EMPTY
     runtime_name: str | None = None
+
+    def engine_decode(self, request) -> "Iterator[int] | None":
+        """With a ``runtime_name``: the engine behind ``run_stage`` decoding ``request`` (a
+        :class:`vlmrun.stages.DecodeRequest`) step by step over the same binaries as the runtime does (prefill,
+        then one step per token: the same graphs in the same order), so that a diff compares the runtime with the
+        engine graph for graph. ``None``: the diff compares with ``run_stage`` over the whole sequence."""
+        return None
 
 
 def artifacts_of(handle: object) -> list:

@@ -524,6 +524,25 @@ class Pipeline:
         Genie over binaries vlmrun's host engine also runs): see :attr:`vlmrun.handles.DecoderHandle.runtime_name`."""
         return runtime_of(self.handles.get("decoder"))
 
+    def _engine_logits(self, embeds: np.ndarray, forced: list[int], settings: GenerationSettings) -> list:
+        """The engine's rows teacher-forced on ``forced``, decoding step by step (``engine_decode``); [] when the
+        decoder's handle has no such path."""
+        handle = self.handles["decoder"]
+        rows: list[np.ndarray] = []
+        if not forced or not hasattr(handle, "engine_decode"):
+            return rows
+        base = Sampler(settings.sampling, vocab_limit=self.model.vocab_limit)
+        request = DecodeRequest(inputs_embeds=embeds, max_new_tokens=len(forced), sampler=ForcedSampler(forced, base),
+                                stop_ids=frozenset(), embed_tokens=self.embed_tokens,
+                                context_length=self.context_length, on_logits=lambda r: rows.append(np.array(r)),
+                                teacher_tokens=forced)
+        tokens = handle.engine_decode(request)
+        if tokens is None:
+            return []
+        for _ in tokens:
+            pass
+        return rows
+
     def capture(self, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
                 teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
         """Every stage-boundary tensor of one request, for diffs.
@@ -552,6 +571,9 @@ class Pipeline:
             full = np.concatenate([embeds, tail], axis=1)
             logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"][:, embeds.shape[1] - 1 :][:, :n]
         if runtime is not None:
+            engine_rows = self._engine_logits(embeds, forced, settings)
+            if engine_rows:  # the engine step by step, as the runtime runs the binaries
+                logits = np.stack(engine_rows[:n])[None].astype(np.float32)
             # the runtime's own logits, teacher-forced on the same tokens through the runtime itself; a budget of
             # exactly the forced tokens, stop tokens kept (a forced stop token ends it where the forced list ends)
             budget = attrs.evolve(settings, max_new_tokens=max(len(forced), 1))

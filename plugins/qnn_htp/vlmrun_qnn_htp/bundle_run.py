@@ -281,6 +281,11 @@ class BundleStage(DecoderHandle):
                 raise BackendError(f"bundle {self.runtime.path.name}: {b} in the store differs from the bundle's copy")
         return PartsHandle(self.runtime.model, art, socs.soc(m["soc"]))
 
+    def engine_decode(self, request):
+        """vlmrun's host engine over the bundle's decoder binaries (the store's byte-identical compile), step by step
+        as Genie runs them: the prompt graph, then the token graph per token."""
+        return self.decoder.generate(request) if self.stage == "decoder" else None
+
     def run(self, inputs: dict) -> dict:
         raise BackendError(f"a bundle runs its {self.stage} stage only inside whole requests (Genie's pipeline fuses"
                            " vision and projector into its image encoder); run the bundle with --image/--prompt, or"

@@ -133,6 +133,10 @@ class GenieHtpHandle(DecoderHandle):
             self._host = GenieLayoutDecoder(sessions, self.ctx, self.facts)
         return self._host
 
+    def engine_decode(self, request):
+        """The host loop over the same graphs, step by step as Genie runs them (for diffs)."""
+        return self.decoder.generate(request)
+
     def config(self, request) -> dict:
         stops = sorted(request.stop_ids) if request.stop_ids else [self._never_token()]
         return genie.dialog_config(

@@ -150,6 +150,10 @@ class GeniePartsHandle(PartsHandle):
         self.lib = genie_mod.GenieLibrary(libgenie_path())
         self.runtime_name = genie_mod.RUNTIME_NAME
 
+    def engine_decode(self, request):
+        """The host engine over the same part binaries, step by step as Genie runs them (for diffs)."""
+        return self.decoder.generate(request)
+
     def config(self, request) -> dict:
         from vlmrun_qualcomm import genie as genie_mod
 
