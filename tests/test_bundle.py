@@ -225,7 +225,7 @@ def test_silent_failures_of_the_pipeline_are_errors(bundle_pipe, store, monkeypa
 
     r = heldout(store, 1)[0]
 
-    def no_text(lib, request, *, cwd, timeout, result=None):
+    def no_text(lib, request, *, cwd, timeout, result=None, **_):
         result["embeddings_dims"] = [1, 16, 128]
         return iter(())
 
@@ -233,7 +233,7 @@ def test_silent_failures_of_the_pipeline_are_errors(bundle_pipe, store, monkeypa
     with pytest.raises(BackendError, match="returned success with no text"):
         bundle_pipe.generate(r.image, r.question).run()
 
-    def no_image(lib, request, *, cwd, timeout, result=None):
+    def no_image(lib, request, *, cwd, timeout, result=None, **_):
         yield "A square."
 
     monkeypatch.setattr(genie_pipeline, "stream_pipeline", no_image)

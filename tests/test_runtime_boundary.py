@@ -1,0 +1,202 @@
+"""``vlmrun diff`` across the runtime boundary: Genie's own logits (its custom sampler, teacher-forced through it)
+against the reference and against vlmrun's host engine over the same binaries.
+
+* a good bundle: both runtimes reported, PASS; Genie's rows checked against an independent teacher-forced
+  computation of the reference decoder, and the diff's figures recomputed from the captured arrays;
+* faults a bundle can carry that the host engine over the same binaries does not see (a wrong rope-theta, 100 and
+  a subtle 1e4 that still answers right; a token table read in an encoding it is not written in): each fails, named
+  at the runtime boundary, from its first departing step, exit 1;
+* the Genie dialog engine (``engine = "genie"``) gets the same boundary;
+* the core's rule on every layout: a free-running token the checked logits did not give is a failure, whatever
+  the teacher-forced checkpoints say (no PASS over a broken answer), while a near-tie flip is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+pytest.importorskip("onnxruntime_qnn")
+
+from vlmrun import diff  # noqa: E402
+from vlmrun.diff.capture import Capture  # noqa: E402
+
+N = 20
+
+
+def sqnr(ref, dev) -> float:
+    ref, dev = np.asarray(ref, np.float64), np.asarray(dev, np.float64)
+    return float(10 * np.log10((ref ** 2).sum() / ((ref - dev) ** 2).sum()))
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
+    from vlmrun import layouts
+    from vlmrun.cli_bundle import write
+
+    out = tmp_path_factory.mktemp("boundary") / "good"
+    write(layouts.resolve("all-npu"), out, model=tiny_model, store=store)
+    return out
+
+
+def spoil(bundle: Path, dst: Path, fn) -> Path:
+    """A copy of ``bundle`` whose text-generator.json ``fn`` changes (its sha256 recorded: the fault under test,
+    not the hash check, is what a run meets)."""
+    shutil.copytree(bundle, dst)
+    cfg = json.loads((dst / "text-generator.json").read_text())
+    fn(cfg["text-generator"])
+    (dst / "text-generator.json").write_text(json.dumps(cfg))
+    mf = dst / "vlmrun-bundle.json"
+    m = json.loads(mf.read_text())
+    data = (dst / "text-generator.json").read_bytes()
+    m["files"]["text-generator.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    mf.write_text(json.dumps(m))
+    return dst
+
+
+def rope_theta(value):
+    return lambda g: g["engine"]["model"]["positional-encoding"].update({"rope-theta": value})
+
+
+def lut_as_float32(g):  # the uint16 table declared float32: Genie reads it in an encoding it is not written in
+    g["embedding"].pop("quant-param")
+    g["embedding"]["datatype"] = "float32"
+
+
+def lut_offset(g):  # the table's zero point declared 2000 codes off
+    g["embedding"]["quant-param"]["offset"] -= 2000
+
+
+@pytest.fixture(scope="module")
+def good_run(bundle_dir, tiny_model, store, ref_pipe):
+    return diff.run("reference", f"bundle:{bundle_dir}", model=tiny_model, store=store, registry=ref_pipe.registry,
+                    max_new_tokens=N)
+
+
+def test_a_good_bundle_reports_both_runtimes_and_passes(good_run, ref_pipe):
+    result, dev, ref = good_run.result, good_run.device, good_run.reference
+    assert result.passed, diff.format_table(result)
+    assert result.precision == "fp16"  # from the bundle's manifest
+    rt = result.entry("runtime")
+    assert rt.metrics["runtime"] == "Genie's pipeline (libGenie)" and rt.metrics["first_departing_step"] is None
+    genie_rows, engine_rows = dev.tensors["runtime_logits"], dev.tensors["logits"]
+    n = len(ref.tokens)
+    assert genie_rows.shape == engine_rows.shape == (1, n, ref_pipe.model.vocab_size)
+    # teacher forcing through Genie: it was handed the reference's tokens, and took them
+    assert dev.tensors["runtime_tokens"].tolist() == ref.tokens
+    # an independent teacher-forced computation: the reference decoder over the reference's own spliced prompt and
+    # tokens, in one forward (not the diff's capture)
+    embeds = ref.tensors["inputs_embeds"]
+    full = np.concatenate([embeds, ref_pipe.embed_tokens(np.asarray(ref.tokens))], axis=1)
+    indep = ref_pipe.run_stage("decoder", {"inputs_embeds": full})["logits"][:, embeds.shape[1] - 1:][:, :n]
+    assert sqnr(indep, genie_rows) > 45  # measured 56-58 dB (fp16 binaries on the emulator)
+    assert (indep.argmax(-1) == genie_rows.argmax(-1)).all()
+    # the diff's figures are those of the arrays
+    m = rt.metrics
+    assert m["sqnr_db"] == pytest.approx(sqnr(ref.tensors["logits"][:, :n], genie_rows), rel=1e-9)
+    assert m["engine_sqnr_db"] == pytest.approx(sqnr(engine_rows, genie_rows), rel=1e-9)
+    assert m["engine_top1_agreement"] == 1.0
+    # Genie's logits within 1 dB of the host engine's over the same binaries (both against the reference)
+    assert abs(m["sqnr_db"] - result.entry("decoder").metrics["sqnr_db"]) < 1.0
+    table = diff.format_table(result)
+    assert "runtime (Genie's pipeline (libGenie)), teacher-forced through it" in table
+    assert table.splitlines()[-1] == "PASS: every checkpoint is within its thresholds"
+
+
+FAULTS = {
+    "rope-theta 100": (rope_theta(100.0), 0),
+    "rope-theta 1e4 (answers right)": (rope_theta(1e4), None),
+    "LUT read as float32": (lut_as_float32, 1),
+    "LUT zero point off": (lut_offset, 1),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_each_fault_is_named_at_the_runtime_boundary(fault, bundle_dir, tmp_path, cache_dir, good_run):
+    fn, first = FAULTS[fault]
+    bad = spoil(bundle_dir, tmp_path / "bad", fn)
+    saved = tmp_path / "saved"
+    r = run_cli(["diff", "--device", f"bundle:{bad}", "--max-new-tokens", str(N), "--json", "--save", str(saved)],
+                cache_dir, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    data = json.loads(r.stdout)
+    assert data["culprit"] == "runtime" and data["failed_stages"][0] == "runtime"
+    checkpoints = {c["stage"]: c for c in data["checkpoints"]}
+    assert checkpoints["decoder"]["passed"]  # the host engine over the same binaries passes
+    rt = checkpoints["runtime"]["metrics"]
+    assert rt["engine_sqnr_db"] < 30 and not checkpoints["runtime"]["passed"]
+    if first is not None:
+        assert rt["first_departing_step"] == first
+    else:  # the subtle one: free-running answers like the reference, the logits do not
+        assert data["checkpoints"][-1]["metrics"]["match_fraction"] == 1.0
+        assert rt["first_departing_step"] is not None
+    # the same run as a table (replayed from its captures): the verdict names the runtime, not the binary, and the step
+    r = run_cli(["diff", "--from", str(saved)], cache_dir, timeout=300)
+    assert r.returncode == 1
+    verdict = [ln for ln in r.stdout.splitlines() if ln.startswith("FAIL:")]
+    assert verdict and verdict[0].startswith("FAIL: the runtime departs, not the binary: Genie's pipeline")
+    assert f"from step {rt['first_departing_step']}" in verdict[0] and "the binaries pass under the engine" in verdict[0]
+
+
+def test_the_genie_dialog_engine_has_the_same_boundary(tiny_model, store, ref_pipe):
+    from vlmrun import layouts
+
+    lay = layouts.resolve("all-npu", options={"decoder": {"engine": "genie"}})
+    run = diff.run("reference", _pipe(tiny_model, store, lay), model=tiny_model, store=store,
+                   registry=ref_pipe.registry, max_new_tokens=N)
+    rt = run.result.entry("runtime")
+    assert rt.metrics["runtime"] == "Genie (libGenie dialog)"
+    assert run.result.passed, diff.format_table(run.result)
+    assert rt.metrics["engine_sqnr_db"] > 40 and rt.metrics["engine_top1_agreement"] == 1.0
+
+
+def _pipe(model, store, layout):
+    from vlmrun import Pipeline
+
+    return Pipeline.build(model, layout, store=store)
+
+
+# -- the core's rule, on synthetic captures -------------------------------------------------------------------
+def _caps(dev_tokens, dev_rows, ref_tokens=(5, 6, 7, 2)):
+    vocab = 10
+    ref_rows = np.full((1, len(ref_tokens), vocab), -4.0, np.float32)
+    for k, t in enumerate(ref_tokens):
+        ref_rows[0, k, t] = 4.0
+    base = {"pixel_values": np.ones((1, 3, 2, 2), np.float32), "input_ids": np.ones((1, 3), np.int64)}
+    ref = Capture({**base, "logits": ref_rows, "tokens": np.asarray(ref_tokens)}, {"teacher_tokens": None})
+    dev = Capture({**base, "logits": dev_rows, "tokens": np.asarray(dev_tokens)},
+                  {"teacher_tokens": list(ref_tokens)})
+    return ref, dev
+
+
+def test_a_free_running_token_the_checked_logits_did_not_give_fails_at_every_precision():
+    ref, dev = _caps((9, 9, 9, 9), None)
+    dev.tensors["logits"] = ref.tensors["logits"].copy()  # teacher-forced logits exactly the reference's
+    for precision in diff.PRECISIONS:
+        result = diff.compare(ref, dev, precision=precision)
+        assert result.entry("decoder").passed
+        g = result.entry("generation")
+        assert g.metrics["unexplained_divergence"] == 1 and not g.passed, precision
+        assert g.metrics["divergence"]["step"] == 0 and g.metrics["divergence"]["row_argmax"] == 5
+        assert not result.passed and result.culprit == "generation"
+    assert "the answer was not made by the logits checked" in diff.format_table(result)
+
+
+def test_a_near_tie_the_logits_show_is_an_explained_divergence():
+    ref, dev = _caps((5, 6, 3, 2), None)
+    rows = ref.tensors["logits"].copy()
+    rows[0, 2, 3] = 3.9  # step 2: the device's token a near-tie of the reference's (probability ratio 0.9)
+    dev.tensors["logits"] = rows
+    result = diff.compare(ref, dev, precision="w4a16")
+    g = result.entry("generation")
+    assert g.metrics["first_divergent_step"] == 2 and g.metrics["unexplained_divergence"] == 0
+    assert g.metrics["divergence"]["prob_ratio"] == pytest.approx(np.exp(-0.1), rel=1e-6)
+    assert g.passed
