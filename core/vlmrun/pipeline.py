@@ -518,6 +518,18 @@ class Pipeline:
             raise InputError("max_new_tokens must be at least 1")
         return Generation(self, prepared, settings, keep_logits, teacher_tokens)
 
+    def layout_options(self) -> dict[str, dict]:
+        """Each stage's options with its precision: the stage's ``precision`` option, else (a bundle) the precision
+        its manifest records for the stage as it was written, else the backend's own."""
+        written = (layouts_mod.bundle_manifest(self.layout.bundle).get("precisions") or {}
+                   if self.layout.bundle else {})
+        out = {}
+        for s in STAGES:
+            opts = dict(self.layout.stages[s].options)
+            default = written.get(s) or self.registry.backend(self.layout.backend(s)).precision
+            out[s] = {"precision": default, **opts}
+        return out
+
     @property
     def runtime_name(self) -> str | None:
         """The runtime that generates, when it is not the engine behind ``run_stage`` for the decoder (e.g.

@@ -211,15 +211,7 @@ def run(
         timings["device_s"] = time.perf_counter() - t
         dev_cap.meta["side"] = "device"
         if dev_pipe is not None:
-            # a bundle's manifest says each stage's precision as it was written (its layout options do not)
-            written = (layouts.bundle_manifest(dev_pipe.layout.bundle).get("precisions") or {}
-                       if dev_pipe.layout.bundle else {})
-            dev_cap.meta["layout_options"] = {
-                s: {"precision": dev_pipe.registry.backend(dev_pipe.layout.backend(s)).precision,
-                    **dev_pipe.layout.stages[s].options,
-                    **({"precision": written[s]} if written.get(s) else {})}
-                for s in STAGES
-            }
+            dev_cap.meta["layout_options"] = dev_pipe.layout_options()
 
     if precision is None:
         precision = file_precision or infer_precision(dev_cap.meta.get("layout_options"))

@@ -26,7 +26,7 @@ from ..stages import CONTRACTS, STAGES, check_tensor
 from .. import layouts
 from .dataset import Record, Skipped
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the runtime boundary (runtime/runtime_logits) and the generation's divergence check
 BATCH_STAGES = ("vision", "projector", "embed")
 
 
@@ -110,9 +110,8 @@ def layout_key(layout, registry, model_hash: str, settings) -> str:
 
 
 def layout_options(pipe) -> dict:
-    """Each stage's options with its precision (the option, else the backend's own), as the diff records them."""
-    return {s: {"precision": pipe.registry.backend(pipe.layout.backend(s)).precision,
-                **pipe.layout.stages[s].options} for s in STAGES}
+    """Each stage's options with its precision, as the diff records them (:meth:`Pipeline.layout_options`)."""
+    return pipe.layout_options()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -188,7 +187,8 @@ def drift_metrics(result) -> dict:
             out[f"{e.stage}/{e.tensor}"] = {"mismatches": e.metrics.get("mismatches")}
             continue
         keep = ("cosine", "sqnr_db", "max_abs", "rel_l2", "top1_agreement", "top5_overlap", "kl_mean", "steps",
-                "matching_tokens", "match_fraction", "first_divergent_step")
+                "matching_tokens", "match_fraction", "first_divergent_step", "unexplained_divergence",
+                "engine_sqnr_db", "engine_top1_agreement", "first_departing_step")
         out[f"{e.stage}/{e.tensor}"] = {k: e.metrics[k] for k in keep if k in e.metrics}
     return out
 

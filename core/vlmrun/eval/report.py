@@ -16,7 +16,7 @@ from .answers import normalize_answer
 
 #: The stage boundaries whose drift is summarised, in pipeline order.
 DRIFT_CHECKPOINTS = ("preprocess/pixel_values", "vision/image_features", "projector/image_embeds",
-                     "embed/text_embeds", "splice/inputs_embeds", "decoder/logits")
+                     "embed/text_embeds", "splice/inputs_embeds", "decoder/logits", "runtime/runtime_logits")
 WORST_ITEMS = 5
 
 
@@ -75,6 +75,7 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
                 "file": r.file, "line": r.line, "image": str(r.image), "kind": r.kind, "question": r.question,
                 "expected": r.answer, "reference_answer": ref_text, "answer": text, "correct": ok,
                 "logits_sqnr_db": logits.get("sqnr_db"), "logits_cosine": logits.get("cosine"),
+                "runtime_logits_sqnr_db": (item.get("drift") or {}).get("runtime/runtime_logits", {}).get("sqnr_db"),
                 "top1_agreement": logits.get("top1_agreement"), "culprit": item.get("culprit"),
             })
         entry = {
@@ -101,7 +102,8 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
             entry["precision"] = next((item.get("precision") for item in res.values() if item), None)
             entry["drift"] = {
                 cp: {m: distribution(v) for m, v in drift[cp].items()
-                     if m in ("cosine", "sqnr_db", "top1_agreement", "top5_overlap", "kl_mean", "match_fraction")}
+                     if m in ("cosine", "sqnr_db", "top1_agreement", "top5_overlap", "kl_mean", "match_fraction",
+                              "engine_sqnr_db", "unexplained_divergence")}
                 for cp in [*DRIFT_CHECKPOINTS, "generation/tokens"] if cp in drift
             }
             entry["diff_pass_rate"] = (sum(passed) / len(passed)) if passed else None

@@ -104,10 +104,57 @@ class BundlePhone:
 
         return explain(line, self.soc, self.arch, self.rd)
 
-    def answer(self, req, before: str, after: str, generator_config: dict) -> str:
-        """One query on the phone: its files pushed, genie-app run; the answer's text."""
+    def _run_script(self) -> tuple[str, float]:
+        """genie-app over the pushed ``query/script.txt``: (stdout, seconds); any error line on stderr (a failing
+        script line leaves the exit status at 0) or a non-zero status is one BackendError line."""
         from vlmrun import procs
 
+        self.last_command = Adb.command_line(self.argv(), cwd=self.rd, env=self.env())
+        what = f"genie-app on {self.adb.serial}"
+        t0 = time.perf_counter()
+        res = procs.run([self.adb.exe, "-s", self.adb.serial, "shell", self.last_command], timeout=self.timeout,
+                        what=what, hint="raise the timeout option if the model is large")
+        seconds = time.perf_counter() - t0
+        stdout = res.stdout.decode("utf-8", "replace") if isinstance(res.stdout, bytes) else res.stdout
+        stderr = res.stderr.decode("utf-8", "replace") if isinstance(res.stderr, bytes) else res.stderr
+        errors = [m.group(0).strip() for m in ERROR.finditer(stderr or "")]
+        if errors or res.returncode != 0:
+            line = errors[0] if errors else ((stderr or "").strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+            raise BackendError(self.explain(f"{what}: {line}"))
+        return stdout or "", seconds
+
+    def perplexity(self, text: str, generator_config: dict) -> float:
+        """The perplexity of ``text`` by the bundle's text generator (``generator_config``, e.g. the bundle's
+        ``text-generator.json``), computed on the phone by genie-app's ``accuracy`` commands (libGenie's
+        GenieAccuracy): the text, the configs and the script pushed under ``query/``, the result JSON read back."""
+        from vlmrun_qualcomm.genie_accuracy import accuracy_config, accuracy_script, read_perplexity
+
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-phone-ppl-"))
+        q = f"{self.rd}/{QUERY}"
+        names = ("dataset.txt", "text-generator.json", "accuracy.json", "script.txt")
+        try:
+            (tmp / "dataset.txt").write_text(text, encoding="utf-8")
+            (tmp / "text-generator.json").write_text(json.dumps(generator_config, indent=1))
+            (tmp / "accuracy.json").write_text(json.dumps(accuracy_config(f"{QUERY}/dataset.txt")))
+            (tmp / "script.txt").write_text(accuracy_script(f"{QUERY}/text-generator.json", f"{QUERY}/dataset.txt",
+                                                            f"{QUERY}/accuracy.json", f"{QUERY}/perplexity.json"))
+            self.adb.shell(["rm", "-f", f"{q}/perplexity.json"], what="adb shell rm")  # no stale result
+            for f in names:
+                self.adb.push(tmp / f, f"{q}/{f}", skip_same=False)
+            stdout, seconds = self._run_script()
+            try:
+                local = self.adb.pull(f"{q}/perplexity.json", tmp / "perplexity.json")
+            except BackendError:
+                raise BackendError(f"genie-app on {self.adb.serial} wrote no perplexity ({QUERY}/perplexity.json)"
+                                   " and printed no error") from None
+            ppl = read_perplexity(local.read_text(encoding="utf-8", errors="replace"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.runtime.last_timings = {"perplexity_wall_ms": seconds * 1e3}
+        return ppl
+
+    def answer(self, req, before: str, after: str, generator_config: dict) -> str:
+        """One query on the phone: its files pushed, genie-app run; the answer's text."""
         from .bundle import app_script
 
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-phone-"))
@@ -121,20 +168,10 @@ class BundlePhone:
             for f in ("prompt_prefix.txt", "prompt_suffix.txt", "pixel_values.raw", "text-generator.json",
                       "script.txt"):
                 self.adb.push(tmp / f, f"{self.rd}/{QUERY}/{f}", skip_same=False)
-            self.last_command = Adb.command_line(self.argv(), cwd=self.rd, env=self.env())
-            what = f"genie-app on {self.adb.serial}"
-            t0 = time.perf_counter()
-            res = procs.run([self.adb.exe, "-s", self.adb.serial, "shell", self.last_command], timeout=self.timeout,
-                            what=what, hint="raise the timeout option if the model is large")
-            seconds = time.perf_counter() - t0
+            stdout, seconds = self._run_script()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        stdout = res.stdout.decode("utf-8", "replace") if isinstance(res.stdout, bytes) else res.stdout
-        stderr = res.stderr.decode("utf-8", "replace") if isinstance(res.stderr, bytes) else res.stderr
-        errors = [m.group(0).strip() for m in ERROR.finditer(stderr or "")]
-        if errors or res.returncode != 0:  # a failing script line leaves the exit status at 0: stderr says it
-            line = errors[0] if errors else (stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
-            raise BackendError(self.explain(f"{what}: {line}"))
+        what = f"genie-app on {self.adb.serial}"
         text, _, state = genie.split_t2t_stdout(stdout)
         if text is None or state != "end":
             raise BackendError(f"{what} printed no answer ([BEGIN]: ... [END]) and no error; check the bundle with"

@@ -48,6 +48,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -103,18 +104,19 @@ def accuracy_script(generator_config_file: str, dataset_file: str, accuracy_conf
 
 
 # -- the worker process ---------------------------------------------------------------------------------------
-NOISE = ("warn:", "[INFO]", "[ INFO ]", "[ WARN ]", "[WARN]", "#", "LIBNATIVE")
+NOISE = re.compile(r"^(warn:|#)|\[(INFO|WARNING|WARN|VERBOSE|DEBUG)\]|\[ (INFO|WARN|VERBOSE) \]|<[IWVD]>|LIBNATIVE")
 
 
 def genie_reason(text: str) -> str:
-    """Genie's reason in its log: the last ``[ ERROR ]`` line, else the last line that is not a warning or info
-    (libGenie prints its exceptions to stderr as bare lines, e.g. "Unknown config key: bogus")."""
-    errors = [ln.split("]", 1)[-1].strip().strip('"') for ln in text.splitlines() if "ERROR" in ln and "]" in ln]
+    """Genie's reason in its output: the last error line of its logger (``[ERROR]``, ``[ ERROR ]``, ``<E>``), else
+    the last line that is no warning or info (libGenie prints its exceptions to stderr as bare lines, e.g.
+    "Unknown config key: bogus"); "" when there is none."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"\[ ?ERROR ?\]|<E>", ln)]
     if errors:
-        return errors[-1][:300]
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(NOISE)
-             and "LIBNATIVE" not in ln]
-    return lines[-1][:300] if lines else ""
+        return re.split(r"\[ ?ERROR ?\]|<E>", errors[-1])[-1].strip().strip('"')[:300]
+    rest = [ln for ln in lines if not NOISE.search(ln)]
+    return rest[-1][:300] if rest else ""
 
 
 def _check(status: int, what: str, log: list[str]) -> None:
