@@ -159,6 +159,7 @@ def run(
     ref_side, dev_side = _side(reference), _side(device)
     timings: dict[str, float] = {}
     pipelines: dict = {}
+    fvlm = None
 
     if ref_cap is None or dev_cap is None:
         if ref_cap is not None:
@@ -218,6 +219,9 @@ def run(
     table = thresholds_for(precision, file_thresholds, thresholds or {})
     t = time.perf_counter()
     result = compare(ref_cap, dev_cap, table, precision)
+    if fvlm is not None:  # the ids a verdict names, spelt
+        ids = {int(t) for k in ("ref_argmax", "runtime_argmax") for t in result.steps.get(k, [])}
+        result.token_text = {t: fvlm.tokenizer.decode([t]) for t in sorted(ids)}
     timings["compare_s"] = time.perf_counter() - t
     return DiffRun(ref_cap, dev_cap, result, timings, {k: v for k, v in pipelines.items() if v is not None})
 

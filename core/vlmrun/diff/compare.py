@@ -57,6 +57,7 @@ class DiffResult:
     reference: dict
     device: dict
     notes: list[str] = attrs.field(factory=list)
+    token_text: dict[int, str] = attrs.field(factory=dict)  # what the token ids the report names spell
 
     @property
     def passed(self) -> bool:

@@ -135,7 +135,11 @@ def runtime_verdict(result: DiffResult) -> str:
         if first < len(sq):
             bits.append(f"step SQNR against the engine {sq[first]:.1f} dB")
         if first < len(top1) and not top1[first] and first < len(da) and first < len(ra):
-            bits.append(f"top-1 token {da[first]} where the reference's is {ra[first]}")
+            def spell(t):
+                text = result.token_text.get(int(t))
+                return f"{t} ({text!r})" if text is not None else str(t)
+
+            bits.append(f"top-1 token {spell(da[first])} where the reference's is {spell(ra[first])}")
         at = f" from step {first}" + (f" ({', '.join(bits)})" if bits else "")
     why = ", ".join(c.describe() for c in e.failures)
     return (f"FAIL: the runtime departs, not the binary: {name} leaves the engine over the same binaries{at}:"

@@ -85,6 +85,17 @@ class BundleRuntime:
             body["context"]["eos-token"] = stops[0] if len(stops) == 1 else stops
         return cfg
 
+    def perplexity(self, text: str) -> float:
+        """Perplexity of ``text`` through the bundle's own text generator (libGenie's accuracy API): on this machine
+        in a worker process, on a phone through genie-app's ``accuracy`` commands. The text must hold at least one
+        context window of tokens. A device-side check that needs no host-side logits (docs/bundles.md)."""
+        cfg = json.loads((self.path / NODES["textGenerator"]).read_text())
+        if self.phone is not None:
+            return self.phone.perplexity(text, cfg)
+        from vlmrun_qualcomm.genie_accuracy import perplexity
+
+        return perplexity(self.lib, self.path, cfg, text, timeout=self.timeout)
+
     def request(self, prefix: str, pixels: Path, suffix: str, sampling, max_new_tokens: int, stop_ids,
                 embeddings_out: Path, tap: dict | None = None) -> dict:
         """The worker's request: the nodes' configs (the bundle's; the generator's for this request), the
