@@ -107,8 +107,9 @@ def _runtime_lines(result: DiffResult) -> list[str]:
         f"runtime ({m.get('runtime') or 'the device runtime'}), teacher-forced through it, {n} steps: top-1"
         f" agreement {int(round(m['top1_agreement'] * n))}/{n} with the reference,"
         f" {int(round(m['engine_top1_agreement'] * n))}/{n} with the engine over the same binaries;"
-        f" SQNR {m['sqnr_db']:.1f} dB against the reference, {m['engine_sqnr_db']:.1f} dB against the engine;"
-        f" first step departing from the engine: {'none' if first is None else first}"
+        f" first step departing from the engine: {'none' if first is None else first}",
+        f"      its logits: SQNR {m['sqnr_db']:.1f} dB against the reference, {m['engine_sqnr_db']:.1f} dB against"
+        f" the engine over the same binaries",
     ]
 
 
@@ -126,24 +127,25 @@ def runtime_verdict(result: DiffResult) -> str:
         engine_ok = f"; the binaries pass under the engine (decoder logits {engine.metrics['sqnr_db']:.1f} dB)"
     except KeyError:
         engine_ok = ""
-    at = ""
+    bits = []
     if first is not None:
         sq = steps.get("runtime_engine_sqnr", [])
         top1 = steps.get("runtime_engine_top1", [])
         ra, da = steps.get("ref_argmax", []), steps.get("runtime_argmax", [])
-        bits = []
         if first < len(sq):
-            bits.append(f"step SQNR against the engine {sq[first]:.1f} dB")
+            bits.append(f"step {first}'s SQNR against the engine {sq[first]:.1f} dB")
         if first < len(top1) and not top1[first] and first < len(da) and first < len(ra):
-            def spell(t):
-                text = result.token_text.get(int(t))
-                return f"{t} ({text!r})" if text is not None else str(t)
-
-            bits.append(f"top-1 token {spell(da[first])} where the reference's is {spell(ra[first])}")
-        at = f" from step {first}" + (f" ({', '.join(bits)})" if bits else "")
+            bits.append(f"its top-1 token {_spell(result, da[first])} where the reference's is"
+                        f" {_spell(result, ra[first])}")
     why = ", ".join(c.describe() for c in e.failures)
-    return (f"FAIL: the runtime departs, not the binary: {name} leaves the engine over the same binaries{at}:"
-            f" {why}{engine_ok}")
+    return (f"FAIL: the runtime departs, not the binary: {name} leaves the engine over the same binaries"
+            + ("" if first is None else f" from step {first}")
+            + f"\n      {'; '.join([*bits, why])}{engine_ok}")
+
+
+def _spell(result: DiffResult, token) -> str:
+    text = result.token_text.get(int(token))
+    return f"{token} ({text!r})" if text is not None else str(token)
 
 
 def save_run(run_: DiffRun, directory: str | os.PathLike) -> Path:
