@@ -246,7 +246,11 @@ def decode(backend, handle, request):
                     ``embed_tokens(ids) -> [1, n, hidden]`` to embed generated tokens,
                     ``context_length``, and ``on_logits``: when not ``None``, call it with each step's logits
                     row [vocab] before sampling from it (diffs use these instead of a second forward; a runtime
-                    that never sees logits (it samples inside itself) leaves it uncalled).
+                    that never sees logits (it samples inside itself) leaves it uncalled), and ``teacher_tokens``:
+                    when not ``None``, step k takes ``teacher_tokens[k]`` (``sampler`` already returns them; a
+                    runtime that samples inside itself must force them itself, e.g. Genie's custom sampler).
+                    A handle whose ``runtime_name`` is set (a runtime other than the engine behind ``run_stage``)
+                    must honour both, and may offer ``engine_decode`` (:class:`vlmrun.handles.DecoderHandle`).
     :return: an iterator of generated token ids (ints), yielded as soon as each is known so the core can
              stream text and time the first token. A :class:`vlmrun.handles.DecoderHandle` whose runtime
              measures itself sets ``last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the
@@ -265,7 +269,9 @@ def run_request(backend, handles, request):
     :param backend: the backend name; return ``None`` if it is not yours.
     :param handles: ``{stage: handle}`` as ``load_stage`` returned them.
     :param request: a :class:`vlmrun.stages.RequestRun` (pixels, token ids, the rendered prompt, the budget, the
-                    sampler settings and stop ids, and ``tensors`` to fill with what the runtime saw).
+                    sampler settings and stop ids, ``tensors`` to fill with what the runtime saw, and
+                    ``on_logits`` / ``teacher_tokens`` as for ``decode``: a diff teacher-forces the runtime
+                    through them when the decoder handle names a ``runtime_name``).
     :return: an iterator of generated token ids, as ``decode``'s. A decoder handle that measures itself sets
              ``last_timings``.
     """

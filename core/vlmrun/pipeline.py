@@ -536,22 +536,24 @@ class Pipeline:
         Genie over binaries vlmrun's host engine also runs): see :attr:`vlmrun.handles.DecoderHandle.runtime_name`."""
         return runtime_of(self.handles.get("decoder"))
 
-    def _engine_logits(self, embeds: np.ndarray, forced: list[int], settings: GenerationSettings) -> list:
-        """The engine's rows teacher-forced on ``forced``, decoding step by step (``engine_decode``); [] when the
-        decoder's handle has no such path."""
+    def _forced_rows(self, embeds: np.ndarray, forced: list[int], settings: GenerationSettings,
+                     engine: bool = False) -> list:
+        """The decoder's rows teacher-forced on ``forced``, decoding step by step as it generates: through the
+        ``decode`` hook, or (``engine``) the handle's ``engine_decode``; [] when that path reports no logits."""
         handle = self.handles["decoder"]
         rows: list[np.ndarray] = []
-        if not forced or not hasattr(handle, "engine_decode"):
+        if not forced or (engine and not hasattr(handle, "engine_decode")):
             return rows
         base = Sampler(settings.sampling, vocab_limit=self.model.vocab_limit)
         request = DecodeRequest(inputs_embeds=embeds, max_new_tokens=len(forced), sampler=ForcedSampler(forced, base),
                                 stop_ids=frozenset(), embed_tokens=self.embed_tokens,
                                 context_length=self.context_length, on_logits=lambda r: rows.append(np.array(r)),
                                 teacher_tokens=forced)
-        tokens = handle.engine_decode(request)
-        if tokens is None:
-            return []
-        for _ in tokens:
+        if engine:
+            tokens = handle.engine_decode(request)
+        else:
+            tokens = self.registry.hook.decode(backend=self.layout.backend("decoder"), handle=handle, request=request)
+        for _ in tokens or ():
             pass
         return rows
 
@@ -578,12 +580,16 @@ class Pipeline:
         extra: dict[str, np.ndarray] = {}
         if forced == gen.token_ids[: len(forced)] and len(rows) >= n:
             logits = np.stack(rows[:n])[None].astype(np.float32)
+        elif rows and runtime is None and len(again := self._forced_rows(embeds, forced, settings)) >= n:
+            # a decoder that reports its logits, teacher-forced the way it generates (its step-by-step path: the
+            # graphs that made the free-running tokens, which the check of those tokens compares them with)
+            logits = np.stack(again[:n])[None].astype(np.float32)
         else:
             tail = self.embed_tokens(np.asarray(forced, dtype=np.int64)) if forced else embeds[:, :0]
             full = np.concatenate([embeds, tail], axis=1)
             logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"][:, embeds.shape[1] - 1 :][:, :n]
         if runtime is not None:
-            engine_rows = self._engine_logits(embeds, forced, settings)
+            engine_rows = self._forced_rows(embeds, forced, settings, engine=True)
             if engine_rows:  # the engine step by step, as the runtime runs the binaries
                 logits = np.stack(engine_rows[:n])[None].astype(np.float32)
             # the runtime's own logits, teacher-forced on the same tokens through the runtime itself; a budget of

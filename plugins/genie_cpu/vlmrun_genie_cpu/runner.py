@@ -116,7 +116,7 @@ class GenieCpuDecoder(DecoderHandle):
             yield from genie.stream_tokens_worker(self.tools["libGenie.so"], cfg, request.inputs_embeds,
                                                   self.artifact.file("embed_lut_f32.npy"),
                                                   timeout=self.opts["timeout"], profile_out=self.last_timings,
-                                                  env=env)
+                                                  env=env, **genie.tap_arguments(request, self.model))
             return
         result = self._run_adb(request) if self.mode == "adb" else self._run_local(request)
         self.last_text, self.last_timings = result.text, result.timings
