@@ -129,6 +129,7 @@ def test_each_fault_is_named_at_the_runtime_boundary(fault, bundle_dir, tmp_path
     assert "Traceback" not in r.stderr
     data = json.loads(r.stdout)
     assert data["culprit"] == "runtime" and data["failed_stages"][0] == "runtime"
+    assert data["boundary"]["departs"] == "runtime"
     checkpoints = {c["stage"]: c for c in data["checkpoints"]}
     assert checkpoints["decoder"]["passed"]  # the host engine over the same binaries passes
     rt = checkpoints["runtime"]["metrics"]
@@ -218,3 +219,55 @@ def test_eval_reports_genies_logits_and_the_bundles_bytes(bundle_dir, tiny_model
     assert genie["n"] == engine["n"] == 2
     assert genie["median"] > 45 and abs(genie["median"] - engine["median"]) < 1.0  # measured 57.8 vs 58.9 (3 items)
     assert lay["diff_pass_rate"] == 1.0
+
+
+# -- faults on the other side of the boundary: vlmrun's host engine -------------------------------------------
+# A position-id offset and a KV cache in the wrong encoding cannot be written into a bundle's files: Genie numbers
+# positions from its own counter (no configuration key shifts it), and the part binaries take and give keys and
+# values in float32 (onnxruntime-qnn's graph I/O), which Genie copies byte for byte. They are faults of a runtime's
+# own code, so they are injected into the other runtime on the boundary, vlmrun's host engine; the diff must name
+# that side (Genie over the same binaries holds to the reference).
+def _positions_off_by_one(orig):
+    def step(self, embeds, ar):  # the generated tokens one position further than the prompt left off
+        if ar != 1:
+            return orig(self, embeds, ar)
+        cos, sin = self.cos, self.sin
+        self.cos, self.sin = np.roll(cos, -1, axis=0), np.roll(sin, -1, axis=0)
+        try:
+            return orig(self, embeds, ar)
+        finally:
+            self.cos, self.sin = cos, sin
+    return step
+
+
+def _kv_in_the_wrong_encoding(orig):
+    def step(self, embeds, ar):  # keys written in one scale, read back in one twice as wide
+        start = self.n_past
+        out = orig(self, embeds, ar)
+        for k in self.k:
+            k[..., start:self.n_past] *= 2.0
+        return out
+    return step
+
+
+@pytest.mark.parametrize("fault", [_positions_off_by_one, _kv_in_the_wrong_encoding])
+def test_an_engine_fault_is_named_on_the_engine_side(fault, bundle_dir, tiny_model, store, ref_pipe, monkeypatch):
+    from vlmrun import Pipeline
+    from vlmrun_qnn_htp.genie_engine import GenieLayoutDecoder
+
+    monkeypatch.setattr(GenieLayoutDecoder, "_step", fault(GenieLayoutDecoder._step))
+    pipe = Pipeline.build(tiny_model, f"bundle:{bundle_dir}", store=store)
+    run = diff.run("reference", pipe, model=tiny_model, store=store, registry=ref_pipe.registry, max_new_tokens=N)
+    result = run.result
+    assert not result.passed
+    rt = result.entry("runtime")
+    assert all(c.ok for c in rt.checks if not c.metric.startswith("engine_"))  # Genie holds to the reference
+    # step 0 comes from the prompt graph, before either fault acts. Measured: positions, step 1 at 21.7 dB between
+    # the two (the logits as a whole 34.2 dB: the decoder row alone passes fp16's 30 dB); KV, step 1 at 30.4 dB,
+    # step 2 at 21.5 dB (the decoder row fails: 15.7 dB)
+    first = rt.metrics["first_departing_step"]
+    assert first in (1, 2)
+    assert result.boundary == {"departs": "engine", "first_step": first, "runtime": "Genie's pipeline (libGenie)"}
+    table = diff.format_table(result)
+    assert ("FAIL: the engine departs, not the binary: vlmrun's host engine leaves Genie's pipeline (libGenie) over"
+            f" the same binaries from step {first}") in table.splitlines()

@@ -9,7 +9,7 @@ import numpy as np
 
 from .capture import Capture, jsonable
 from .metrics import (
-    CHECKPOINTS, METRICS_OF_STAGE, common_prefix, divergence_explained, fmt, fmt_shape, generation_metrics,
+    SQNR_CAP_DB, CHECKPOINTS, METRICS_OF_STAGE, common_prefix, divergence_explained, fmt, fmt_shape, generation_metrics,
     logits_steps, per_step_sqnr, tensor_metrics,
 )
 from .thresholds import thresholds_for
@@ -68,6 +68,34 @@ class DiffResult:
         return list(dict.fromkeys(e.stage for e in self.entries if not e.passed))
 
     @property
+    def boundary(self) -> dict | None:
+        """Across the runtime boundary (a device whose runtime is not the engine behind its decoder stage): which
+        side departs, ``{"departs": "runtime" | "engine", "first_step": k}``, or None (no such runtime, both sides
+        agree, or both fail against the reference: then the binaries are the likely culprit, not a runtime).
+
+        The runtime departs when it fails against the reference and the engine over the same binaries passes; the
+        engine (vlmrun's own) departs in the converse case; when both pass against the reference but not against
+        each other, the side farther from the reference departs."""
+        try:
+            rt = self.entry("runtime")
+            dec = self.entry("decoder", "logits")
+        except KeyError:
+            return None
+        m = rt.metrics
+        rt_ok = all(c.ok for c in rt.checks if not c.metric.startswith("engine_"))
+        boundary_ok = all(c.ok for c in rt.checks if c.metric.startswith("engine_"))
+        if rt_ok and dec.passed and boundary_ok:
+            return None
+        if not rt_ok and not dec.passed:
+            return None
+        if rt_ok and dec.passed:
+            rt_db, eng_db = m.get("sqnr_db"), m.get("engine_reference_sqnr_db")
+            side = "runtime" if (rt_db is not None and eng_db is not None and rt_db < eng_db) else "engine"
+        else:
+            side = "engine" if rt_ok else "runtime"
+        return {"departs": side, "first_step": m.get("first_departing_step"), "runtime": m.get("runtime")}
+
+    @property
     def culprit(self) -> str | None:
         """The first stage, in pipeline order, that crosses one of its thresholds."""
         failed = self.failed_stages
@@ -94,6 +122,7 @@ class DiffResult:
             "culprit": culprit,
             "culprit_failures": [c.describe() for e in self.entries if e.stage == culprit for c in e.failures],
             "failed_stages": self.failed_stages,
+            "boundary": self.boundary,
             "precision": self.precision,
             "reference": self.reference,
             "device": self.device,
@@ -191,6 +220,7 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
     m = tensor_metrics(r, d)
     st = logits_steps(r, d)
     eng = tensor_metrics(e, d)
+    engine_ref = tensor_metrics(r, e)  # the engine's own distance from the reference, to say which side departs
     step_sqnr = per_step_sqnr(e, d)
     eng_top1 = (e.reshape(rows, -1).argmax(-1) == d.reshape(rows, -1).argmax(-1)).tolist()
     floor = thresholds.get("runtime", {}).get("engine_sqnr_db")
@@ -203,7 +233,9 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
         kl_mean=float(np.mean(st["kl"])) if rows else 0.0,
         kl_max=float(np.max(st["kl"])) if rows else 0.0,
         engine_sqnr_db=eng["sqnr_db"],
+        engine_min_step_sqnr_db=float(np.min(step_sqnr)) if rows else SQNR_CAP_DB,
         engine_top1_agreement=float(np.mean(eng_top1)) if rows else 1.0,
+        engine_reference_sqnr_db=engine_ref["sqnr_db"],
         first_departing_step=first,
         runtime=dev.meta.get("runtime"),
     )

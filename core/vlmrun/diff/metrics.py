@@ -30,7 +30,8 @@ LOGITS_METRICS = {"top1_agreement": "min", "top5_overlap": "min", "kl_mean": "ma
 IDS_METRICS = {"mismatches": "max"}
 # the runtime that generates, when it is not the engine behind the decoder stage (a bundle's Genie): its own logits,
 # teacher-forced through it, against the reference (as the decoder's) and against the engine's over the same binaries
-RUNTIME_METRICS = {"engine_sqnr_db": "min", "engine_top1_agreement": "min"}
+RUNTIME_METRICS = {"engine_sqnr_db": "min", "engine_min_step_sqnr_db": "min", "engine_top1_agreement": "min",
+                   "engine_reference_sqnr_db": "min"}
 # unexplained_divergence: 1 when the free-running generation leaves the reference at a step where the logits the
 # diff checked (the generating runtime's own, teacher-forced) did not lead there: the tokens were not made by them
 GENERATION_METRICS = {"matching_tokens": "min", "match_fraction": "min", "unexplained_divergence": "max"}

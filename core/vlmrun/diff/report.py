@@ -114,33 +114,37 @@ def _runtime_lines(result: DiffResult) -> list[str]:
 
 
 def runtime_verdict(result: DiffResult) -> str:
-    """The verdict when the runtime is the first to fail and the binaries it runs pass under the engine: the
-    runtime departs, not the binary, from its first departing step; '' otherwise."""
-    if result.culprit != "runtime":
+    """The verdict across the runtime boundary (:attr:`DiffResult.boundary`), '' when there is none to give: the
+    side that departs (the runtime, or vlmrun's engine), not the binary, from the first step where the two leave
+    each other, with that step's figures and the other side's standing against the reference."""
+    b = result.boundary
+    if b is None:
         return ""
     e = result.entry("runtime")
     m, steps = e.metrics, result.steps
-    first = m.get("first_departing_step")
-    name = m.get("runtime") or "the device runtime"
-    try:
-        engine = result.entry("decoder", "logits")
-        engine_ok = f"; the binaries pass under the engine (decoder logits {engine.metrics['sqnr_db']:.1f} dB)"
-    except KeyError:
-        engine_ok = ""
+    first = b["first_step"]
+    name = b["runtime"] or "the device runtime"
+    engine = result.entry("decoder", "logits")
     bits = []
     if first is not None:
         sq = steps.get("runtime_engine_sqnr", [])
         top1 = steps.get("runtime_engine_top1", [])
         ra, da = steps.get("ref_argmax", []), steps.get("runtime_argmax", [])
         if first < len(sq):
-            bits.append(f"step {first}'s SQNR against the engine {sq[first]:.1f} dB")
-        if first < len(top1) and not top1[first] and first < len(da) and first < len(ra):
-            bits.append(f"its top-1 token {_spell(result, da[first])} where the reference's is"
+            bits.append(f"step {first}: SQNR {sq[first]:.1f} dB between the two")
+        if first < len(top1) and not top1[first] and first < len(da) and first < len(ra) and b["departs"] == "runtime":
+            bits.append(f"{name}'s top-1 token {_spell(result, da[first])} where the reference's is"
                         f" {_spell(result, ra[first])}")
-    why = ", ".join(c.describe() for c in e.failures)
-    return (f"FAIL: the runtime departs, not the binary: {name} leaves the engine over the same binaries"
-            + ("" if first is None else f" from step {first}")
-            + f"\n      {'; '.join([*bits, why])}{engine_ok}")
+    at = "" if first is None else f" from step {first}"
+    if b["departs"] == "runtime":
+        why = [c.describe() for c in e.failures]
+        return (f"FAIL: the runtime departs, not the binary: {name} leaves the engine over the same binaries{at}\n"
+                f"      {'; '.join([*bits, ', '.join(why)])}; the binaries pass under the engine (decoder logits"
+                f" {engine.metrics['sqnr_db']:.1f} dB, {name}'s {m['sqnr_db']:.1f} dB)")
+    why = [c.describe() for c in engine.failures] or [c.describe() for c in e.failures]
+    return (f"FAIL: the engine departs, not the binary: vlmrun's host engine leaves {name} over the same binaries{at}\n"
+            f"      {'; '.join([*bits, ', '.join(why)])}; {name} holds to the reference (its logits"
+            f" {m['sqnr_db']:.1f} dB, the engine's {engine.metrics['sqnr_db']:.1f} dB)")
 
 
 def _spell(result: DiffResult, token) -> str:

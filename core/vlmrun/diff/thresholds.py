@@ -29,7 +29,8 @@ def _defaults(sqnr: float, cosine: float, top1: float, top5: float, kl: float, g
         # the runtime's own logits: the decoder's thresholds against the reference, and against the engine over
         # the same binaries a floor that does not depend on the precision (same binaries, same inputs)
         "runtime": {**tensors, "top1_agreement": top1, "top5_overlap": top5, "kl_mean": kl,
-                    "engine_sqnr_db": RUNTIME_ENGINE_SQNR_DB, "engine_top1_agreement": RUNTIME_ENGINE_TOP1},
+                    "engine_sqnr_db": RUNTIME_ENGINE_SQNR_DB, "engine_min_step_sqnr_db": RUNTIME_ENGINE_SQNR_DB,
+                    "engine_top1_agreement": RUNTIME_ENGINE_TOP1},
         # a free-running token the checked logits did not lead to fails at every precision
         "generation": {"unexplained_divergence": 0, **({} if gen is None else {"match_fraction": gen})},
     }
