@@ -10,7 +10,9 @@
   every answer is checked against the API's; reported: answered, refused (429), dropped (anything else: must be
   0), latency percentiles, the server's RSS at the start and end of the soak and its peak;
 * sampling: ms per token at a 151,936-entry vocabulary (FastVLM-0.5B's) for temperature, top-k and top-p, the
-  plain algorithm (a stable sort of the whole vocabulary) against vlmrun's partial selection.
+  plain algorithm (a stable sort of the whole vocabulary) against vlmrun's partial selection;
+* ``--body-mb N`` (only this, then exit): the server's peak RSS for one N MB request body (a base64 image as big),
+  declared by Content-Length and sent chunked, each against a fresh server: refused with 413 before it is read.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import base64
 import io
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -141,6 +144,44 @@ async def load(url: str, body: dict, want: str, clients: int, seconds: float, pi
                               "at_50pct": round(rss[len(rss) // 2], 1) if rss else None}}
 
 
+def big_body(layout: str, port: int, mb: int) -> dict:
+    """Peak RSS of a fresh ``vlmrun serve`` while it gets one ``mb`` MB body, declared and chunked."""
+    body = bytearray(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "Describe."}, '
+                     b'{"type": "image_url", "image_url": {"url": "data:image/png;base64,')
+    body += b"A" * (mb * 2**20 - len(body) - 8 - (mb * 2**20 - len(body) - 8) % 4) + b'"}}]}]}'
+    out = {}
+    for how in ("declared", "chunked"):
+        with children.serve_process(layout, port) as server:
+            idle = rss_mb(server.pid)
+            Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # the peak from here on
+            head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            head += "Transfer-Encoding: chunked\r\n\r\n" if how == "chunked" else f"Content-Length: {len(body)}\r\n\r\n"
+            sent, reply = 0, b""
+            with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+                try:
+                    s.sendall(head.encode())
+                    for i in range(0, len(body), 2**20):
+                        piece = bytes(body[i:i + 2**20])
+                        s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if how == "chunked" else piece)
+                        sent += len(piece)
+                    s.sendall(b"0\r\n\r\n" if how == "chunked" else b"")
+                except OSError:  # refused and closed while the client still sends: expected
+                    pass
+                try:
+                    while b"\r\n" not in reply:
+                        reply += s.recv(4096) or b"\r\n"
+                except OSError:
+                    pass
+            time.sleep(0.5)
+            import httpx
+
+            out[how] = {"idle_rss_mb": round(idle), "peak_rss_mb": round(peak_mb(server.pid)),
+                        "sent_mb": round(sent / 2**20, 1), "status": reply.split(b"\r\n")[0].decode() or None,
+                        "health_after": httpx.get(f"{server.base}/health").status_code}
+            print(f"[serve] {mb} MB body, {how}: {json.dumps(out[how])}", file=sys.stderr)
+    return {"body_mb": mb, **out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", default="reference")
@@ -151,7 +192,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--model", default=None, help="a checkpoint (default: the tiny default model)")
+    ap.add_argument("--body-mb", type=int, default=None, help="only the peak RSS for one request body of N MB")
     args = ap.parse_args()
+    if args.body_mb:
+        print(json.dumps(big_body(args.layout, args.port, args.body_mb), indent=1))
+        return
 
     import httpx
 

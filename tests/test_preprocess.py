@@ -37,3 +37,34 @@ def test_prompt_ids_match_transformers_processor(tiny_model):
     hf_ids = proc(text=text, images=Image.new("RGB", (256, 256)), return_tensors="np")["input_ids"]
     assert ids.tolist() == hf_ids.tolist()
     assert int((ids == tiny_model.image_token_id).sum()) == 16 and ids[0, start] == tiny_model.image_token_id
+
+
+def test_a_whole_conversation_renders_as_transformers_renders_it(tiny_model):
+    """Every turn, the assistant's included, and the picture in the turn where it appears (here the second user
+    turn): the chat template as transformers' processor applies it; one picture per conversation."""
+    import pytest
+    from transformers import AutoProcessor
+
+    from vlmrun.errors import InputError
+    from vlmrun.preprocess import render_messages
+
+    proc = AutoProcessor.from_pretrained(tiny_model.path)
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]},
+        {"role": "assistant", "content": "A red circle on a blue background."},
+        {"role": "user", "content": [{"type": "text", "text": "What color is the shape?"}]},
+    ]
+    text = render_messages(tiny_model.chat_template, messages)
+    assert text == proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>assistant\nA red circle on a blue background.<|im_end|>" in text
+    assert text.index("<image>") > text.index("<|im_start|>user\nHello.")
+    ids, start = tokenize_prompt(tiny_model.tokenizer, text, tiny_model.image_token_id, tiny_model.image_tokens)
+    hf_ids = proc(text=text, images=Image.new("RGB", (256, 256)), return_tensors="np")["input_ids"]
+    assert ids.tolist() == hf_ids.tolist()
+    for bad, why in ((messages[:3], "hold 0"), (messages + [messages[3]], "hold 2"),
+                     ([{"role": "tool", "content": "x"}], "role 'tool'")):
+        with pytest.raises(InputError, match=why):
+            render_messages(tiny_model.chat_template, bad)

@@ -28,7 +28,7 @@ pytest.importorskip("onnxruntime_qnn")
 from vlmrun import diff  # noqa: E402
 from vlmrun.diff.capture import Capture  # noqa: E402
 
-N = 20
+N = 12
 
 
 def sqnr(ref, dev) -> float:
@@ -118,16 +118,19 @@ FAULTS = {
 }
 
 
+def _verdict(table: str) -> list[str]:
+    lines = table.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("FAIL:"))
+    return lines[at:at + 2]
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_each_fault_is_named_at_the_runtime_boundary(fault, bundle_dir, tmp_path, cache_dir, good_run):
+def test_each_fault_is_named_at_the_runtime_boundary(fault, bundle_dir, tmp_path, tiny_model, store, ref_pipe):
     fn, first = FAULTS[fault]
     bad = spoil(bundle_dir, tmp_path / "bad", fn)
-    saved = tmp_path / "saved"
-    r = run_cli(["diff", "--device", f"bundle:{bad}", "--max-new-tokens", str(N), "--json", "--save", str(saved)],
-                cache_dir, timeout=300)
-    assert r.returncode == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    data = json.loads(r.stdout)
+    run = diff.run("reference", f"bundle:{bad}", model=tiny_model, store=store, registry=ref_pipe.registry,
+                   max_new_tokens=N)
+    data = run.result.to_json()
     assert data["culprit"] == "runtime" and data["failed_stages"][0] == "runtime"
     assert data["boundary"]["departs"] == "runtime"
     checkpoints = {c["stage"]: c for c in data["checkpoints"]}
@@ -139,14 +142,25 @@ def test_each_fault_is_named_at_the_runtime_boundary(fault, bundle_dir, tmp_path
     else:  # the subtle one: free-running answers like the reference, the logits do not
         assert data["checkpoints"][-1]["metrics"]["match_fraction"] == 1.0
         assert rt["first_departing_step"] is not None
-    # the same run as a table (replayed from its captures): the verdict names the runtime, not the binary, and the step
+    verdict = _verdict(diff.format_table(run.result))
+    assert verdict[0] == ("FAIL: the runtime departs, not the binary: Genie's pipeline (libGenie) leaves the engine"
+                          f" over the same binaries from step {rt['first_departing_step']}")
+    assert "engine_sqnr_db" in verdict[1] and "the binaries pass under the engine" in verdict[1]
+
+
+def test_the_cli_fails_a_broken_bundle_and_replays_it(bundle_dir, tmp_path, cache_dir):
+    bad = spoil(bundle_dir, tmp_path / "bad", rope_theta(100.0))
+    saved = tmp_path / "saved"
+    r = run_cli(["diff", "--device", f"bundle:{bad}", "--max-new-tokens", str(N), "--json", "--save", str(saved)],
+                cache_dir, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert json.loads(r.stdout)["boundary"] == {"departs": "runtime", "first_step": 0,
+                                                "runtime": "Genie's pipeline (libGenie)"}
+    # replayed from its captures (the runtime's logits are saved with them): the same verdict, nothing run
     r = run_cli(["diff", "--from", str(saved)], cache_dir, timeout=300)
     assert r.returncode == 1
-    lines = r.stdout.splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.startswith("FAIL:"))
-    assert lines[at] == ("FAIL: the runtime departs, not the binary: Genie's pipeline (libGenie) leaves the engine over"
-                         f" the same binaries from step {rt['first_departing_step']}")
-    assert "engine_sqnr_db" in lines[at + 1] and "the binaries pass under the engine" in lines[at + 1]
+    assert _verdict(r.stdout)[0] == ("FAIL: the runtime departs, not the binary: Genie's pipeline (libGenie) leaves the"
+                                     " engine over the same binaries from step 0")
 
 
 def test_the_genie_dialog_engine_has_the_same_boundary(tiny_model, store, ref_pipe):

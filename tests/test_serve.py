@@ -4,6 +4,9 @@
   layout's (emulator) and a bundle's too;
 * every bad request: its status and OpenAI-style error body, nothing written to the store, and the next good
   request answered;
+* safe to expose: ``--api-key`` (401 without or with a wrong key, /health open), local image paths only under
+  ``--allowed-local-media-path`` (the same 400 for a forbidden and a missing path, through ``..`` or a symlink), a
+  body over ``--max-request-bytes`` refused with 413 before it is read (declared or chunked), the server still up;
 * one generation at a time on a device layout: a full queue is 429 with Retry-After; a client that disconnects
   frees the device for the next request (measured by when the next one starts);
 * sampling without sorting the vocabulary picks the same tokens as the plain algorithm for the same seeds.
@@ -38,7 +41,7 @@ def free_port() -> int:
 class Server:
     """uvicorn serving ``create_app(pipe, ...)`` in a thread, on loopback."""
 
-    def __init__(self, pipe, **kw):
+    def __init__(self, pipe, key: str = "unused", **kw):
         import uvicorn
 
         from vlmrun.serve import create_app
@@ -53,7 +56,7 @@ class Server:
                 break
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
 
     def stop(self):
         self.server.should_exit = True
@@ -78,8 +81,8 @@ def picture():
 
 
 @pytest.fixture(scope="module")
-def ref_server(ref_pipe):
-    s = Server(ref_pipe)
+def ref_server(ref_pipe, image_path):
+    s = Server(ref_pipe, allowed_local_media_path=image_path.parent)
     yield s
     s.stop()
 
@@ -150,7 +153,8 @@ def test_bad_requests_are_4xx_with_a_json_body_and_harm_nothing(ref_server, pict
         ({"messages": messages(data_uri(picture), "word " * 3000)}, None, 400, "context_length_exceeded"),
         ({"model": "gpt-4o", "messages": good}, None, 404, "model_not_found"),
         ({"messages": good, "temperature": -1}, None, 400, None),
-        ({"messages": messages(str(tmp_path / "missing.png"))}, None, 400, "image_not_found"),
+        ({"messages": messages("https://example.com/a.png")}, None, 400, None),
+        ({"messages": messages(str(tmp_path / "bomb.png"))}, None, 400, "local_path_forbidden"),  # not allowed
     ]
     for body, raw, status, code in cases:
         r = post(body, raw)
@@ -161,6 +165,151 @@ def test_bad_requests_are_4xx_with_a_json_body_and_harm_nothing(ref_server, pict
     assert sorted(p.name for p in store.artifacts_dir.iterdir()) == before  # nothing written
     r = ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=good)
     assert r.choices[0].message.content == "A red circle on a blue background."
+
+
+def raw_http(port: int, head: str, chunks=(), timeout: float = 30) -> tuple[int, dict]:
+    """One HTTP/1.1 request written by hand (``head``: the request line and headers), then ``chunks`` of body as
+    they are; the response's status and JSON body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head.encode() + b"\r\n\r\n")
+        for c in chunks:
+            s.sendall(c)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536) or b"\r\n\r\n"
+        top, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next(ln.split(b":")[1] for ln in top.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += s.recv(65536)
+    return int(top.split()[1]), json.loads(rest)
+
+
+def one_line_error(r) -> dict:
+    err = r.json()["error"] if hasattr(r, "json") else r["error"]
+    assert err["message"] and "\n" not in err["message"], err
+    return err
+
+
+def test_an_api_key_is_required_on_v1_and_health_stays_open(ref_pipe, picture):
+    s = Server(ref_pipe, key="s3cret-key", api_key="s3cret-key")
+    try:
+        r = s.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)))
+        assert r.choices[0].message.content == "A red circle on a blue background."
+        assert [m.id for m in s.client.models.list().data] == ["fastvlm-shapes-tiny"]
+        wrong = openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret-kez", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)))
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        for headers in ({}, {"Authorization": "s3cret-key"}, {"Authorization": "Basic s3cret-key"},
+                        {"Authorization": "Bearer"}, {"Authorization": "Bearer s3cret-key-and-more"}):
+            r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": messages(data_uri(picture))},
+                           headers=headers)
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", (headers, r.text)
+            err = one_line_error(r)
+            assert err["code"] == "invalid_api_key" and "s3cret" not in r.text
+        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["running"] == 0
+    finally:
+        s.stop()
+
+
+def test_the_api_key_option_reads_the_environment_and_a_public_host_without_one_warns(monkeypatch):
+    from vlmrun.cli import cli
+    from vlmrun.serve import exposure_warning
+
+    monkeypatch.setenv("VLMRUN_API_KEY", "from-env")
+    cmd = cli.commands["serve"]
+    assert cmd.make_context("serve", []).params["api_key"] == "from-env"
+    assert cmd.make_context("serve", ["--api-key", "flag"]).params["api_key"] == "flag"
+    assert cmd.make_context("serve", []).params["max_request_bytes"] == 64 * 1024 * 1024
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("localhost", None) is None
+    assert exposure_warning("::1", None) is None and exposure_warning("0.0.0.0", "k") is None
+    for host in ("0.0.0.0", "192.168.1.5", "myhost.lan"):
+        w = exposure_warning(host, None)
+        assert w.startswith("warning:") and "--api-key" in w and "\n" not in w
+
+
+def test_local_images_only_under_the_allowed_folder_and_no_existence_oracle(ref_pipe, picture, tmp_path):
+    allowed, outside = tmp_path / "media", tmp_path / "private"
+    allowed.mkdir()
+    outside.mkdir()
+    picture.save(allowed / "scene.png")
+    picture.save(outside / "secret.png")
+    (allowed / "link.png").symlink_to(outside / "secret.png")  # a link out of the folder
+    (allowed / "linkdir").symlink_to(outside)
+    (allowed / "sub").mkdir()
+    post = lambda url, server: httpx.post(f"{server.url}/v1/chat/completions",  # noqa: E731
+                                          json={"messages": messages(url)}, timeout=60)
+    forbidden = [str(outside / "secret.png"), str(outside / "missing.png"), "/etc/passwd", "/etc/nonexistent",
+                 f"{allowed}/../private/secret.png", f"{allowed}/../private/missing.png", "../private/secret.png",
+                 str(allowed / "link.png"), str(allowed / "linkdir" / "secret.png"),
+                 str(allowed / "linkdir" / "missing.png"), f"file://{outside}/secret.png"]
+    plain = Server(ref_pipe)  # no folder: no local path at all, the same answer for each
+    try:
+        bodies = set()
+        for url in [*forbidden, str(allowed / "scene.png"), "scene.png"]:
+            r = post(url, plain)
+            assert r.status_code == 400, (url, r.text)
+            assert one_line_error(r)["code"] == "local_path_forbidden"
+            bodies.add(r.content)
+        assert len(bodies) == 1, bodies  # byte for byte: nothing tells an existing file from a missing one
+    finally:
+        plain.stop()
+    s = Server(ref_pipe, allowed_local_media_path=allowed)
+    try:
+        bodies = set()
+        for url in forbidden:
+            r = post(url, s)
+            assert r.status_code == 400, (url, r.text)
+            err = one_line_error(r)
+            assert err["code"] == "local_path_forbidden" and "--allowed-local-media-path" in err["message"]
+            bodies.add(r.content)
+        assert len(bodies) == 1, bodies
+        for url in (str(allowed / "scene.png"), "scene.png", f"file://{allowed}/scene.png",
+                    f"{allowed}/sub/../scene.png"):  # absolute, relative to the folder, file://, .. inside
+            r = s.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(url))
+            assert r.choices[0].message.content == "A red circle on a blue background.", url
+        r = post(str(allowed / "missing.png"), s)  # inside the folder, what exists is no secret
+        assert r.status_code == 400 and one_line_error(r)["code"] == "image_not_found"
+        (allowed / "notes.txt").write_text("not an image")
+        r = post("notes.txt", s)
+        assert r.status_code == 400 and one_line_error(r)["code"] == "bad_image"
+    finally:
+        s.stop()
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read_and_the_server_stays_up(ref_pipe, picture):
+    limit = 256 * 1024
+    s = Server(ref_pipe, max_request_bytes=limit)
+    try:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        # declared: 300 MB announced, not one byte of it sent: the answer comes at once
+        t = time.perf_counter()
+        status, body = raw_http(s.port, head + f"\r\nContent-Length: {300 * 2**20}")
+        assert status == 413 and time.perf_counter() - t < 5
+        err = one_line_error(body)
+        assert err["code"] == "request_too_large" and f"{300 * 2**20} bytes; the limit is {limit}" in err["message"]
+        # chunked: no length said; refused once the bytes counted pass the limit (the rest never sent)
+        piece = b"x" * 65536
+        chunk = b"%x\r\n%s\r\n" % (len(piece), piece)
+        status, body = raw_http(s.port, head + "\r\nTransfer-Encoding: chunked", [chunk] * 5)
+        assert status == 413 and one_line_error(body)["code"] == "request_too_large"
+        # the same through httpx (a body just over the limit), then the server answers as before
+        r = httpx.post(f"{s.url}/v1/chat/completions", content=b" " * (limit + 1),
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and one_line_error(r)["code"] == "request_too_large"
+        assert httpx.get(f"{s.url}/health").json()["status"] == "ok"
+        r = s.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)))
+        assert r.choices[0].message.content == "A red circle on a blue background."
+        chunks = [b"%x\r\n%s\r\n" % (len(c), c) for c in (json.dumps({"messages": messages(data_uri(picture))}
+                                                                      ).encode(),)] + [b"0\r\n\r\n"]
+        status, body = raw_http(s.port, head + "\r\nTransfer-Encoding: chunked", chunks)  # chunked under the limit
+        assert status == 200 and body["choices"][0]["message"]["content"] == "A red circle on a blue background."
+    finally:
+        s.stop()
 
 
 class SlowPipe:

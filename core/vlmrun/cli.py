@@ -292,8 +292,19 @@ def make_tiny(out_dir, image_size, full_size, seed, massive_activations, debug):
               help="Requests waiting for a slot; beyond them: 429 with Retry-After.")
 @click.option("--request-timeout", type=click.FloatRange(1), default=600.0, show_default=True,
               help="Seconds a request may wait and run; then it is cancelled.")
+@click.option("--api-key", envvar="VLMRUN_API_KEY", default=None, metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on every /v1 endpoint (401 otherwise; /health stays open);"
+                   " also from $VLMRUN_API_KEY. Never printed or logged.")
+@click.option("--allowed-local-media-path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, metavar="DIR",
+              help="Let image_url name local files under DIR only (symlinks and .. resolved; a relative path is"
+                   " taken under DIR). Default: no local path is read, only data: URIs.")
+@click.option("--max-request-bytes", type=click.IntRange(1), default=64 * 1024 * 1024, show_default=True,
+              help="A request body's limit: 413 beyond it, before the body is read (its Content-Length, or counted"
+                   " as it streams). The default holds two images at the 20 MiB image limit, base64-encoded.")
 @_pipeline_options
-def serve(host, port, model_id, concurrency, max_queue, request_timeout, **opts):
+def serve(host, port, model_id, concurrency, max_queue, request_timeout, api_key, allowed_local_media_path,
+          max_request_bytes, **opts):
     """Serve a layout (or --bundle DIR) behind an OpenAI-compatible API.
 
     \b
@@ -301,9 +312,10 @@ def serve(host, port, model_id, concurrency, max_queue, request_timeout, **opts)
       vlmrun serve --layout all-npu --port 8080
       vlmrun serve --bundle out/
     \b
-    POST /v1/chat/completions (text + one image_url: a data: URI or a local path; stream, temperature, top_p,
-    max_tokens, seed, stop), GET /v1/models, GET /health. The pipeline is built (exported, compiled) before the
-    server listens; an error there stops it with one line.
+    POST /v1/chat/completions (text + one image_url: a data: URI, or a local path under
+    --allowed-local-media-path; stream, temperature, top_p, max_tokens, seed, stop), GET /v1/models, GET /health.
+    The pipeline is built (exported, compiled) before the server listens; an error there stops it with one line.
+    Beyond loopback, set --api-key (without one a warning is printed).
     """
     from .serve import serve as run_server
 
@@ -315,7 +327,8 @@ def serve(host, port, model_id, concurrency, max_queue, request_timeout, **opts)
     pipe = _build(opts)
     click.echo(f"serving {pipe.layout.name} [{pipe.layout.describe()}] on http://{host}:{port}/v1", err=True)
     run_server(pipe, host=host, port=port, model_id=model_id, concurrency=concurrency, max_queue=max_queue,
-               request_timeout=request_timeout)
+               request_timeout=request_timeout, api_key=api_key or None,
+               allowed_local_media_path=allowed_local_media_path, max_request_bytes=max_request_bytes)
 
 
 @cli.command()

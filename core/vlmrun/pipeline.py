@@ -458,6 +458,24 @@ class Pipeline:
             )
         return Prepared(pixel_values, ids, start, text)
 
+    def prepare_messages(self, image, messages) -> Prepared:
+        """:meth:`prepare` for a whole conversation: ``messages`` as :func:`vlmrun.preprocess.render_messages`
+        takes them (system, user and assistant turns in order; the picture's ``{"type": "image"}`` part in the
+        turn where it appears), rendered by the model's chat template with the generation prompt."""
+        from .preprocess import render_messages
+
+        if isinstance(image, (str, os.PathLike)):
+            image = load_image(image)
+        pixel_values = preprocess_image(image, self.model.image_processor_config)
+        text = render_messages(self.model.chat_template, messages)
+        ids, start = tokenize_prompt(self.model.tokenizer, text, self.model.image_token_id, self.model.image_tokens)
+        if ids.shape[1] >= self.context_length:
+            raise InputError(
+                f"the conversation is {ids.shape[1]} tokens ({self.model.image_tokens} of them image) but the context"
+                f" holds {self.context_length}; start a new conversation or raise the decoder's context_length"
+            )
+        return Prepared(pixel_values, ids, start, text)
+
     def embed_prompt(self, prepared: Prepared, timings: dict | None = None, tensors: dict | None = None,
                      profiles: dict | None = None) -> np.ndarray:
         """vision -> projector, embed, splice: the decoder's ``inputs_embeds`` [1, T, H].

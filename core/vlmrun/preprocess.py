@@ -108,19 +108,40 @@ def preprocess_image(image, processor_config: dict) -> np.ndarray:
 
 def render_prompt(chat_template: str, question: str, system: str | None = None) -> str:
     """The chat template applied to one user turn with the image first, plus the generation prompt."""
+    messages = []
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+    return render_messages(chat_template, messages)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def render_messages(chat_template: str, messages) -> str:
+    """The chat template applied to a whole conversation, plus the generation prompt.
+
+    ``messages``: ``{"role": "system" | "user" | "assistant", "content": str | [parts]}`` in order, a part being
+    ``{"type": "text", "text": ...}`` or ``{"type": "image"}`` (the picture, where it appears: once in the whole
+    conversation). Every turn is rendered, the assistant's answers included, as the model was trained on them."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise InputError(f"chat template error: {message}")
 
+    images = 0
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise InputError(f"message {i}: role {m.get('role')!r} is not one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            images += sum(1 for part in content if part.get("type") == "image")
+    if images != 1:
+        raise InputError(f"FastVLM answers about one picture per conversation; these messages hold {images}")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
-    messages = []
-    if system is not None:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
-    text = env.from_string(chat_template).render(messages=messages, add_generation_prompt=True)
+    text = env.from_string(chat_template).render(messages=list(messages), add_generation_prompt=True)
     if IMAGE_PLACEHOLDER not in text:
         raise InputError("the model's chat template did not place an <image> placeholder; cannot splice the image")
     return text

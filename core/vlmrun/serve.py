@@ -1,6 +1,7 @@
 """``vlmrun serve``: a layout (or a bundle) behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
 
-    POST /v1/chat/completions   messages with text and one ``image_url`` part (``data:`` URI or a local path);
+    POST /v1/chat/completions   messages with text and one ``image_url`` part (a ``data:`` URI; a local path only
+                                under ``--allowed-local-media-path``);
                                 temperature, top_p, max_tokens, seed, stop; ``stream: true`` as server-sent
                                 ``chat.completion.chunk`` events (``stream_options.include_usage``: a usage chunk)
     GET  /v1/models             what is served: the model id, its layout and the backend of each stage
@@ -15,6 +16,13 @@ bounded queue (``--max-queue``); when it is full the answer is 429 with ``Retry-
 cancels its generation (the next token is not computed) and frees its slot; a request that runs past
 ``--request-timeout`` is cancelled the same way.
 
+Exposed safely (as vLLM and llama-server): ``--api-key`` (or ``VLMRUN_API_KEY``) makes every ``/v1`` endpoint
+require ``Authorization: Bearer KEY`` (401 otherwise; compared in constant time, never printed or logged; ``/health``
+stays open); a local image path is refused unless ``--allowed-local-media-path DIR`` is given, and then only a file
+under DIR is read (symlinks and ``..`` resolved first; a path outside gets the same 400 whether it exists or not:
+no file-existence oracle); a body over ``--max-request-bytes`` is 413 before it is read whole (its Content-Length
+first, then the bytes counted as they stream in, for a chunked body).
+
 Bad requests (malformed JSON, no or an undecodable image, bad base64, a decompression bomb, two images, a prompt
 past the context, an unknown model or field value) get a JSON error body (``{"error": {"message", "type",
 "param", "code"}}``, as OpenAI's) and a 4xx status before anything runs: the store is not touched.
@@ -24,6 +32,7 @@ past the context, an unknown model or field value) get a JSON error body (``{"er
 import asyncio
 import base64
 import binascii
+import hmac
 import io
 import json
 import threading
@@ -40,6 +49,9 @@ from .stages import STAGES
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # a request's image, decoded
 MAX_IMAGE_PIXELS = 40_000_000  # above this PIL's decompression-bomb check refuses the image
+#: a request body's limit by default: two pictures at the image limit as base64 (2 x 26.7 MB) and their text
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+API_KEY_ENV = "VLMRUN_API_KEY"
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -84,9 +96,49 @@ def _number(body: dict, key: str, kind, default, lo=None, hi=None):
     return value
 
 
-def decode_image(url: str):
-    """An ``image_url``: a ``data:`` URI (base64) or a local path (``file://`` or plain); a PIL image, or a
-    RequestError (400) saying what is wrong."""
+def _forbidden_path(url: str, allowed: Path | None) -> RequestError:
+    """The one answer for a local path the server will not read: the same whether the file exists or not."""
+    if allowed is None:
+        return RequestError(400, "local image paths are not accepted by this server (it was started without"
+                            " --allowed-local-media-path); send a data: URI", "messages", "local_path_forbidden")
+    return RequestError(400, "the image path is not under the server's allowed local media folder"
+                        " (--allowed-local-media-path)", "messages", "local_path_forbidden")
+
+
+def read_local_image(url: str, allowed: Path | None) -> bytes:
+    """The bytes of a local image ``url`` (``file://`` or a plain path; a relative one is taken under ``allowed``),
+    read only when it resolves (symlinks and ``..`` followed) to a regular file under ``allowed``; at most
+    ``MAX_IMAGE_BYTES + 1`` bytes are read. Anything else: a RequestError that says nothing about the file."""
+    import os
+    import stat
+
+    if allowed is None:
+        raise _forbidden_path(url, None)
+    raw = url[len("file://"):] if url.startswith("file://") else url
+    try:
+        real = (allowed / raw).resolve()  # an absolute raw replaces allowed; a symlink loop raises
+    except (OSError, RuntimeError, ValueError):
+        raise _forbidden_path(url, allowed) from None
+    if not real.is_relative_to(allowed):
+        raise _forbidden_path(url, allowed)
+    try:  # the resolved path, not following a link swapped in since; not blocking on a FIFO
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise RequestError(400, f"image {url} does not exist", "messages", "image_not_found") from None
+    except OSError:
+        raise _forbidden_path(url, allowed) from None
+    with os.fdopen(fd, "rb") as f:
+        st, proc = os.fstat(fd), Path(f"/proc/self/fd/{fd}")
+        if not stat.S_ISREG(st.st_mode) or (proc.exists() and not Path(os.readlink(proc)).is_relative_to(allowed)):
+            raise _forbidden_path(url, allowed)
+        if st.st_size > MAX_IMAGE_BYTES:
+            raise RequestError(413, f"the image is {st.st_size} bytes; the limit is {MAX_IMAGE_BYTES}", "messages")
+        return f.read(MAX_IMAGE_BYTES + 1)
+
+
+def decode_image(url: str, allowed_media: Path | None = None):
+    """An ``image_url``: a ``data:`` URI (base64), or a local path (``file://`` or plain) under ``allowed_media``
+    (a resolved folder; None: no local path is read); a PIL image, or a RequestError (400) saying what is wrong."""
     from PIL import Image, UnidentifiedImageError
 
     if url.startswith("data:"):
@@ -97,13 +149,10 @@ def decode_image(url: str):
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise RequestError(400, "the image's base64 data is malformed", "messages", "bad_base64") from None
+    elif url.startswith(("http://", "https://")):
+        raise RequestError(400, "remote image URLs are not fetched; send a data: URI", "messages")
     else:
-        path = Path(url[len("file://"):] if url.startswith("file://") else url)
-        if url.startswith(("http://", "https://")):
-            raise RequestError(400, "remote image URLs are not fetched; send a data: URI or a local path", "messages")
-        if not path.is_file():
-            raise RequestError(400, f"image {path} does not exist", "messages", "image_not_found")
-        data = path.read_bytes()
+        data = read_local_image(url, allowed_media)
     if len(data) > MAX_IMAGE_BYTES:
         raise RequestError(413, f"the image is {len(data)} bytes; the limit is {MAX_IMAGE_BYTES}", "messages")
     try:
@@ -126,8 +175,9 @@ def decode_image(url: str):
     return img.convert("RGB")
 
 
-def parse_chat(body, model_id: str) -> ChatRequest:
-    """The JSON body of /v1/chat/completions as a :class:`ChatRequest`, or a RequestError."""
+def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRequest:
+    """The JSON body of /v1/chat/completions as a :class:`ChatRequest`, or a RequestError; local image paths are
+    read only under ``allowed_media`` (see :func:`decode_image`)."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -177,7 +227,7 @@ def parse_chat(body, model_id: str) -> ChatRequest:
         raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
     opts = body.get("stream_options") or {}
     return ChatRequest(
-        image=decode_image(images[0]), prompt=prompt, system=system,
+        image=decode_image(images[0], allowed_media), prompt=prompt, system=system,
         max_tokens=_number(body, "max_tokens", int, _number(body, "max_completion_tokens", int, DEFAULT_MAX_TOKENS,
                                                             1), 1),
         temperature=_number(body, "temperature", float, 0.0, 0.0, 2.0),
@@ -297,13 +347,72 @@ def _figures(gen, wall: float) -> dict:
     return {"timings": t, "wall_ms": round(wall * 1e3, 3), "stopped_by": gen.stopped_by}
 
 
+class Guard:
+    """ASGI middleware in front of every ``/v1`` endpoint, before any of the body is read: the API key (401), and
+    a declared Content-Length over the limit (413; the connection is closed, the body never read)."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app, self.max_request_bytes = app, max_request_bytes
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # lower-case names (ASGI)
+        if self.key is not None:
+            scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1"), self.key):
+                err = RequestError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (the"
+                                   " server's --api-key)", code="invalid_api_key",
+                                   headers={"WWW-Authenticate": "Bearer"})
+                return await _send_error(send, err)
+        length = headers.get(b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_request_bytes:
+            return await _send_error(send, too_large(int(length), self.max_request_bytes))
+        return await self.app(scope, receive, send)
+
+
+def too_large(size: int | None, limit: int) -> RequestError:
+    said = f"is {size} bytes; the limit is" if size is not None else "is over the limit of"
+    return RequestError(413, f"the request body {said} {limit} bytes (the server's --max-request-bytes)",
+                        code="request_too_large", headers={"Connection": "close"})
+
+
+async def _send_error(send, err: RequestError) -> None:
+    payload = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+               *((k.lower().encode(), v.encode()) for k, v in err.headers.items())]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request's body, counted as it streams in: past ``limit`` bytes, a 413 without reading the rest."""
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise too_large(None, limit)
+    return bytes(buf)
+
+
 def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = None, max_queue: int = 16,
-               request_timeout: float = 600.0):
-    """The FastAPI app serving ``pipe`` (a built :class:`vlmrun.pipeline.Pipeline`)."""
+               request_timeout: float = 600.0, api_key: str | None = None,
+               allowed_local_media_path: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES):
+    """The FastAPI app serving ``pipe`` (a built :class:`vlmrun.pipeline.Pipeline`). ``api_key``: required as a
+    Bearer token on every /v1 endpoint; ``allowed_local_media_path``: the one folder local image paths may name
+    (none by default); ``max_request_bytes``: a body's limit (413 beyond, before it is read)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     model_id = model_id or f"fastvlm-{pipe.model.path.name}"
+    allowed = None
+    if allowed_local_media_path is not None:
+        allowed = Path(allowed_local_media_path).expanduser().resolve()
+        if not allowed.is_dir():
+            raise UsageError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
+    if max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be positive, got {max_request_bytes}")
     shareable = all(getattr(pipe.registry.backend(pipe.layout.backend(s)), "concurrent", False) for s in STAGES)
     if concurrency is None:
         concurrency = 2 if shareable else 1
@@ -312,6 +421,7 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
                          " stage): it serves one generation at a time")
     app = FastAPI(title="vlmrun", description="FastVLM on a vlmrun layout, OpenAI-compatible")
     app.state.slots = None
+    app.add_middleware(Guard, api_key=api_key or None, max_request_bytes=max_request_bytes)
     created = int(time.time())
 
     def slots() -> Slots:  # made on the server's own event loop
@@ -340,12 +450,13 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         try:
-            raw = await request.body()
+            raw = await read_body(request, max_request_bytes)
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError):
                 raise RequestError(400, "the request body is not valid JSON", code="bad_json") from None
-            req = parse_chat(body, model_id)
+            del raw
+            req = parse_chat(body, model_id, allowed)
             try:  # the prompt must fit the context before the request takes a slot (prepared once, kept)
                 req.prepared = pipe.prepare(req.image, req.prompt, req.system)
             except InputError as exc:
@@ -464,9 +575,30 @@ def _as_request_error(exc: Exception) -> RequestError:
     return RequestError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """One line when the server listens beyond loopback without an API key."""
+    import ipaddress
+
+    if api_key:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if loopback:
+        return None
+    return (f"warning: serving on {host} without --api-key (or {API_KEY_ENV}): anyone who can reach this port can"
+            " use the model")
+
+
 def serve(pipe, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
     """Run the server until interrupted (the CLI's ``vlmrun serve``)."""
+    import sys
+
     import uvicorn
 
     app = create_app(pipe, **kwargs)
+    warning = exposure_warning(host, kwargs.get("api_key"))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
