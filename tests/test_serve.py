@@ -320,7 +320,7 @@ class SlowPipe:
         self.pipe, self.delay, self.produced = pipe, delay, []
         self.model, self.layout, self.registry = pipe.model, pipe.layout, pipe.registry
         self.context_length = pipe.context_length
-        self.prepare = pipe.prepare
+        self.prepare, self.prepare_messages = pipe.prepare, pipe.prepare_messages
 
     def generate_prepared(self, prepared, settings):
         gen = self.pipe.generate_prepared(prepared, settings)
@@ -419,3 +419,37 @@ def test_partial_selection_samples_the_same_tokens_for_the_same_seeds():
                     logits, st, np.random.default_rng(seed))
                 n += 1
     assert n == 288
+
+
+def test_a_conversation_reaches_the_model_whole(ref_server, ref_pipe, picture):
+    """Every turn goes into the prompt, the assistant's included, and the picture in the turn where it appears
+    (the answers are what the Python API gives for the same conversation; a second turn once lost its history)."""
+    first = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(picture)}},
+                                         {"type": "text", "text": "Describe the image."}]}
+    cases = [
+        [first, {"role": "assistant", "content": "A red circle on a blue background."},
+         {"role": "user", "content": "How many shapes are there?"}],
+        [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello."},
+         {"role": "assistant", "content": "Hello."},
+         {"role": "user", "content": [{"type": "text", "text": "What shape is in the image?"},
+                                      {"type": "image_url", "image_url": {"url": data_uri(picture)}}]}],
+    ]
+    for conversation in cases:
+        turns = []
+        for m in conversation:
+            parts = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            turns.append({"role": m["role"], "content": sorted(
+                [{"type": "image"} if p["type"] == "image_url" else p for p in parts],
+                key=lambda t: t["type"] != "image")})
+        prepared = ref_pipe.prepare_messages(picture, turns)
+        assert prepared.prompt_text.count("<|im_start|>") == len(conversation) + 1 + (
+            conversation[0]["role"] != "system")  # every turn, the default system turn, the generation prompt
+        want = ref_pipe.generate_prepared(prepared, GenerationSettings(max_new_tokens=32)).run()
+        r = ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=conversation,
+                                                      max_tokens=32)
+        assert r.choices[0].message.content == want.text
+        assert r.usage.prompt_tokens == prepared.input_ids.shape[1]
+    assert r.choices[0].message.content == "A circle."  # the picture in the second user turn
+    bad = [first, {"role": "assistant", "content": "A red circle."}]
+    with pytest.raises(openai.BadRequestError, match="the last message must be the user's"):
+        ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=bad, max_tokens=8)

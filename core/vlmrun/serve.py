@@ -70,8 +70,9 @@ class RequestError(Exception):
 @attrs.define
 class ChatRequest:
     image: object  # a PIL image
-    prompt: str
+    prompt: str  # the last user turn's text
     system: str | None
+    messages: list  # the whole conversation (system, user and assistant turns), as vlmrun.preprocess.render_messages takes it
     max_tokens: int
     temperature: float
     top_p: float
@@ -187,7 +188,7 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list", "messages")
-    system, texts, images = None, [], []
+    system, images, turns = None, [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
             raise RequestError(400, f"messages[{i}] must be an object with role system, user or assistant",
@@ -196,30 +197,40 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list):
             raise RequestError(400, f"messages[{i}].content must be a string or a list of parts", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        turn: list[dict] = []  # this turn as the chat template takes it: text parts and the picture where it is
         for p in parts:
             if not isinstance(p, dict):
                 raise RequestError(400, f"messages[{i}].content has a part that is not an object", "messages")
             if p.get("type") == "text" and isinstance(p.get("text"), str):
-                if m["role"] in ("system", "developer"):
+                turn.append({"type": "text", "text": p["text"]})
+                if role == "system":
                     system = p["text"]
-                elif m["role"] == "user":
-                    texts.append(p["text"])
             elif p.get("type") == "image_url":
+                if role != "user":
+                    raise RequestError(400, f"messages[{i}]: only a user turn can hold the picture", "messages")
                 url = p.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
                     raise RequestError(400, f"messages[{i}] has an image_url part without a url", "messages")
                 images.append(url)
+                turn.append({"type": "image"})
             else:
                 raise RequestError(400, f"messages[{i}] has a part of unknown type {p.get('type')!r}", "messages")
+        if role == "assistant" and any(t.get("type") != "text" for t in turn):
+            raise RequestError(400, f"messages[{i}]: an assistant turn holds text only", "messages")
+        # the picture first in its turn, whatever order the client sent the parts in: FastVLM's prompts put it there
+        turns.append({"role": role, "content": sorted(turn, key=lambda t: t.get("type") != "image")})
     if not images:
         raise RequestError(400, "FastVLM answers about one image: the request has none (an image_url part)",
                            "messages", "no_image")
     if len(images) > 1:
         raise RequestError(400, f"FastVLM takes one image per request; this one has {len(images)}", "messages",
                            "too_many_images")
-    prompt = "\n".join(t for t in texts if t).strip()
-    if not prompt:
+    if turns[-1]["role"] != "user":
+        raise RequestError(400, "the last message must be the user's (the turn to answer)", "messages")
+    prompt = "".join(t["text"] for t in turns[-1]["content"] if t.get("type") == "text").strip()
+    if not prompt and not any(t.get("type") == "image" for t in turns[-1]["content"]):
         raise RequestError(400, "the user message has no text", "messages")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
@@ -227,7 +238,7 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
         raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
     opts = body.get("stream_options") or {}
     return ChatRequest(
-        image=decode_image(images[0], allowed_media), prompt=prompt, system=system,
+        image=decode_image(images[0], allowed_media), prompt=prompt, system=system, messages=turns,
         max_tokens=_number(body, "max_tokens", int, _number(body, "max_completion_tokens", int, DEFAULT_MAX_TOKENS,
                                                             1), 1),
         temperature=_number(body, "temperature", float, 0.0, 0.0, 2.0),
@@ -458,7 +469,7 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
             del raw
             req = parse_chat(body, model_id, allowed)
             try:  # the prompt must fit the context before the request takes a slot (prepared once, kept)
-                req.prepared = pipe.prepare(req.image, req.prompt, req.system)
+                req.prepared = pipe.prepare_messages(req.image, req.messages)  # every turn, as the template says
             except InputError as exc:
                 raise RequestError(400, str(exc), "messages", "context_length_exceeded") from None
             await slots().acquire(request_timeout)
