@@ -285,3 +285,18 @@ def test_an_engine_fault_is_named_on_the_engine_side(fault, bundle_dir, tiny_mod
     table = diff.format_table(result)
     assert ("FAIL: the engine departs, not the binary: vlmrun's host engine leaves Genie's pipeline (libGenie) over"
             f" the same binaries from step {first}") in table.splitlines()
+
+
+def test_a_bundle_missing_or_truncating_its_token_table_is_one_line(bundle_dir, tmp_path, cache_dir, image_path):
+    for name, spoil_file in (("missing", lambda f: f.unlink()),
+                             ("truncated", lambda f: f.write_bytes(f.read_bytes()[:1000]))):
+        bad = tmp_path / name
+        shutil.copytree(bundle_dir, bad)
+        spoil_file(bad / "embedding_weights.raw")
+        r = run_cli(["--bundle", str(bad), "--image", str(image_path), "--prompt", "Describe the image."], cache_dir,
+                    timeout=300)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "LIBNATIVE" not in ln]
+        assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+        want = ("embedding_weights.raw is missing" if name == "missing" else
+                "embedding_weights.raw is 1000 bytes, the manifest records 114688")
+        assert want in lines[0] and "kpis" not in lines[0]

@@ -43,6 +43,7 @@ class BundleRuntime:
         from .genie_engine import libgenie_path
 
         self.lib = libgenie_path()
+        self._check_files()
         if not self.manifest.get("loads_on_emulator", False):
             from . import ep
 
@@ -50,6 +51,21 @@ class BundleRuntime:
                 raise BackendError(f"bundle {path} holds weight-shared binaries for a device, which this machine's"
                                    " HTP emulator cannot load; run it on a phone (--target android) or write an"
                                    " emulator bundle (vlmrun bundle without --target android)")
+
+    def _check_files(self) -> None:
+        """Every file the manifest lists is there at its recorded size (a stat each, no hashing: ``bundle
+        --verify`` hashes). Genie meets a missing or truncated file with unrelated text ("lut-Encoder does not
+        support kpis method"), so the bundle's own record says it first, in one line."""
+        for name, info in sorted(self.manifest.get("files", {}).items()):
+            f = self.path / name
+            if not f.is_file():
+                raise BackendError(f"bundle {self.path.name}: {name} is missing; copy the whole bundle folder again"
+                                   f" (or write it again: vlmrun bundle)")
+            size = f.stat().st_size
+            if "bytes" in info and size != int(info["bytes"]):
+                raise BackendError(f"bundle {self.path.name}: {name} is {size} bytes, the manifest records"
+                                   f" {int(info['bytes'])} (truncated or replaced); copy the bundle again, or check it"
+                                   f" with vlmrun bundle --verify")
 
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows of the bundle's token table as float32 [n, hidden], dequantized from its stored encoding (only the
