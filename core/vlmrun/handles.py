@@ -41,7 +41,7 @@ class DecoderHandle(StageHandle):
     :ivar last_timings: figures the runtime measured during the last ``decode`` (e.g. ``ttft_ms``,
         ``tokens_per_s``, ``prompt_tokens_per_s``); they replace the host-clock figures of a generation.
     :ivar runtime_name: the name of the runtime that generates (``decode`` / ``run_request``) when it is NOT the engine
-        behind ``run_stage`` (e.g. ``"Genie 1.21"`` generating over binaries that ``run_stage`` runs in vlmrun's
+        behind ``run_stage`` (e.g. a vendor's LLM runtime generating over binaries that ``run_stage`` runs in vlmrun's
         host engine); ``None`` when both are the same code. A diff then captures the logits of both, teacher-forced
         on the same tokens, and names the runtime when it departs from the engine (``vlmrun diff``). Such a runtime
         must honour ``on_logits`` and ``teacher_tokens`` of its requests.

@@ -248,7 +248,7 @@ def decode(backend, handle, request):
                     row [vocab] before sampling from it (diffs use these instead of a second forward; a runtime
                     that never sees logits (it samples inside itself) leaves it uncalled), and ``teacher_tokens``:
                     when not ``None``, step k takes ``teacher_tokens[k]`` (``sampler`` already returns them; a
-                    runtime that samples inside itself must force them itself, e.g. Genie's custom sampler).
+                    runtime that samples inside itself must force them itself, e.g. through a custom sampler callback).
                     A handle whose ``runtime_name`` is set (a runtime other than the engine behind ``run_stage``)
                     must honour both, and may offer ``engine_decode`` (:class:`vlmrun.handles.DecoderHandle`).
     :return: an iterator of generated token ids (ints), yielded as soon as each is known so the core can

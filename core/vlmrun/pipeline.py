@@ -551,7 +551,7 @@ class Pipeline:
     @property
     def runtime_name(self) -> str | None:
         """The runtime that generates, when it is not the engine behind ``run_stage`` for the decoder (e.g.
-        Genie over binaries vlmrun's host engine also runs): see :attr:`vlmrun.handles.DecoderHandle.runtime_name`."""
+        a vendor runtime over binaries vlmrun's host engine also runs): see :attr:`vlmrun.handles.DecoderHandle.runtime_name`."""
         return runtime_of(self.handles.get("decoder"))
 
     def _forced_rows(self, embeds: np.ndarray, forced: list[int], settings: GenerationSettings,
@@ -584,7 +584,7 @@ class Pipeline:
         its logits while generating and it generated exactly the forced tokens, those rows are the teacher-forced
         ones already; otherwise the decoder stage runs once more over the prompt plus the forced tokens.
 
-        When the decoder's runtime is not the engine behind ``run_stage`` (:attr:`runtime_name`, e.g. Genie), the
+        When the decoder's runtime is not the engine behind ``run_stage`` (:attr:`runtime_name`, e.g. a vendor runtime), the
         free-running generation is the runtime's as it ships (its own sampler), ``logits`` are the engine's over
         the same binaries, and ``runtime_logits`` are the runtime's own, teacher-forced through it on the same
         tokens (its ``teacher_tokens``): the two sides of the runtime boundary.

@@ -166,7 +166,7 @@ class DecodeRequest:
     # when set, a decoder that sees its logits calls it with each step's row [V] before sampling from it
     on_logits: Callable[[np.ndarray], None] | None = None
     # teacher forcing: step k takes teacher_tokens[k] instead of sampling (``sampler`` already returns them; a
-    # runtime that samples inside itself must force them itself, e.g. through Genie's custom sampler)
+    # runtime that samples inside itself must force them itself, e.g. through a custom sampler callback)
     teacher_tokens: Sequence[int] | None = None
 
 

@@ -19,7 +19,7 @@ CAPTURE_KEYS = (
     "pixel_values", "input_ids", "image_features", "image_embeds", "text_embeds", "inputs_embeds", "logits", "tokens",
 )
 #: kept when a side has them: the logits and tokens of a runtime that is not the engine behind the decoder stage
-#: (a bundle's Genie), teacher-forced through that runtime
+#: (a bundle's own runtime), teacher-forced through that runtime
 OPTIONAL_KEYS = ("runtime_logits", "runtime_tokens")
 
 

@@ -28,7 +28,7 @@ CHECK_STAGES = tuple(dict.fromkeys(s for s, _ in CHECKPOINTS))
 TENSOR_METRICS = {"max_abs": "max", "mean_abs": "max", "rel_l2": "max", "cosine": "min", "sqnr_db": "min"}
 LOGITS_METRICS = {"top1_agreement": "min", "top5_overlap": "min", "kl_mean": "max", "kl_max": "max"}
 IDS_METRICS = {"mismatches": "max"}
-# the runtime that generates, when it is not the engine behind the decoder stage (a bundle's Genie): its own logits,
+# the runtime that generates, when it is not the engine behind the decoder stage (a bundle's runtime): its own logits,
 # teacher-forced through it, against the reference (as the decoder's) and against the engine's over the same binaries
 RUNTIME_METRICS = {"engine_sqnr_db": "min", "engine_min_step_sqnr_db": "min", "engine_top1_agreement": "min",
                    "engine_reference_sqnr_db": "min"}

@@ -93,7 +93,7 @@ def format_table(result: DiffResult) -> str:
 
 def _runtime_lines(result: DiffResult) -> list[str]:
     """The runtime boundary, when the device's runtime is not the engine behind its decoder stage (a bundle's
-    Genie): its teacher-forced logits against the reference and against the engine over the same binaries."""
+    a vendor's LLM runtime): its teacher-forced logits against the reference and against the engine over the same binaries."""
     try:
         e = result.entry("runtime")
     except KeyError:
