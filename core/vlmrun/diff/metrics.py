@@ -133,19 +133,10 @@ def divergence_explained(row: np.ndarray, token: int) -> tuple[bool, dict]:
 
 
 def per_step_sqnr(ref: np.ndarray, dev: np.ndarray) -> list[float]:
-    """SQNR (dB, capped) of each row of [1, K, V] ``dev`` against ``ref``."""
-    r = np.asarray(ref, np.float64).reshape(-1, ref.shape[-1])
-    d = np.asarray(dev, np.float64).reshape(-1, dev.shape[-1])
-    out = []
-    for a, b in zip(r, d):
-        noise, signal = float(((a - b) ** 2).sum()), float((a ** 2).sum())
-        if noise == 0.0:
-            out.append(SQNR_CAP_DB)
-        elif not np.isfinite(noise):
-            out.append(float("nan"))
-        else:
-            out.append(float(np.clip(10 * np.log10(max(signal, 1e-300) / noise), -SQNR_CAP_DB, SQNR_CAP_DB)))
-    return out
+    """SQNR (dB, capped) of each row of [1, K, V] ``dev`` against ``ref`` (:func:`tensor_metrics` per row)."""
+    r = np.asarray(ref).reshape(-1, ref.shape[-1])
+    d = np.asarray(dev).reshape(-1, dev.shape[-1])
+    return [tensor_metrics(a, b)["sqnr_db"] for a, b in zip(r, d)]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

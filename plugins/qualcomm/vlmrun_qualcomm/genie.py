@@ -365,6 +365,19 @@ def _last_error_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def alloc_callback() -> tuple[object, list]:
+    """A ``Genie_AllocCallback_t`` (Genie asks the client for ``size`` bytes and copies its JSON result into them)
+    and the list that keeps its buffers alive: hold both until the result is read."""
+    buffers: list = []
+
+    def alloc(size, out):
+        buf = ctypes.create_string_buffer(int(size))
+        buffers.append(buf)
+        out[0] = ctypes.cast(buf, ctypes.c_void_p).value
+
+    return AllocCB(alloc), buffers
+
+
 class GenieLibrary:
     """``libGenie.so`` loaded with ctypes (the API of GenieDialog.h / GenieProfile.h)."""
 
@@ -498,14 +511,7 @@ class GenieDialog:
         """The profile JSON Genie collected so far ({} without a profile handle)."""
         if not self._prof:
             return {}
-        buffers = []
-
-        def alloc(size, out):
-            buf = ctypes.create_string_buffer(int(size))
-            buffers.append(buf)
-            out[0] = ctypes.cast(buf, ctypes.c_void_p).value
-
-        cb = AllocCB(alloc)
+        cb, _buffers = alloc_callback()
         data = ctypes.c_void_p()
         self.genie.check(self.genie.lib.GenieProfile_getJsonData(self._prof, cb, ctypes.byref(data)), "profile")
         return json.loads(ctypes.string_at(data.value).decode("utf-8", "replace")) if data.value else {}

@@ -57,7 +57,7 @@ from typing import Mapping, Sequence
 
 from vlmrun.errors import BackendError
 
-from .genie import AllocCB, WorkerLines, _last_error_line, capture_fd, status_name
+from .genie import AllocCB, WorkerLines, _last_error_line, alloc_callback, capture_fd, status_name
 from .genie_pipeline import LOG_LEVEL_WARN, PipelineLibrary
 
 ACCURACY_SIG = {
@@ -138,14 +138,7 @@ def compute(lib: PipelineLibrary, node_config: str, accuracy_json: str) -> float
         getattr(L, name).argtypes, getattr(L, name).restype = args, res
     log: list[str] = []
     logger, cfg, node, acfg, acc = (ctypes.c_void_p() for _ in range(5))
-    buffers: list = []  # Genie writes into the callback's buffer after it returns: keep it alive
-
-    def alloc(size, out):
-        buf = ctypes.create_string_buffer(int(size))
-        buffers.append(buf)
-        out[0] = ctypes.cast(buf, ctypes.c_void_p).value
-
-    cb = AllocCB(alloc)
+    cb, _buffers = alloc_callback()  # Genie writes into the callback's buffer after it returns: kept until read
     data = ctypes.c_void_p()
     try:
         try:
