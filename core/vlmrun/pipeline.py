@@ -25,7 +25,7 @@ from .errors import BackendError, InputError
 from .handles import context_of, profile_of, runtime_of, timings_of
 from .model import FastVLMModel, open_model
 from .progress import no_progress
-from .preprocess import load_image, preprocess_image, render_prompt, splice, tokenize_prompt
+from .preprocess import load_image, preprocess_image, render_messages, render_prompt, splice, tokenize_prompt
 from .sampling import ForcedSampler, Sampler, SamplingSettings
 from .stages import (CONTRACTS, STAGES, CompileContext, CompileRequest, DecodeRequest, ExportForm, RequestRun,
                      check_tensor)
@@ -462,8 +462,6 @@ class Pipeline:
         """:meth:`prepare` for a whole conversation: ``messages`` as :func:`vlmrun.preprocess.render_messages`
         takes them (system, user and assistant turns in order; the picture's ``{"type": "image"}`` part in the
         turn where it appears), rendered by the model's chat template with the generation prompt."""
-        from .preprocess import render_messages
-
         if isinstance(image, (str, os.PathLike)):
             image = load_image(image)
         pixel_values = preprocess_image(image, self.model.image_processor_config)
