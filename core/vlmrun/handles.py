@@ -59,6 +59,42 @@ class DecoderHandle(StageHandle):
         return None
 
 
+class DecoderState:
+    """A decoder's state kept between the turns of a conversation (its KV cache over ``length`` positions), from the
+    ``decoder_state`` hook. The core keeps one per conversation and calls, for each turn:
+
+    1. :meth:`truncate` to the longest prefix the kept positions share with the turn's whole token sequence (the
+       history re-rendered; picture positions compared by the picture's hash): ``False`` when this state cannot drop
+       positions, and then the core calls :meth:`reset` and feeds the whole sequence;
+    2. :meth:`decode` with a :class:`vlmrun.stages.DecodeRequest` whose ``inputs_embeds`` are only the positions after
+       :attr:`length` (at least one): prefill them on top of the kept positions, then generate as the ``decode`` hook
+       does. The positions fed (the new prompt rows and every generated token but the last, which is sampled and not
+       fed) stay in the state, and :attr:`length` counts them, also when the caller stops the iterator early.
+
+    A decoder whose runtime cannot keep state returns ``None`` from the hook; the core then decodes every turn from
+    the start through ``decode`` (the same tokens, only slower).
+    """
+
+    length: int = 0
+
+    def truncate(self, n: int) -> bool:
+        """Keep the first ``n`` positions only; ``False`` when the state cannot drop positions (the core resets)."""
+        return n >= self.length
+
+    def reset(self) -> None:
+        """Drop every kept position."""
+        raise NotImplementedError
+
+    def decode(self, request) -> Iterator[int]:
+        """Continue from the kept positions: see the class docstring."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this state holds (a server's cache of conversations is bounded by them)."""
+        return 0
+
+
 def artifacts_of(handle: object) -> list:
     return list(handle.artifacts) if isinstance(handle, StageHandle) else []
 

@@ -20,6 +20,8 @@ contracts). The order in which the core calls the hooks for one stage of one run
     run_stage(backend, stage, handle, inputs)   for every image/prompt (vision, projector, embed; and the
                                                 decoder under teacher forcing: logits for given embeddings)
     decode(backend, handle, request)            the generation loop of the decoder stage
+    decoder_state(backend, handle)              optional, once per conversation: a state kept between its turns
+      -> state.truncate(n), state.decode(request)   per turn: keep the shared prefix, prefill only the new positions
     run_request(backend, handles, request)      optional, before the stage-by-stage path of a generation when every
                                                 stage is on ``backend``: the whole request in one runtime (a bundle)
     run_stage_batch(backend, stage, handle, inputs)  optional: a stage over a whole data set (``vlmrun eval``)
@@ -255,6 +257,23 @@ def decode(backend, handle, request):
              stream text and time the first token. A :class:`vlmrun.handles.DecoderHandle` whose runtime
              measures itself sets ``last_timings`` (e.g. ``ttft_ms``, ``tokens_per_s``) by the end of the
              iteration; those figures replace the host-clock ones.
+    """
+
+
+@hookspec(firstresult=True)
+def decoder_state(backend, handle):
+    """A new, empty state for one conversation over the loaded decoder, kept between its turns so that a turn
+    prefills only its new tokens (``Pipeline.chat``, ``vlmrun chat``, ``vlmrun serve``).
+
+    Call order: ``load_stage`` once; ``decoder_state`` once per conversation; then per turn ``state.truncate(n)``
+    and ``state.decode(request)`` with the new positions only (:class:`vlmrun.handles.DecoderState` documents the
+    contract). The core never runs two turns on the same state at once, and runs one generation at a time on a
+    handle whose backend does not declare it safe to share.
+
+    :param backend: the backend name; return ``None`` if it is not yours.
+    :param handle: what ``load_stage(backend, "decoder", ...)`` returned.
+    :return: a :class:`vlmrun.handles.DecoderState`, or ``None`` when this decoder cannot continue from a kept
+             state (the core then recomputes each turn from the start with ``decode``).
     """
 
 

@@ -124,12 +124,14 @@ def render_messages(chat_template: str, messages) -> str:
     ``messages``: ``{"role": "system" | "user" | "assistant", "content": str | [parts]}`` in order, a part being
     ``{"type": "text", "text": ...}`` or ``{"type": "image"}`` (the picture, where it appears: once in the whole
     conversation). Every turn is rendered, the assistant's answers included, as the model was trained on them."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    images = count_images(messages)
+    if images != 1:
+        raise InputError(f"FastVLM answers about one picture per conversation; these messages hold {images}")
+    return render_conversation(chat_template, messages)
 
-    def raise_exception(message):
-        raise InputError(f"chat template error: {message}")
 
+def count_images(messages) -> int:
+    """The pictures of ``messages`` (``{"type": "image"}`` parts); each role checked to be one of :data:`ROLES`."""
     images = 0
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
@@ -137,14 +139,41 @@ def render_messages(chat_template: str, messages) -> str:
         content = m.get("content")
         if not isinstance(content, str):
             images += sum(1 for part in content if part.get("type") == "image")
-    if images != 1:
-        raise InputError(f"FastVLM answers about one picture per conversation; these messages hold {images}")
+    return images
+
+
+def render_conversation(chat_template: str, messages) -> str:
+    """:func:`render_messages` for a conversation with any number of pictures (none, or one in several turns): one
+    ``<image>`` placeholder where each picture appears, in order."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise InputError(f"chat template error: {message}")
+
+    images = count_images(messages)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
     text = env.from_string(chat_template).render(messages=list(messages), add_generation_prompt=True)
-    if IMAGE_PLACEHOLDER not in text:
-        raise InputError("the model's chat template did not place an <image> placeholder; cannot splice the image")
+    if text.count(IMAGE_PLACEHOLDER) != images:
+        raise InputError(f"the model's chat template placed {text.count(IMAGE_PLACEHOLDER)} <image> placeholders for"
+                         f" {images} pictures; cannot splice them")
     return text
+
+
+def tokenize_conversation(tokenizer, text: str, image_token_id: int, image_tokens: int) -> tuple[np.ndarray, list[int]]:
+    """Token ids [1, T] int64 with every ``<image>`` placeholder expanded to ``image_tokens`` copies, and where
+    each picture's positions start (in order). The text between placeholders is tokenized piece by piece, as
+    :func:`tokenize_prompt` does for one picture."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    ids: list[int] = []
+    starts: list[int] = []
+    for i, piece in enumerate(pieces):
+        if i:
+            starts.append(len(ids))
+            ids += [image_token_id] * image_tokens
+        ids += tokenizer.encode(piece, add_special_tokens=False).ids
+    return np.asarray([ids], dtype=np.int64), starts
 
 
 def tokenize_prompt(tokenizer, text: str, image_token_id: int, image_tokens: int) -> tuple[np.ndarray, int]:

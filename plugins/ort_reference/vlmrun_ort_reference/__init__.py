@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from vlmrun import hookimpl
+from vlmrun.handles import DecoderState
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import STAGES, ExportForm
 
@@ -94,18 +95,45 @@ class KVDecoder:
         return logits, new_past
 
     def generate(self, request):
-        embeds = request.inputs_embeds
-        logits, past = self.forward(embeds, self.empty_past(), 0)
-        n_past = embeds.shape[1]
+        """Decode ``request`` from an empty cache."""
+        return KVState(self).decode(request)
+
+
+class KVState(DecoderState):
+    """A conversation's past keys and values (``decoder_state``): growing arrays, cut to keep a prefix."""
+
+    def __init__(self, decoder: KVDecoder):
+        self.decoder = decoder
+        self.reset()
+
+    def reset(self) -> None:
+        self.past, self.length = self.decoder.empty_past(), 0
+
+    def truncate(self, n: int) -> bool:
+        if n < self.length:
+            self.past = {k: v[:, :, :n] for k, v in self.past.items()}
+            self.length = n
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.past.values())
+
+    def _feed(self, embeds: np.ndarray) -> np.ndarray:
+        logits, self.past = self.decoder.forward(embeds, self.past, self.length)
+        self.length += embeds.shape[1]
+        return logits
+
+    def decode(self, request):
+        logits = self._feed(request.inputs_embeds)
         for i in range(request.max_new_tokens):
             if request.on_logits is not None:
                 request.on_logits(logits[0, -1])
             tok = request.sampler(logits[0, -1])
             yield tok
-            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or n_past >= request.context_length:
+            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.length >= request.context_length:
                 return
-            logits, past = self.forward(request.embed_tokens(np.array([tok])), past, n_past)
-            n_past += 1
+            logits = self._feed(request.embed_tokens(np.array([tok])))
 
 
 @hookimpl
@@ -151,3 +179,11 @@ def decode(backend, handle, request):
     if not mine(backend, NAME):
         return None
     return handle.generate(request)
+
+
+@hookimpl
+def decoder_state(backend, handle):
+    """A conversation's KV cache, kept between its turns (:class:`KVState`)."""
+    if not mine(backend, NAME):
+        return None
+    return KVState(handle)

@@ -72,6 +72,7 @@ from vlmrun_qualcomm.manifest import ContextManifest
 from vlmrun_qualcomm.sdk import Sdk, newer_than, phone_options
 
 from . import calibration, ep, image_encoder, recipe
+from .decoder import FixedKVDecoder, FixedKVState
 from .handles import ChunkedEmbed, DecoderHandle, LocalStage
 from .layers import LAYER_OPTIONS
 from .options import (DECODER_FORMS, DEFAULT_CONTEXT, DEFAULT_EMBED_SEQ, DEFAULT_PREFILL_AR, ENGINES, NAME,
@@ -486,3 +487,16 @@ def decode(backend, handle, request):
     if hasattr(handle, "genie_generate"):
         return handle.genie_generate(request)
     return handle.decoder.generate(request)
+
+
+@hookimpl
+def decoder_state(backend, handle):
+    """A conversation's KV buffers for the host engine (fixed and parts forms): each turn prefills its new rows only.
+    Genie (engine ``genie``, bundles, phones) keeps its own dialog state, which vlmrun does not hold between turns
+    yet: ``None``, and the core answers each turn from the start."""
+    if not mine(backend, NAME) or getattr(handle, "runtime_name", None) or getattr(handle, "phone", None) is not None:
+        return None
+    if hasattr(handle, "runtime") or hasattr(handle, "genie_generate"):
+        return None
+    decoder = getattr(handle, "decoder", None)
+    return FixedKVState(decoder) if isinstance(decoder, FixedKVDecoder) else None

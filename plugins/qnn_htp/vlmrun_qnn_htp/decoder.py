@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from vlmrun.errors import InputError
+from vlmrun.handles import DecoderState
 
 MASK_MIN = np.float32(-65504.0)
 
@@ -96,13 +97,22 @@ class FixedKVDecoder:
         return self.prefill(embeds.astype(np.float32), all_logits=True)
 
     def generate(self, request) -> Iterator[int]:
+        """Decode ``request`` from an empty cache."""
         self.reset()
+        return self.resume(request)
+
+    def resume(self, request) -> Iterator[int]:
+        """Decode ``request`` on top of the positions the KV buffers hold (``n_past``): prefill its rows, then
+        generate (a conversation's next turn, :class:`FixedKVState`)."""
         limit = min(int(request.context_length or self.ctx), self.ctx)
-        if request.inputs_embeds.shape[1] >= limit:
+        if self.n_past + request.inputs_embeds.shape[1] >= limit:
             raise InputError(
-                f"the prompt is {request.inputs_embeds.shape[1]} tokens but the compiled decoder context holds"
-                f" {limit}; compile the decoder with a larger context_length"
+                f"the prompt is {self.n_past + request.inputs_embeds.shape[1]} tokens but the compiled decoder context"
+                f" holds {limit}; compile the decoder with a larger context_length"
             )
+        return self._resume(request, limit)
+
+    def _resume(self, request, limit: int) -> Iterator[int]:
         logits = self.prefill(request.inputs_embeds.astype(np.float32))
         for i in range(request.max_new_tokens):
             if request.on_logits is not None:
@@ -112,3 +122,43 @@ class FixedKVDecoder:
             if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.n_past >= limit:
                 return
             logits = self._step(request.embed_tokens(np.array([tok])), 1)
+
+
+class FixedKVState(DecoderState):
+    """A conversation's KV buffers over a :class:`FixedKVDecoder` (or its Genie-layout subclass), kept between turns:
+    swapped into the decoder for a turn, the slots past ``length`` masked and overwritten (so cutting is free)."""
+
+    def __init__(self, decoder: FixedKVDecoder):
+        self.decoder = decoder
+        self.k = self.v = None
+        self.length = 0
+
+    def reset(self) -> None:
+        self.k = self.v = None
+        self.length = 0
+
+    def truncate(self, n: int) -> bool:
+        self.length = min(self.length, int(n))
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def decode(self, request) -> Iterator[int]:
+        d = self.decoder
+        if self.k is None:
+            d.reset()
+            self.k, self.v = d.k, d.v
+        d.k, d.v, d.n_past = self.k, self.v, self.length
+        tokens = d.resume(request)  # checks the context before anything runs
+        return self._follow(tokens)
+
+    def _follow(self, tokens: Iterator[int]) -> Iterator[int]:
+        d = self.decoder
+        d.k, d.v, d.n_past = self.k, self.v, self.length  # another turn may have used the decoder since
+        for tok in tokens:
+            self.length = d.n_past
+            yield tok
+            d.k, d.v, d.n_past = self.k, self.v, self.length
+        self.length = d.n_past
