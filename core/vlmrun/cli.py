@@ -13,81 +13,12 @@ from pathlib import Path
 import click
 
 from . import procs
-from .cli_options import layout_overrides, model_options, registry, stage_option_flags
+from .cli_options import (_build, _generation_options, _pipeline_options, _settings, model_options,  # noqa: F401
+                          registry)
 from .errors import UsageError, VlmrunError
 from .stages import STAGES
 
 DEMO_PROMPT = "Describe the image."
-
-
-def _stage_options(f):
-    for stage in reversed(STAGES):
-        f = click.option(f"--{stage}", f"{stage}_backend", metavar="PLUGIN",
-                         help=f"Backend plugin for the {stage} stage (overrides the layout).")(f)
-    return f
-
-
-def _pipeline_options(f):
-    f = model_options(f)
-    f = click.option("--layout", default=None, help="Layout preset: reference, hybrid, all-npu. [default: reference]")(f)
-    f = click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")(f)
-    f = click.option("--bundle", type=click.Path(path_type=Path), metavar="DIR",
-                     help="Run a bundle folder written by `vlmrun bundle` (its own runtime, as a phone would).")(f)
-    f = click.option("--rebuild", is_flag=True, help="Export/compile again even if the store has the artifacts.")(f)
-    f = stage_option_flags(f)
-    f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
-    return _stage_options(f)
-
-
-def _generation_options(f):
-    f = click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)(f)
-    f = click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
-                     help="0 = greedy.")(f)
-    f = click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")(f)
-    f = click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)(f)
-    f = click.option("--seed", type=int, default=0, show_default=True)(f)
-    f = click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")(f)
-    f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")(f)
-    return f
-
-
-def _build(opts: dict, stages=STAGES, requests=()):
-    """The pipeline of a command: layout (preset, file, --STAGE overrides, option flags), checked with the
-    inputs of ``requests`` (image, prompt) before any export or compile."""
-    from . import layouts
-    from .pipeline import Pipeline
-    from .progress import step
-
-    overrides = {s: opts.get(f"{s}_backend") for s in STAGES}
-    if opts.get("bundle"):
-        if opts.get("layout") or opts.get("layout_file"):
-            raise UsageError("--bundle runs the bundle as it was written: drop --layout / --layout-file")
-        opts = {**opts, "layout": f"{layouts.BUNDLE_PREFIX}{opts['bundle']}"}
-    base = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides)
-    layout = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides,
-                             layout_overrides(opts, base, stages))
-    return Pipeline.build(
-        opts.get("model_dir"),
-        layout,
-        store=opts.get("cache_dir"),
-        registry=registry(),
-        rebuild=opts.get("rebuild", False),
-        image_size=opts.get("image_size", 1024),
-        stages=stages,
-        progress=step,
-        requests=requests,
-    )
-
-
-def _settings(opts: dict):
-    from .pipeline import GenerationSettings
-    from .sampling import SamplingSettings
-
-    return GenerationSettings(
-        max_new_tokens=opts["max_new_tokens"],
-        sampling=SamplingSettings(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"]),
-        ignore_eos=opts["ignore_eos"],
-    )
 
 
 def _format_timings(t: dict) -> str:
@@ -302,9 +233,14 @@ def make_tiny(out_dir, image_size, full_size, seed, massive_activations, debug):
 @click.option("--max-request-bytes", type=click.IntRange(1), default=64 * 1024 * 1024, show_default=True,
               help="A request body's limit: 413 beyond it, before the body is read (its Content-Length, or counted"
                    " as it streams). The default holds two images at the 20 MiB image limit, base64-encoded.")
+@click.option("--max-conversations", type=click.IntRange(0), default=16, show_default=True,
+              help="Answered conversations whose decoder state is kept, so that a request that extends one prefills"
+                   " only its new tokens (least recently used out; 0: keep none).")
+@click.option("--conversation-cache-mb", type=click.FloatRange(0), default=1024.0, show_default=True,
+              help="Host memory the kept conversation states may take.")
 @_pipeline_options
 def serve(host, port, model_id, concurrency, max_queue, request_timeout, api_key, allowed_local_media_path,
-          max_request_bytes, **opts):
+          max_request_bytes, max_conversations, conversation_cache_mb, **opts):
     """Serve a layout (or --bundle DIR) behind an OpenAI-compatible API.
 
     \b
@@ -312,8 +248,10 @@ def serve(host, port, model_id, concurrency, max_queue, request_timeout, api_key
       vlmrun serve --layout all-npu --port 8080
       vlmrun serve --bundle out/
     \b
-    POST /v1/chat/completions (text + one image_url: a data: URI, or a local path under
-    --allowed-local-media-path; stream, temperature, top_p, max_tokens, seed, stop), GET /v1/models, GET /health.
+    POST /v1/chat/completions (a conversation: system, user and assistant turns, image_url parts in user turns: a
+    data: URI, or a local path under --allowed-local-media-path; stream, temperature, top_p, max_tokens, seed,
+    stop), GET /v1/models, GET /health. A request that extends a conversation answered before continues from its
+    kept decoder state (usage.prompt_tokens_details.cached_tokens says how many positions it reused).
     The pipeline is built (exported, compiled) before the server listens; an error there stops it with one line.
     Beyond loopback, set --api-key (without one a warning is printed).
     """
@@ -328,7 +266,8 @@ def serve(host, port, model_id, concurrency, max_queue, request_timeout, api_key
     click.echo(f"serving {pipe.layout.name} [{pipe.layout.describe()}] on http://{host}:{port}/v1", err=True)
     run_server(pipe, host=host, port=port, model_id=model_id, concurrency=concurrency, max_queue=max_queue,
                request_timeout=request_timeout, api_key=api_key or None,
-               allowed_local_media_path=allowed_local_media_path, max_request_bytes=max_request_bytes)
+               allowed_local_media_path=allowed_local_media_path, max_request_bytes=max_request_bytes,
+               max_conversations=max_conversations, conversation_cache_mb=conversation_cache_mb)
 
 
 @cli.command()
@@ -355,6 +294,7 @@ from .cli_store import store_group  # noqa: E402
 from .cli_eval import eval_command  # noqa: E402
 from .cli_bundle import bundle_command  # noqa: E402
 from .cli_tune import tune_command  # noqa: E402
+from .cli_chat import chat_command  # noqa: E402
 
 cli.add_command(compile_command, "compile")
 cli.add_command(diff_command, "diff")
@@ -363,13 +303,14 @@ cli.add_command(store_group, "store")
 cli.add_command(eval_command, "eval")
 cli.add_command(bundle_command, "bundle")
 cli.add_command(tune_command, "tune")
+cli.add_command(chat_command, "chat")
 
 #: the documentation page that explains each command (docs/, the site `mkdocs build` makes from it)
 DOCS_PAGES = {
     "": "getting-started.md", "demo": "getting-started.md", "doctor": "getting-started.md",
     "export": "models.md", "make-tiny": "models.md", "store": "models.md", "plugins": "layouts.md",
     "compile": "npu.md", "profile": "cloud.md", "diff": "diff.md", "eval": "eval.md", "tune": "tune.md",
-    "bundle": "bundles.md", "serve": "serve.md",
+    "bundle": "bundles.md", "serve": "serve.md", "chat": "chat.md",
 }
 
 

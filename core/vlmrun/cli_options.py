@@ -6,6 +6,9 @@ from pathlib import Path
 
 import click
 
+from .errors import UsageError
+from .stages import STAGES
+
 
 def model_options(f):
     """``--model``, ``--image-size`` and ``--cache-dir``: which checkpoint, and where artifacts live."""
@@ -102,3 +105,76 @@ def layout_overrides(opts: dict, layout, stages) -> dict[str, dict[str, object]]
             on = ", ".join(f"{s}={layout.stages[s].backend}" for s in stages)
             raise UsageError(f"{flag} applies to no stage here ({on}): it is an option of {owners}")
     return out
+
+
+# -- the pipeline of a command: its layout, model and generation options -----------------------------------------
+def _stage_options(f):
+    for stage in reversed(STAGES):
+        f = click.option(f"--{stage}", f"{stage}_backend", metavar="PLUGIN",
+                         help=f"Backend plugin for the {stage} stage (overrides the layout).")(f)
+    return f
+
+
+def _pipeline_options(f):
+    f = model_options(f)
+    f = click.option("--layout", default=None, help="Layout preset: reference, hybrid, all-npu. [default: reference]")(f)
+    f = click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")(f)
+    f = click.option("--bundle", type=click.Path(path_type=Path), metavar="DIR",
+                     help="Run a bundle folder written by `vlmrun bundle` (its own runtime, as a phone would).")(f)
+    f = click.option("--rebuild", is_flag=True, help="Export/compile again even if the store has the artifacts.")(f)
+    f = stage_option_flags(f)
+    f = click.option("--debug", is_flag=True, help="Show tracebacks.")(f)
+    return _stage_options(f)
+
+
+def _generation_options(f):
+    f = click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)(f)
+    f = click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+                     help="0 = greedy.")(f)
+    f = click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")(f)
+    f = click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)(f)
+    f = click.option("--seed", type=int, default=0, show_default=True)(f)
+    f = click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")(f)
+    f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")(f)
+    return f
+
+
+def _build(opts: dict, stages=STAGES, requests=()):
+    """The pipeline of a command: layout (preset, file, --STAGE overrides, option flags), checked with the
+    inputs of ``requests`` (image, prompt) before any export or compile."""
+    from . import layouts
+    from .pipeline import Pipeline
+    from .progress import step
+
+    overrides = {s: opts.get(f"{s}_backend") for s in STAGES}
+    if opts.get("bundle"):
+        if opts.get("layout") or opts.get("layout_file"):
+            raise UsageError("--bundle runs the bundle as it was written: drop --layout / --layout-file")
+        opts = {**opts, "layout": f"{layouts.BUNDLE_PREFIX}{opts['bundle']}"}
+    base = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides)
+    layout = layouts.resolve(opts.get("layout"), opts.get("layout_file"), overrides,
+                             layout_overrides(opts, base, stages))
+    return Pipeline.build(
+        opts.get("model_dir"),
+        layout,
+        store=opts.get("cache_dir"),
+        registry=registry(),
+        rebuild=opts.get("rebuild", False),
+        image_size=opts.get("image_size", 1024),
+        stages=stages,
+        progress=step,
+        requests=requests,
+    )
+
+
+def _settings(opts: dict):
+    from .pipeline import GenerationSettings
+    from .sampling import SamplingSettings
+
+    return GenerationSettings(
+        max_new_tokens=opts["max_new_tokens"],
+        sampling=SamplingSettings(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"]),
+        ignore_eos=opts["ignore_eos"],
+    )
+
+

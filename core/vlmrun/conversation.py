@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
+from collections import OrderedDict
 from typing import Iterator, Sequence
 
 import attrs
@@ -115,6 +117,11 @@ class KeptState:
         if self.state is None:
             return []
         return (self._seq + list(self._generated))[: self.state.length]
+
+    @property
+    def prompt_keys(self) -> list:
+        """The keys of the last turn's prompt (the history it answered), as far as the state holds them."""
+        return self._seq[: self.state.length] if self.state is not None else []
 
     def reset(self) -> None:
         if self.state is not None:
@@ -311,3 +318,43 @@ class Chat:
     def tokens(self) -> int:
         """The positions the decoder's kept state holds."""
         return len(self.kept.keys)
+
+
+class KeptStates:
+    """The kept states of the conversations a server answered, least recently used out beyond ``max_count``
+    conversations or ``max_bytes``. A request takes the state of the conversation it extends: the one whose last
+    answered prompt is a prefix of the request's own sequence (the longest; the same tokens and the same pictures;
+    the answer that followed is kept as far as the request repeats it token for token), or a new one; the state is out of the cache while its turn runs,
+    so two requests never share one, and goes back when the turn ends (stopped or not). A turn that failed is not
+    put back. With no ``decoder_state`` (the decoder cannot continue), nothing is kept."""
+
+    def __init__(self, pipe, max_count: int = 16, max_bytes: int = 1 << 30):
+        self.pipe, self.max_count, self.max_bytes = pipe, int(max_count), int(max_bytes)
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[int, KeptState] = OrderedDict()
+
+    def take(self, keys: Sequence) -> KeptState:
+        with self._lock:
+            best, best_len = None, 0
+            for ident, kept in self._entries.items():
+                asked = kept.prompt_keys
+                if best_len < len(asked) <= len(keys) and asked == list(keys[: len(asked)]):
+                    best, best_len = ident, len(asked)
+            if best is not None:
+                return self._entries.pop(best)
+        return KeptState(self.pipe.decoder_state() if self.max_count > 0 else None)
+
+    def put(self, kept: KeptState) -> None:
+        if kept is None or kept.state is None or self.max_count <= 0:
+            return
+        with self._lock:
+            self._entries[id(kept)] = kept
+            while self._entries and (len(self._entries) > self.max_count or self.nbytes > self.max_bytes):
+                self._entries.popitem(last=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes for k in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)

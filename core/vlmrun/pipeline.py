@@ -22,7 +22,7 @@ import numpy as np
 from . import layouts as layouts_mod
 from . import plugins as plugins_mod
 from .errors import BackendError, InputError
-from .conversation import Chat
+from .conversation import Chat, ChatGeneration, KeptState
 from .generation import Generation, GenerationSettings, Prepared
 from .handles import context_of, profile_of, runtime_of
 from .model import FastVLMModel, open_model
@@ -183,6 +183,13 @@ class StageCompileContext(CompileContext):
         """A new state for one conversation over the decoder (the ``decoder_state`` hook), or ``None`` when the
         decoder's backend cannot continue from a kept state (each turn is then decoded from the start)."""
         return self.registry.hook.decoder_state(backend=self.layout.backend("decoder"), handle=self.handles["decoder"])
+
+    def generate_turn(self, plan, kept=None, settings: GenerationSettings = GenerationSettings()) -> Generation:
+        """One turn of a conversation already planned (:func:`vlmrun.conversation.plan_turn`), continuing from
+        ``kept`` (a :class:`vlmrun.conversation.KeptState`; ``None``: a new one): what a server runs per request."""
+        if settings.max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        return ChatGeneration(self, plan, kept if kept is not None else KeptState(self.decoder_state()), settings)
 
     def chat(self, system: str | None = None, settings: GenerationSettings = GenerationSettings(),
              keep_state: bool = True) -> Chat:
@@ -420,6 +427,13 @@ class Pipeline:
         """A new state for one conversation over the decoder (the ``decoder_state`` hook), or ``None`` when the
         decoder's backend cannot continue from a kept state (each turn is then decoded from the start)."""
         return self.registry.hook.decoder_state(backend=self.layout.backend("decoder"), handle=self.handles["decoder"])
+
+    def generate_turn(self, plan, kept=None, settings: GenerationSettings = GenerationSettings()) -> Generation:
+        """One turn of a conversation already planned (:func:`vlmrun.conversation.plan_turn`), continuing from
+        ``kept`` (a :class:`vlmrun.conversation.KeptState`; ``None``: a new one): what a server runs per request."""
+        if settings.max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        return ChatGeneration(self, plan, kept if kept is not None else KeptState(self.decoder_state()), settings)
 
     def chat(self, system: str | None = None, settings: GenerationSettings = GenerationSettings(),
              keep_state: bool = True) -> Chat:

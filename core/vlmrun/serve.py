@@ -44,7 +44,10 @@ from typing import Iterator
 
 import attrs
 
+from .conversation import KeptStates, Picture, plan_turn
 from .errors import InputError, UsageError, VlmrunError
+from .generation import GenerationSettings
+from .sampling import SamplingSettings
 from .stages import STAGES
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # a request's image, decoded
@@ -67,9 +70,12 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
+MAX_PICTURES = 8  # pictures in one request's conversation
+
+
 @attrs.define
 class ChatRequest:
-    image: object  # a PIL image
+    images: list  # the conversation's pictures (PIL images), in the order they appear
     prompt: str  # the last user turn's text
     system: str | None
     messages: list  # the whole conversation (system, user and assistant turns), as vlmrun.preprocess.render_messages takes it
@@ -80,7 +86,12 @@ class ChatRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
-    prepared: object = None  # the pipeline's Prepared inputs, made once by the handler when it checks the request
+    plan: object = None  # the conversation's TurnPlan (vlmrun.conversation), made once by the handler when it checks it
+
+    @property
+    def image(self):
+        """The first picture (None in a text-only conversation)."""
+        return self.images[0] if self.images else None
 
 
 # -- parsing --------------------------------------------------------------------------------------------------
@@ -219,14 +230,13 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
                 raise RequestError(400, f"messages[{i}] has a part of unknown type {p.get('type')!r}", "messages")
         if role == "assistant" and any(t.get("type") != "text" for t in turn):
             raise RequestError(400, f"messages[{i}]: an assistant turn holds text only", "messages")
+        if not any(t.get("type") == "image" or t.get("text", "").strip() for t in turn):
+            raise RequestError(400, f"messages[{i}] is an empty turn (no text, no picture)", "messages", "empty_turn")
         # the picture first in its turn, whatever order the client sent the parts in: FastVLM's prompts put it there
         turns.append({"role": role, "content": sorted(turn, key=lambda t: t.get("type") != "image")})
-    if not images:
-        raise RequestError(400, "FastVLM answers about one image: the request has none (an image_url part)",
-                           "messages", "no_image")
-    if len(images) > 1:
-        raise RequestError(400, f"FastVLM takes one image per request; this one has {len(images)}", "messages",
-                           "too_many_images")
+    if len(images) > MAX_PICTURES:
+        raise RequestError(400, f"a conversation holds at most {MAX_PICTURES} pictures; this one has {len(images)}",
+                           "messages", "too_many_images")
     if turns[-1]["role"] != "user":
         raise RequestError(400, "the last message must be the user's (the turn to answer)", "messages")
     prompt = "".join(t["text"] for t in turns[-1]["content"] if t.get("type") == "text").strip()
@@ -238,7 +248,7 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
         raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
     opts = body.get("stream_options") or {}
     return ChatRequest(
-        image=decode_image(images[0], allowed_media), prompt=prompt, system=system, messages=turns,
+        images=[decode_image(u, allowed_media) for u in images], prompt=prompt, system=system, messages=turns,
         max_tokens=_number(body, "max_tokens", int, _number(body, "max_completion_tokens", int, DEFAULT_MAX_TOKENS,
                                                             1), 1),
         temperature=_number(body, "temperature", float, 0.0, 0.0, 2.0),
@@ -289,8 +299,8 @@ class Run:
     """One generation in a worker thread; ``events`` gets ("text", piece), then ("done", generation) or
     ("error", exception). ``cancel()`` stops it before the next token."""
 
-    def __init__(self, pipe, req: ChatRequest, loop: asyncio.AbstractEventLoop):
-        self.pipe, self.req, self.loop = pipe, req, loop
+    def __init__(self, pipe, req: ChatRequest, loop: asyncio.AbstractEventLoop, states: "KeptStates | None" = None):
+        self.pipe, self.req, self.loop, self.states = pipe, req, loop, states
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.pending = None  # an event taken from the queue early, to be handled next
@@ -310,15 +320,13 @@ class Run:
             self.cancelled.set()
 
     def _work(self):
-        from .pipeline import GenerationSettings
-        from .sampling import SamplingSettings
-
         r = self.req
         gen = None
+        kept = self.states.take(r.plan.keys) if self.states is not None else None
         try:
             settings = GenerationSettings(max_new_tokens=r.max_tokens, system=r.system,
                                           sampling=SamplingSettings(r.temperature, 0, r.top_p, r.seed))
-            gen = self.pipe.generate_prepared(r.prepared, settings)
+            gen = self.pipe.generate_turn(r.plan, kept, settings)
             text = ""
             for piece in gen:
                 if self.cancelled.is_set():
@@ -338,9 +346,11 @@ class Run:
                 final = gen.text
                 gen.close()  # the backend stops here (a runtime's worker process is ended)
                 gen.text = final
+            if self.states is not None:
+                self.states.put(gen.kept)  # its keys are what the state holds, also after a stop
             self._put(("done", gen))
         except Exception as exc:  # VlmrunError: one line for the client; anything else: a server error
-            self._put(("error", exc))
+            self._put(("error", exc))  # a state that failed mid-turn is dropped, never reused
 
 
 def _finish_reason(gen) -> str:
@@ -350,7 +360,9 @@ def _finish_reason(gen) -> str:
 def _usage(gen) -> dict:
     n = len([t for t in gen.token_ids if t not in gen.pipeline.model.stop_ids])
     p = int(gen.prepared.input_ids.shape[1])
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    cached = int(gen.timings.get("reused_tokens", 0))  # positions taken from the conversation's kept state
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _figures(gen, wall: float) -> dict:
@@ -409,10 +421,12 @@ async def read_body(request, limit: int) -> bytes:
 
 def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = None, max_queue: int = 16,
                request_timeout: float = 600.0, api_key: str | None = None,
-               allowed_local_media_path: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES):
+               allowed_local_media_path: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               max_conversations: int = 16, conversation_cache_mb: float = 1024.0):
     """The FastAPI app serving ``pipe`` (a built :class:`vlmrun.pipeline.Pipeline`). ``api_key``: required as a
     Bearer token on every /v1 endpoint; ``allowed_local_media_path``: the one folder local image paths may name
-    (none by default); ``max_request_bytes``: a body's limit (413 beyond, before it is read)."""
+    (none by default); ``max_request_bytes``: a body's limit (413 beyond, before it is read); ``max_conversations``
+    and ``conversation_cache_mb``: the kept decoder states of answered conversations (0: keep none)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -430,7 +444,9 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
     if concurrency > 1 and not shareable:
         raise UsageError(f"--concurrency {concurrency}: layout {pipe.layout.name} runs on a device (one of each"
                          " stage): it serves one generation at a time")
+    states = KeptStates(pipe, max_conversations, int(conversation_cache_mb * 2**20))
     app = FastAPI(title="vlmrun", description="FastVLM on a vlmrun layout, OpenAI-compatible")
+    app.state.conversations = states
     app.state.slots = None
     app.add_middleware(Guard, api_key=api_key or None, max_request_bytes=max_request_bytes)
     created = int(time.time())
@@ -468,14 +484,15 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
                 raise RequestError(400, "the request body is not valid JSON", code="bad_json") from None
             del raw
             req = parse_chat(body, model_id, allowed)
-            try:  # the prompt must fit the context before the request takes a slot (prepared once, kept)
-                req.prepared = pipe.prepare_messages(req.image, req.messages)  # every turn, as the template says
+            try:  # the conversation must fit the context before the request takes a slot (planned once, kept)
+                req.plan = plan_turn(pipe, req.messages,  # every turn, as the template says
+                                     [Picture.of(im, pipe.model.image_processor_config) for im in req.images])
             except InputError as exc:
                 raise RequestError(400, str(exc), "messages", "context_length_exceeded") from None
             await slots().acquire(request_timeout)
         except RequestError as exc:
             return error(exc)
-        run = Run(pipe, req, asyncio.get_running_loop())
+        run = Run(pipe, req, asyncio.get_running_loop(), states)
         run.start()
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
