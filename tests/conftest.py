@@ -63,3 +63,23 @@ def image_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("images") / "scene.jpg"
     demo_image().save(path, quality=95)
     return path
+
+
+@pytest.fixture(scope="session")
+def npu_pipe(tiny_model, store):
+    """The all-npu layout on the HTP emulator (the parts decoder, vlmrun's host engine), built once per session."""
+    from vlmrun import Pipeline
+
+    return Pipeline.build(tiny_model, "all-npu", store=store)
+
+
+@pytest.fixture(scope="session")
+def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
+    """The all-npu bundle (``vlmrun bundle``), written once per session; tests that spoil it work on a copy."""
+    from vlmrun import layouts
+    from vlmrun.cli_bundle import write
+
+    out = tmp_path_factory.mktemp("bundles") / "fastvlm"
+    manifest = write(layouts.resolve("all-npu"), out, model=tiny_model, store=store)
+    assert manifest["backend"] == "qnn_htp" and (out / "vlmrun-bundle.json").is_file()
+    return out

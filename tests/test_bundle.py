@@ -37,17 +37,6 @@ def sqnr(ref, dev) -> float:
 
 
 @pytest.fixture(scope="module")
-def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
-    from vlmrun import layouts
-    from vlmrun.cli_bundle import write
-
-    out = tmp_path_factory.mktemp("bundles") / "fastvlm"
-    manifest = write(layouts.resolve("all-npu"), out, model=tiny_model, store=store)
-    assert manifest["backend"] == "qnn_htp" and (out / "vlmrun-bundle.json").is_file()
-    return out
-
-
-@pytest.fixture(scope="module")
 def bundle_pipe(bundle_dir, tiny_model, store):
     return Pipeline.build(tiny_model, f"bundle:{bundle_dir}", store=store)
 

@@ -36,16 +36,6 @@ def sqnr(ref, dev) -> float:
     return float(10 * np.log10((ref ** 2).sum() / ((ref - dev) ** 2).sum()))
 
 
-@pytest.fixture(scope="module")
-def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
-    from vlmrun import layouts
-    from vlmrun.cli_bundle import write
-
-    out = tmp_path_factory.mktemp("boundary") / "good"
-    write(layouts.resolve("all-npu"), out, model=tiny_model, store=store)
-    return out
-
-
 def spoil(bundle: Path, dst: Path, fn) -> Path:
     """A copy of ``bundle`` whose text-generator.json ``fn`` changes (its sha256 recorded: the fault under test,
     not the hash check, is what a run meets)."""

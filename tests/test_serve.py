@@ -147,9 +147,10 @@ def test_bad_requests_are_4xx_with_a_json_body_and_harm_nothing(ref_server, pict
         ({"messages": messages("data:image/png;base64," + base64.b64encode(b"not an image").decode())}, None, 400,
          "bad_image"),
         ({"messages": messages(_bomb(tmp_path))}, None, 400, "image_too_large"),
-        ({"messages": [{"role": "user", "content": "no picture"}]}, None, 400, "no_image"),
-        ({"messages": [{"role": "user", "content": [*good[0]["content"], good[0]["content"][1]]}]}, None, 400,
+        ({"messages": [{"role": "user", "content": [*good[0]["content"], *[good[0]["content"][1]] * 8]}]}, None, 400,
          "too_many_images"),
+        ({"messages": [*good, {"role": "assistant", "content": ""}, {"role": "user", "content": "And?"}]}, None, 400,
+         "empty_turn"),
         ({"messages": messages(data_uri(picture), "word " * 3000)}, None, 400, "context_length_exceeded"),
         ({"model": "gpt-4o", "messages": good}, None, 404, "model_not_found"),
         ({"messages": good, "temperature": -1}, None, 400, None),
@@ -322,8 +323,11 @@ class SlowPipe:
         self.context_length = pipe.context_length
         self.prepare, self.prepare_messages = pipe.prepare, pipe.prepare_messages
 
-    def generate_prepared(self, prepared, settings):
-        gen = self.pipe.generate_prepared(prepared, settings)
+    def decoder_state(self):
+        return self.pipe.decoder_state()
+
+    def generate_turn(self, plan, kept, settings):
+        gen = self.pipe.generate_turn(plan, kept, settings)
         count = [0]
         self.produced.append(count)
         inner = gen._iter
@@ -383,21 +387,20 @@ def test_one_at_a_time_on_a_device_a_full_queue_is_429_and_a_disconnect_frees_th
         s.stop()
 
 
-def test_an_all_npu_layout_and_a_bundle_behind_the_server(tiny_model, store, picture, tmp_path_factory):
-    from vlmrun import layouts
-    from vlmrun.cli_bundle import write
-
-    npu = Pipeline.build(tiny_model, "all-npu", store=store)
+def test_an_all_npu_layout_and_a_bundle_behind_the_server(tiny_model, store, picture, npu_pipe, bundle_dir):
+    npu = npu_pipe
     want = npu.generate(picture, "Describe the image.", GenerationSettings(max_new_tokens=32)).run().text
-    out = tmp_path_factory.mktemp("serve-bundle") / "b"
-    write(layouts.resolve("all-npu"), out, model=tiny_model, store=store, verify_items=0)
-    for pipe in (npu, Pipeline.build(tiny_model, f"bundle:{out}", store=store)):
+    for pipe in (npu, Pipeline.build(tiny_model, f"bundle:{bundle_dir}", store=store)):
         s = Server(pipe)
         try:
             r = s.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)),
                                                  max_tokens=32)
             assert r.choices[0].message.content == want
             assert httpx.get(f"{s.url}/health").json()["concurrency"] == 1  # a device: one at a time
+            turns = _three_turns(s.client, picture)  # a conversation: the answers of the reference's
+            assert [t[0] for t in turns] == ["A red circle on a blue background.", "Re be.", "A ree."]
+            # the emulator's parts engine keeps its KV buffers; Genie's pipeline (the bundle) answers from the start
+            assert [t[2] for t in turns] == ([67, 87, 116] if pipe is npu else [0, 0, 0])  # 67: the request before
         finally:
             s.stop()
 
@@ -453,3 +456,70 @@ def test_a_conversation_reaches_the_model_whole(ref_server, ref_pipe, picture):
     bad = [first, {"role": "assistant", "content": "A red circle."}]
     with pytest.raises(openai.BadRequestError, match="the last message must be the user's"):
         ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=bad, max_tokens=8)
+
+
+def _turn(client, conversation, max_tokens=32):
+    r = client.chat.completions.create(model="fastvlm-shapes-tiny", messages=conversation, max_tokens=max_tokens)
+    return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens, \
+        r.model_extra["vlmrun"]["timings"]["prefill_tokens"]
+
+
+def _three_turns(client, picture, interleave=None):
+    """A three-turn conversation through the openai client (``interleave``: called between turns)."""
+    conv = messages(data_uri(picture))
+    out = []
+    for q in ("What color is the shape?", "What shape is it?", None):
+        text, prompt, cached, prefill = _turn(client, conv)
+        out.append((text, prompt, cached, prefill))
+        if q is None:
+            break
+        if interleave is not None:
+            interleave()
+        conv = conv + [{"role": "assistant", "content": text}, {"role": "user", "content": q}]
+    return out
+
+
+def _scratch(pipe, picture):
+    chat = pipe.chat(settings=GenerationSettings(max_new_tokens=32), keep_state=False)
+    return [chat.ask(q, image=picture if i == 0 else None).run().text
+            for i, q in enumerate(("Describe the image.", "What color is the shape?", "What shape is it?"))]
+
+
+def test_a_conversation_continues_from_its_kept_state_and_never_shares_it(ref_pipe, picture):
+    import random
+
+    from vlmrun.shapes import random_scene
+
+    other = random_scene(random.Random(7), n_shapes=1).render()
+    s = Server(ref_pipe)
+    try:
+        solo_other = _three_turns(s.client, other)
+        turns = _three_turns(s.client, picture, interleave=lambda: _turn(s.client, messages(data_uri(other))))
+        assert [t[0] for t in turns] == _scratch(ref_pipe, picture)
+        assert turns[0][0] == "A red circle on a blue background."
+        # turn 1: everything prefilled; turn 2: the kept 87 positions (prompt 68 + 19 of the answer's 20 tokens)
+        assert [(t[2], t[3]) for t in turns] == [(0, 68), (87, 27), (116, 26)]
+        assert all(prompt == cached + prefill for _, prompt, cached, prefill in turns)
+        assert [t[0] for t in solo_other] == _scratch(ref_pipe, other)
+        # a history that diverges (the client edited the first answer): it extends a prompt this conversation
+        # answered (turn 1's), so its state is taken and kept up to the divergence; the answer of a fresh computation
+        conv = messages(data_uri(picture)) + [{"role": "assistant", "content": "A red circle."},
+                                              {"role": "user", "content": "What color is the shape?"}]
+        text, prompt, cached, prefill = _turn(s.client, conv)
+        chat = ref_pipe.chat(settings=GenerationSettings(max_new_tokens=32), keep_state=False)
+        chat.messages = [{"role": "user", "content": [{"type": "image", "picture": 0},
+                                                      {"type": "text", "text": "Describe the image."}]},
+                         {"role": "assistant", "content": "A red circle."}]
+        from vlmrun.conversation import Picture
+
+        chat.pictures = [Picture.of(picture, ref_pipe.model.image_processor_config)]
+        assert text == chat.ask("What color is the shape?").run().text
+        assert 68 < cached < 87 and prompt == cached + prefill
+        # bounded: --max-conversations 0 keeps none
+        s0 = Server(ref_pipe, max_conversations=0)
+        try:
+            assert [t[2] for t in _three_turns(s0.client, picture)] == [0, 0, 0]
+        finally:
+            s0.stop()
+    finally:
+        s.stop()

@@ -135,6 +135,8 @@ def _interactive(session: Session) -> None:
         try:
             if not session.line(text):
                 return
+        except KeyboardInterrupt:  # during a command: the session stays
+            click.echo(" [stopped]", err=True)
         except VlmrunError as exc:  # a bad picture, a turn past the context: say so, keep the session
             click.echo(f"vlmrun: error: {exc}", err=True)
 

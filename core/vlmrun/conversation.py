@@ -84,6 +84,8 @@ def plan_turn(pipe, messages: Sequence[dict], pictures: Sequence[Picture]) -> Tu
         for r in range(model.image_tokens):
             keys[start + r] = f"{pic.key}:{r}"
     plan = TurnPlan(ids, keys, list(zip(starts, pictures)), text)
+    if pipe.layout.bundle and len(pictures) != 1:
+        raise InputError(f"a bundle's runtime answers a conversation about one picture; this one holds {len(pictures)}")
     ctx = pipe.context_length
     if ids.shape[1] >= ctx:
         raise InputError(
@@ -109,6 +111,7 @@ class KeptState:
         self._seq: list = []  # the last turn's sequence: its prompt keys, then the tokens it generated
         self._generated: list[int] = []
         self.embeds: dict[str, np.ndarray] = {}
+        self._answered: list[int] = []  # the lengths of the prompts this state answered
 
     @property
     def keys(self) -> list:
@@ -119,14 +122,15 @@ class KeptState:
         return (self._seq + list(self._generated))[: self.state.length]
 
     @property
-    def prompt_keys(self) -> list:
-        """The keys of the last turn's prompt (the history it answered), as far as the state holds them."""
-        return self._seq[: self.state.length] if self.state is not None else []
+    def answered(self) -> list[int]:
+        """The lengths of the prompts this conversation answered that the state still holds."""
+        held = self.state.length if self.state is not None else 0
+        return [n for n in self._answered if n <= held]
 
     def reset(self) -> None:
         if self.state is not None:
             self.state.reset()
-        self._seq, self._generated = [], []
+        self._seq, self._generated, self._answered = [], [], []
 
     @property
     def nbytes(self) -> int:
@@ -158,10 +162,11 @@ class ChatGeneration(Generation):
                 tokens = self._continue(budget, stops)
             yield from self._stream(tokens, budget, stops)
             finished = True
-        except GeneratorExit:  # stopped by the caller: the answer so far is the turn's answer
+        except (GeneratorExit, KeyboardInterrupt):  # stopped by the caller: the answer so far is the turn's answer
             finished = True
             raise
         finally:
+            self.done = True
             if finished and self._on_done is not None:
                 self._on_done(self)
 
@@ -170,9 +175,6 @@ class ChatGeneration(Generation):
         pipe = self.pipeline
         if pipe.whole_backend is None:
             return None
-        if pipe.layout.bundle and len(self.plan.pictures) != 1:
-            raise InputError(f"a bundle's runtime answers a conversation about one picture; this one holds"
-                             f" {len(self.plan.pictures)}")
         if len(self.plan.pictures) != 1:
             return None
         self._t0 = time.perf_counter()
@@ -205,6 +207,7 @@ class ChatGeneration(Generation):
         self._t0 = time.perf_counter()
         if state is not None:
             kept._seq, kept._generated = list(plan.keys), self.token_ids
+            kept._answered = [n for n in kept._answered if n <= start] + [total]
             tokens = state.decode(request)
         else:
             backend = pipe.layout.backend("decoder")
@@ -278,7 +281,6 @@ class Chat:
         plan = plan_turn(self.pipe, self._rendered() + [user], pictures)
 
         def done(gen: ChatGeneration) -> None:
-            gen.done = True
             self.messages += [user, {"role": "assistant", "content": gen.text}]
             self.pictures = pictures
             self._asks.append(prompt)
@@ -322,9 +324,9 @@ class Chat:
 
 class KeptStates:
     """The kept states of the conversations a server answered, least recently used out beyond ``max_count``
-    conversations or ``max_bytes``. A request takes the state of the conversation it extends: the one whose last
-    answered prompt is a prefix of the request's own sequence (the longest; the same tokens and the same pictures;
-    the answer that followed is kept as far as the request repeats it token for token), or a new one; the state is out of the cache while its turn runs,
+    conversations or ``max_bytes``. A request takes the state of the conversation it extends: one that answered a
+    prompt the request starts with (the same tokens and the same pictures; of those, the one sharing the longest
+    prefix; what follows the shared prefix, an edited answer or turn, is recomputed), or a new one; the state is out of the cache while its turn runs,
     so two requests never share one, and goes back when the turn ends (stopped or not). A turn that failed is not
     put back. With no ``decoder_state`` (the decoder cannot continue), nothing is kept."""
 
@@ -337,15 +339,15 @@ class KeptStates:
         with self._lock:
             best, best_len = None, 0
             for ident, kept in self._entries.items():
-                asked = kept.prompt_keys
-                if best_len < len(asked) <= len(keys) and asked == list(keys[: len(asked)]):
-                    best, best_len = ident, len(asked)
+                shared = common_prefix(kept.keys, keys)
+                if shared > best_len and any(n <= shared for n in kept.answered):
+                    best, best_len = ident, shared
             if best is not None:
                 return self._entries.pop(best)
         return KeptState(self.pipe.decoder_state() if self.max_count > 0 else None)
 
     def put(self, kept: KeptState) -> None:
-        if kept is None or kept.state is None or self.max_count <= 0:
+        if kept is None or kept.state is None or kept.state.length == 0 or self.max_count <= 0:
             return
         with self._lock:
             self._entries[id(kept)] = kept
