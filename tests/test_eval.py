@@ -378,3 +378,179 @@ def test_batched_stages_run_once_per_stage(heldout, tiny_model, store, tmp_path)
     assert hosted["batched_stages"] == ["vision", "projector", "embed"]
     assert hosted["accuracy"] == run.report["layouts"][0]["accuracy"]
     assert hosted["drift"]["decoder/logits"]["sqnr_db"]["min"] == 200.0
+
+
+# -- conversations ------------------------------------------------------------------------------------------------
+
+def test_generated_conversations():
+    import itertools
+
+    from vlmrun import shapes
+
+    convs = list(itertools.islice(shapes.conversations(shapes.HELDOUT_SEED), 200))
+    assert convs[:20] == list(itertools.islice(shapes.conversations(shapes.HELDOUT_SEED), 20))  # deterministic
+    assert {len(c) for c in convs} == {1, 2, 3}
+    follow_ups = 0
+    for conv in convs:
+        assert conv[0].scene is not None and conv[0].question == shapes.QUESTIONS[conv[0].kind]
+        scene = conv[0].scene
+        for before, turn in zip(conv, conv[1:]):
+            if turn.question == shapes.FOLLOW_UP:  # a new picture, the same kind of answer about it
+                follow_ups += 1
+                assert turn.scene is not None and turn.kind == before.kind and turn.answer != before.answer
+                scene = turn.scene
+            else:
+                assert turn.scene is None and turn.question == shapes.QUESTIONS[turn.kind]
+            assert turn.kind in scene.kinds() and turn.answer == scene.answer(turn.kind)
+    assert 30 < follow_ups < 150
+
+
+def conversation_lines(tmp_path: Path) -> tuple[Path, list[str]]:
+    from vlmrun import shapes
+
+    path = shapes.write_conversations(tmp_path / "conv", 5)
+    return path, path.read_text().splitlines()
+
+
+def test_conversation_records_parse_and_bad_ones_are_skipped(tmp_path):
+    from vlmrun.errors import InputError
+    from vlmrun.eval import read_dataset
+
+    path, lines = conversation_lines(tmp_path)
+    first = json.loads(lines[1])  # three turns, the last bringing its own picture
+    assert len(first["turns"]) == 3 and first["turns"][2]["question"] == "And this one?"
+    assert "image" in first["turns"][2] and first["kind"] == "conversation"
+    img = first["image"]
+    q1, a1 = first["turns"][0]["question"], first["turns"][0]["answer"]
+    extra = [
+        json.dumps({"image": img, "question": q1, "answer": a1}),  # 6: a one-turn record
+        json.dumps({"image": img, "turns": [{"question": q1, "answer": a1}]}),  # 7: the same, as one turn
+        json.dumps({"image": img, "turns": "What shape is in the image?"}),  # 8
+        json.dumps({"image": img, "turns": []}),  # 9
+        json.dumps({"image": img, "turns": [{"question": q1}]}),  # 10
+        json.dumps({"image": img, "turns": [{"question": q1, "answer": a1}, {"answer": "Red."}]}),  # 11
+        json.dumps({"image": img, "turns": [{"question": q1, "answer": a1},
+                                            {"image": "images/gone.png", "question": "And this one?",
+                                             "answer": "A star."}]}),  # 12
+        json.dumps({"turns": [{"question": q1, "answer": a1}, {"question": "Again?", "answer": "A."}]}),  # 13
+        json.dumps({"image": img, "turns": [{"question": q1, "answer": a1}, "Red."]}),  # 14
+        json.dumps({"image": img, "question": q1, "answer": a1,
+                    "turns": [{"question": q1, "answer": a1}, {"question": "Again?", "answer": "A."}]}),  # 15
+        json.dumps({"turns": [{"image": img, "question": q1, "answer": a1},
+                              {"question": "Again?", "answer": "A."}]}),  # 16: the picture in its first turn
+    ]
+    path.write_text("\n".join(lines + extra) + "\n")
+    seen = []
+    records, skipped = read_dataset(path, on_skip=seen.append)
+    assert [r.line for r in records] == [1, 2, 3, 4, 5, 6, 7, 16] and skipped == seen
+    reasons = {s.line: s.reason for s in skipped}
+    assert reasons[8].startswith("the record's turns are a str, not a list of turns")
+    assert reasons[9].startswith("the record's turns are an empty list")
+    assert reasons[10] == "turn 1 has no answer (a non-empty string 'answer')"
+    assert reasons[11] == "turn 2 has no question (a non-empty string 'question')"
+    assert reasons[12].startswith("turn 2: image images/gone.png not found (looked for ")
+    assert reasons[13] == "the record has no image (a path 'image', relative to the data set file)"
+    assert reasons[14] == "turn 2 is not a JSON object (a str)"
+    assert reasons[15].startswith("the record has both turns and a question or answer")
+    assert all("\n" not in s.message and s.message.startswith(f"{path}:{s.line}: ") for s in skipped)
+
+    conv = records[1]
+    assert [t.question for t in conv.turns] == [t["question"] for t in first["turns"]]
+    assert [t.answer for t in conv.turns] == [t["answer"] for t in first["turns"]]
+    assert conv.image == path.parent / img and conv.turns[0].image == conv.image and conv.turns[1].image is None
+    assert conv.turns[2].image == path.parent / first["turns"][2]["image"]
+    assert (conv.question, conv.answer, conv.kind) == (q1, a1, "conversation")
+    one, one_as_turns = records[5], records[6]
+    assert one.turns == () and one_as_turns.turns == () and one.asked == one_as_turns.asked
+    assert one.key == one_as_turns.key and one.kind == one_as_turns.kind  # the same record, the same results
+    assert conv.key != one.key and records[7].turns[0].image == conv.image
+    assert len({r.key for r in records[:5]}) == 5
+
+    with pytest.raises(InputError, match=r":8: the record's turns are a str.*--strict"):
+        read_dataset(path, strict=True)
+
+
+def test_conversations_are_answered_and_scored_per_turn(tiny_model, store, ref_pipe, tmp_path):
+    from vlmrun import GenerationSettings
+    from vlmrun import eval as ev
+
+    path, lines = conversation_lines(tmp_path)
+    first = json.loads(lines[0])
+    one_turn = {"image": first["image"], "question": first["turns"][0]["question"],
+                "answer": first["turns"][0]["answer"]}
+    path.write_text("\n".join([*lines, json.dumps(one_turn)]) + "\n")
+    run = ev.evaluate(["reference"], path, model=tiny_model, store=store, registry=ref_pipe.registry,
+                      max_new_tokens=MAX_NEW)
+    records = run.records
+    convs = [r for r in records if r.turns]
+    assert len(records) == 6 and len(convs) == 5
+    report = run.report
+    lay = report["layouts"][0]
+    n_turns = sum(len(r.turns) for r in convs) + 1
+    assert report["turns"] == lay["turns"] == lay["accuracy"]["all"]["n"] == n_turns
+    by_turn = lay["accuracy_by_turn"]
+    assert list(by_turn) == ["turn 1", "turn 2", "turn 3"]
+    assert by_turn["turn 1"]["n"] == 6 and by_turn["turn 2"]["n"] == 5
+    assert by_turn["turn 3"]["n"] == sum(len(r.turns) == 3 for r in convs)
+    assert sum(t["n"] for t in by_turn.values()) == n_turns
+    assert sum(t["correct"] for t in by_turn.values()) == lay["accuracy"]["all"]["correct"]
+    assert lay["accuracy"]["conversation"]["n"] == n_turns - 1  # the one-turn record asks a kind of its own
+
+    # each turn answered as a chat with the model's own answers in the history (computed here from scratch,
+    # no kept decoder state) and scored against its expected answer
+    settings = GenerationSettings(max_new_tokens=MAX_NEW)
+    assert [rec["line"] for rec in lay["records"]] == [r.line for r in records]
+    for r, rec in zip(records, lay["records"]):
+        chat = ref_pipe.chat(settings=settings, keep_state=False)
+        got = [chat.ask(t.question, image=t.image).run().text for t in r.asked]
+        assert [t["got"] for t in rec["turns"]] == got
+        assert [t["expected"] for t in rec["turns"]] == [t.answer for t in r.asked]
+        assert [t["correct"] for t in rec["turns"]] == [norm(g) == norm(t.answer) for g, t in zip(got, r.asked)]
+        assert set(rec["turns"][0]) == {"question", "expected", "got", "correct"}
+        assert all(set(t) - {"image"} == {"question", "expected", "got", "correct"} for t in rec["turns"])
+        assert [("image" in t) for t in rec["turns"][1:]] == [t.image is not None for t in r.asked[1:]]
+        cached = run.results[lay["key"]][r.key]
+        if r.turns:
+            assert [t["text"] for t in cached["turns"]] == got and "text" not in cached
+            assert cached["turns"][1]["reused_tokens"] > 0  # the kept state: only the new turn was prefilled
+    # turn 1 of a conversation is the one-turn question's answer, as a one-turn record gets it
+    conv0, single = records[0], records[-1]
+    assert single.turns == () and single.image == conv0.image and single.question == conv0.question
+    assert lay["records"][0]["turns"][0]["got"] == lay["records"][-1]["turns"][0]["got"] \
+        == run.results[lay["key"]][single.key]["text"]
+    assert ref_pipe.generate(single.image, single.question, settings).run().text == \
+        lay["records"][-1]["turns"][0]["got"]
+    assert all(by_turn[t]["accuracy"] == by_turn[t]["correct"] / by_turn[t]["n"] for t in by_turn)
+    assert by_turn["turn 1"]["accuracy"] >= 5 / 6  # the model's own question kinds, one turn: it knows them
+
+    table = ev.format_table(report)
+    assert f"({len(records)} items, {n_turns} turns, 0 skipped)" in table
+    assert "accuracy per turn" in table and f"({by_turn['turn 2']['correct']}/5)" in table
+    json.dumps(report)  # JSON-able
+
+    # a second run computes nothing; a data set of one-turn records keeps the report it had
+    again = ev.evaluate(["reference"], path, model=tiny_model, store=store, registry=ref_pipe.registry,
+                        max_new_tokens=MAX_NEW)
+    assert again.report["layouts"][0]["computed"] == 0
+    assert again.report["layouts"][0]["accuracy_by_turn"] == by_turn
+    plain = tmp_path / "conv" / "one.jsonl"
+    plain.write_text(json.dumps(one_turn) + "\n")
+    one = ev.evaluate(["reference"], plain, model=tiny_model, store=store, registry=ref_pipe.registry,
+                      max_new_tokens=MAX_NEW).report
+    assert "turns" not in one and not {"turns", "accuracy_by_turn", "records"} & set(one["layouts"][0])
+    assert one["layouts"][0]["computed"] == 0  # the conversation set's one-turn record: the same result
+    assert "accuracy per turn" not in ev.format_table(one)
+
+
+def test_cli_evaluates_the_generated_conversations(cache_dir, ref_pipe, tmp_path):
+    res = run_cli(["eval", "--conversations", "--limit", "4", "--json"], cache_dir, timeout=600)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["items"] == 4 and report["dataset"].endswith("conversations.jsonl")
+    lay = report["layouts"][0]
+    assert report["turns"] == lay["turns"] == sum(len(r["turns"]) for r in lay["records"])
+    assert sum(t["n"] for t in lay["accuracy_by_turn"].values()) == report["turns"]
+    table = run_cli(["eval", "--conversations", "--limit", "4"], cache_dir, timeout=600)
+    assert table.returncode == 0 and "accuracy per turn" in table.stdout and "0/4" in table.stdout
+    both = run_cli(["eval", str(tmp_path / "x.jsonl"), "--conversations"], cache_dir, timeout=300)
+    assert both.returncode == 2 and "not both" in both.stderr and "Traceback" not in both.stderr

@@ -27,6 +27,9 @@ def _bar(total: int, initial: int, desc: str):
                    " [default: reference]")
 @click.option("--reference", default="reference", show_default=True, metavar="SPEC",
               help="The layout the drift is measured against (same syntax as --layout).")
+@click.option("--conversations", is_flag=True,
+              help="Evaluate the generated held-out conversations (100 of 1-3 turns, some bringing a second"
+                   " picture) instead of a DATASET: every turn is scored, also per turn.")
 @model_options
 @click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N usable records.")
 @click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
@@ -41,22 +44,27 @@ def _bar(total: int, initial: int, desc: str):
               help="Run the items as tasks on this Ray cluster (--workers actors, or one per CPU; every node must see"
                    " --cache-dir at the same path).")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def eval_command(dataset, layout_specs, reference, model_dir, image_size, cache_dir, limit, workers, strict,
-                 max_new_tokens, report_dir, as_json, ray_address, debug):
+def eval_command(dataset, layout_specs, reference, conversations, model_dir, image_size, cache_dir, limit, workers,
+                 strict, max_new_tokens, report_dir, as_json, ray_address, debug):
     """Task accuracy and drift of layouts over a data set.
 
     \b
     DATASET is a JSONL file of {"image", "question", "answer"} records (image paths relative to the file; an
     optional "kind" groups the accuracy). Without it: the held-out set of generated shapes pictures.
+    A record may be a conversation, {"image", "turns": [{"question", "answer"}, {"image"?, "question",
+    "answer"}, ...]}: its turns are asked in one chat with the layout's own answers in the history, each
+    answer scored (the accuracy counts every turn, and is shown per turn); --conversations: the generated ones.
     Each item runs on the reference layout and on every --layout; answers are scored by exact match after
     normalising case and punctuation; every stage boundary is compared with the reference (the decoder
-    teacher-forced on the reference tokens). Results are cached per item: an interrupted run resumes.
+    teacher-forced on the reference tokens; one-turn records only). Results are cached per item: an
+    interrupted run resumes.
     \b
       vlmrun eval                                             # the reference layout, held-out set
       vlmrun eval -L reference -L all-npu -L 'int8-vision=all-npu,vision.precision=int8' --report out/
       vlmrun eval my-data.jsonl -L my-layout.toml --workers 2 --json
-    A bad record (unreadable line, no question or answer, missing image) is one line on stderr naming the file
-    and line, skipped and counted in the report (--strict: stop there).
+      vlmrun eval --conversations --limit 50                  # generated conversations, accuracy per turn
+    A bad record (unreadable line, no question or answer, missing image; a turn without question or answer)
+    is one line on stderr naming the file and line, skipped and counted in the report (--strict: stop there).
     """
     from . import eval as ev
     from .progress import step
@@ -81,6 +89,7 @@ def eval_command(dataset, layout_specs, reference, model_dir, image_size, cache_
         bar=_bar,
         on_skip=on_skip,
         ray_address=ray_address,
+        conversations=conversations,
     )
     if report_dir is not None:
         page = ev.write_html(run.report, report_dir)

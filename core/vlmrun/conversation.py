@@ -35,7 +35,7 @@ from .errors import InputError, UsageError
 from .generation import Generation, GenerationSettings, Prepared
 from .preprocess import load_image, preprocess_image, render_conversation, tokenize_conversation
 from .sampling import Sampler
-from .stages import DecodeRequest
+from .stages import DecodeRequest, RequestRun
 
 
 @attrs.frozen
@@ -106,8 +106,9 @@ class KeptState:
     """What a conversation keeps between turns: the decoder's state (``None``: recompute every turn), the keys of the
     positions it holds, and each picture's ``image_embeds`` by hash."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, runtime=None):
+        self.state = state  # a DecoderState (stage by stage), or None
+        self.runtime = runtime  # a RequestState (a runtime of whole requests, e.g. a bundle's), or None
         self._seq: list = []  # the last turn's sequence: its prompt keys, then the tokens it generated
         self._generated: list[int] = []
         self.embeds: dict[str, np.ndarray] = {}
@@ -117,24 +118,41 @@ class KeptState:
     def keys(self) -> list:
         """The keys of the positions the state holds (what was fed: the prompt and every generated token but the
         last, also when the turn was stopped early)."""
-        if self.state is None:
-            return []
-        return (self._seq + list(self._generated))[: self.state.length]
+        held = self.held
+        return (self._seq + list(self._generated))[:held] if held else []
+
+    @property
+    def held(self) -> int:
+        """The positions kept (by the decoder state or the runtime)."""
+        if self.state is not None:
+            return int(self.state.length)
+        return int(self.runtime.length) if self.runtime is not None else 0
 
     @property
     def answered(self) -> list[int]:
         """The lengths of the prompts this conversation answered that the state still holds."""
-        held = self.state.length if self.state is not None else 0
-        return [n for n in self._answered if n <= held]
+        return [n for n in self._answered if n <= self.held]
+
+    @property
+    def keeps(self) -> bool:
+        return self.state is not None or self.runtime is not None
 
     def reset(self) -> None:
         if self.state is not None:
             self.state.reset()
+        if self.runtime is not None:
+            self.runtime.reset()
         self._seq, self._generated, self._answered = [], [], []
+
+    def close(self) -> None:
+        """Release what is kept (a runtime's worker process)."""
+        if self.runtime is not None:
+            self.runtime.close()
 
     @property
     def nbytes(self) -> int:
-        return (0 if self.state is None else int(self.state.nbytes)) + sum(e.nbytes for e in self.embeds.values())
+        kept = sum(int(x.nbytes) for x in (self.state, self.runtime) if x is not None)
+        return kept + sum(e.nbytes for e in self.embeds.values())
 
 
 class ChatGeneration(Generation):
@@ -175,14 +193,34 @@ class ChatGeneration(Generation):
         pipe = self.pipeline
         if pipe.whole_backend is None:
             return None
+        if self.kept.state is not None:  # a decoder state kept stage by stage: the stage-by-stage path
+            return None
         if len(self.plan.pictures) != 1:
             return None
         self._t0 = time.perf_counter()
-        tokens = self._whole_request(budget, stops)
-        if tokens is not None:
-            self.timings.update(prefill_tokens=int(self.plan.input_ids.shape[1]), reused_tokens=0)
-            self.kept.reset()
-        return tokens
+        kept, total = self.kept, int(self.plan.input_ids.shape[1])
+        if kept.runtime is None:
+            tokens = self._whole_request(budget, stops)
+            if tokens is not None:
+                self.timings.update(prefill_tokens=total, reused_tokens=0)
+            return tokens
+        p = self.prepared
+        request = RequestRun(pixel_values=p.pixel_values, input_ids=p.input_ids, image_start=p.image_start,
+                             prompt_text=p.prompt_text, max_new_tokens=budget, sampling=self.settings.sampling,
+                             stop_ids=stops, tensors=self.tensors)
+        kept._seq, kept._generated = list(self.plan.keys), self.token_ids
+        kept._answered = [n for n in kept._answered if n <= kept.runtime.reused] + [total]
+        return self._counted(kept.runtime.run(request), total)
+
+    def _counted(self, tokens: Iterator[int], total: int) -> Iterator[int]:
+        """The runtime's tokens, with the positions it reused in the timings once it says (its first token)."""
+        first = True
+        for tok in tokens:
+            if first:
+                reused = int(self.kept.runtime.reused)
+                self.timings.update(prefill_tokens=total - reused, reused_tokens=reused)
+                first = False
+            yield tok
 
     def _continue(self, budget: int, stops: frozenset) -> Iterator[int]:
         pipe, plan, kept = self.pipeline, self.plan, self.kept
@@ -245,7 +283,7 @@ class Chat:
     def __init__(self, pipe, system: str | None = None, settings: GenerationSettings = GenerationSettings(),
                  keep_state: bool = True):
         self.pipe, self.system, self.settings = pipe, system, settings
-        self.kept = KeptState(pipe.decoder_state() if keep_state else None)
+        self.kept = pipe.new_kept_state() if keep_state else KeptState(None)
         self.messages: list[dict] = []  # user and assistant turns; a picture part names its index in ``pictures``
         self.pictures: list[Picture] = []
         self._asks: list[str] = []  # each answered turn's prompt, for regenerate
@@ -253,8 +291,9 @@ class Chat:
 
     @property
     def keeps_state(self) -> bool:
-        """Whether the decoder continues from a kept state (else every turn is computed from the start)."""
-        return self.kept.state is not None
+        """Whether the decoder (or the runtime) continues from a kept state (else every turn is computed from the
+        start)."""
+        return self.kept.keeps
 
     def _rendered(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
@@ -344,15 +383,23 @@ class KeptStates:
                     best, best_len = ident, shared
             if best is not None:
                 return self._entries.pop(best)
-        return KeptState(self.pipe.decoder_state() if self.max_count > 0 else None)
+        return self.pipe.new_kept_state() if self.max_count > 0 else KeptState(None)
 
     def put(self, kept: KeptState) -> None:
-        if kept is None or kept.state is None or kept.state.length == 0 or self.max_count <= 0:
+        if kept is None or not kept.keeps:
+            return
+        if kept.held == 0 or self.max_count <= 0:
+            kept.close()
             return
         with self._lock:
             self._entries[id(kept)] = kept
             while self._entries and (len(self._entries) > self.max_count or self.nbytes > self.max_bytes):
-                self._entries.popitem(last=False)
+                self._entries.popitem(last=False)[1].close()
+
+    def drop(self, kept: KeptState) -> None:
+        """A state whose turn failed: released, never reused."""
+        if kept is not None:
+            kept.close()
 
     @property
     def nbytes(self) -> int:

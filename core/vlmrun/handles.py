@@ -95,6 +95,33 @@ class DecoderState:
         return 0
 
 
+class RequestState:
+    """A conversation kept by a runtime that runs whole requests (``run_request``: a bundle's), from the
+    ``request_state`` hook. Each turn the core calls :meth:`run` with a :class:`vlmrun.stages.RequestRun` holding the
+    WHOLE conversation (``prompt_text`` rendered over every turn); the runtime compares it with what it holds, feeds
+    only what is new when the conversation extends it (else starts again from nothing: the same answer, slower),
+    and sets :attr:`reused` (the positions it did not feed again) and :attr:`length` (the positions it holds, the
+    turn's generated tokens counted) as it goes. :meth:`close` releases what it holds (a worker process)."""
+
+    length: int = 0
+    reused: int = 0
+
+    def run(self, request) -> Iterator[int]:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget the conversation."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.reset()
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held while the conversation is kept (a worker's loaded model counts)."""
+        return 0
+
+
 def artifacts_of(handle: object) -> list:
     return list(handle.artifacts) if isinstance(handle, StageHandle) else []
 

@@ -22,6 +22,8 @@ contracts). The order in which the core calls the hooks for one stage of one run
     decode(backend, handle, request)            the generation loop of the decoder stage
     decoder_state(backend, handle)              optional, once per conversation: a state kept between its turns
       -> state.truncate(n), state.decode(request)   per turn: keep the shared prefix, prefill only the new positions
+    request_state(backend, handles)             optional, the same for a runtime of whole requests (a bundle's):
+      -> state.run(request)                     per turn, the whole conversation; the runtime feeds what is new
     run_request(backend, handles, request)      optional, before the stage-by-stage path of a generation when every
                                                 stage is on ``backend``: the whole request in one runtime (a bundle)
     run_stage_batch(backend, stage, handle, inputs)  optional: a stage over a whole data set (``vlmrun eval``)
@@ -274,6 +276,15 @@ def decoder_state(backend, handle):
     :param handle: what ``load_stage(backend, "decoder", ...)`` returned.
     :return: a :class:`vlmrun.handles.DecoderState`, or ``None`` when this decoder cannot continue from a kept
              state (the core then recomputes each turn from the start with ``decode``).
+    """
+
+
+@hookspec(firstresult=True)
+def request_state(backend, handles):
+    """:func:`decoder_state` for a runtime that runs whole requests (``run_request``): a new
+    :class:`vlmrun.handles.RequestState` for one conversation, whose ``run(request)`` takes each turn's whole
+    conversation and feeds the runtime only what it does not hold yet; ``None`` when the runtime cannot keep one (the
+    core then sends every turn through ``run_request`` from the start).
     """
 
 

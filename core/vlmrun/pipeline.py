@@ -184,12 +184,22 @@ class StageCompileContext(CompileContext):
         decoder's backend cannot continue from a kept state (each turn is then decoded from the start)."""
         return self.registry.hook.decoder_state(backend=self.layout.backend("decoder"), handle=self.handles["decoder"])
 
+    def request_state(self):
+        """A new conversation state of the runtime that runs this layout's whole requests (``request_state`` hook:
+        a bundle's), or ``None`` (stage by stage, or a runtime that keeps none)."""
+        backend = self.whole_backend
+        return None if backend is None else self.registry.hook.request_state(backend=backend, handles=dict(self.handles))
+
+    def new_kept_state(self) -> KeptState:
+        """What a new conversation keeps between its turns (:class:`vlmrun.conversation.KeptState`)."""
+        return KeptState(self.decoder_state(), self.request_state())
+
     def generate_turn(self, plan, kept=None, settings: GenerationSettings = GenerationSettings()) -> Generation:
         """One turn of a conversation already planned (:func:`vlmrun.conversation.plan_turn`), continuing from
         ``kept`` (a :class:`vlmrun.conversation.KeptState`; ``None``: a new one): what a server runs per request."""
         if settings.max_new_tokens < 1:
             raise InputError("max_new_tokens must be at least 1")
-        return ChatGeneration(self, plan, kept if kept is not None else KeptState(self.decoder_state()), settings)
+        return ChatGeneration(self, plan, kept if kept is not None else self.new_kept_state(), settings)
 
     def chat(self, system: str | None = None, settings: GenerationSettings = GenerationSettings(),
              keep_state: bool = True) -> Chat:
@@ -428,12 +438,22 @@ class Pipeline:
         decoder's backend cannot continue from a kept state (each turn is then decoded from the start)."""
         return self.registry.hook.decoder_state(backend=self.layout.backend("decoder"), handle=self.handles["decoder"])
 
+    def request_state(self):
+        """A new conversation state of the runtime that runs this layout's whole requests (``request_state`` hook:
+        a bundle's), or ``None`` (stage by stage, or a runtime that keeps none)."""
+        backend = self.whole_backend
+        return None if backend is None else self.registry.hook.request_state(backend=backend, handles=dict(self.handles))
+
+    def new_kept_state(self) -> KeptState:
+        """What a new conversation keeps between its turns (:class:`vlmrun.conversation.KeptState`)."""
+        return KeptState(self.decoder_state(), self.request_state())
+
     def generate_turn(self, plan, kept=None, settings: GenerationSettings = GenerationSettings()) -> Generation:
         """One turn of a conversation already planned (:func:`vlmrun.conversation.plan_turn`), continuing from
         ``kept`` (a :class:`vlmrun.conversation.KeptState`; ``None``: a new one): what a server runs per request."""
         if settings.max_new_tokens < 1:
             raise InputError("max_new_tokens must be at least 1")
-        return ChatGeneration(self, plan, kept if kept is not None else KeptState(self.decoder_state()), settings)
+        return ChatGeneration(self, plan, kept if kept is not None else self.new_kept_state(), settings)
 
     def chat(self, system: str | None = None, settings: GenerationSettings = GenerationSettings(),
              keep_state: bool = True) -> Chat:

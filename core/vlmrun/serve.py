@@ -321,9 +321,9 @@ class Run:
 
     def _work(self):
         r = self.req
-        gen = None
-        kept = self.states.take(r.plan.keys) if self.states is not None else None
+        gen = kept = None
         try:
+            kept = self.states.take(r.plan.keys) if self.states is not None else None
             settings = GenerationSettings(max_new_tokens=r.max_tokens, system=r.system,
                                           sampling=SamplingSettings(r.temperature, 0, r.top_p, r.seed))
             gen = self.pipe.generate_turn(r.plan, kept, settings)
@@ -350,7 +350,9 @@ class Run:
                 self.states.put(gen.kept)  # its keys are what the state holds, also after a stop
             self._put(("done", gen))
         except Exception as exc:  # VlmrunError: one line for the client; anything else: a server error
-            self._put(("error", exc))  # a state that failed mid-turn is dropped, never reused
+            if self.states is not None:
+                self.states.drop(kept)  # a state that failed mid-turn is released, never reused
+            self._put(("error", exc))
 
 
 def _finish_reason(gen) -> str:

@@ -13,9 +13,14 @@ questions of four kinds::
                                                  "An orange star on a gray background."
                                                  (two shapes: left to right)
 
+Conversations (:func:`conversations`) ask one to three of those questions in turn: about one scene, or, after a
+question, ``"And this one?"`` with a new picture whose answer is the same kind of answer about it::
+
+    "What shape is in the image?" -> "A circle."   "And this one?" (a new picture) -> "A square."
+
 Everything is deterministic from a seed (:class:`random.Random`, Pillow drawing). :func:`write_dataset` writes
 a JSONL data set (``{"image", "question", "answer", "kind"}``, image paths relative to the file) with its
-PNG images. Needs only Pillow.
+PNG images; :func:`write_conversations` one of conversations (``{"image", "turns", "kind"}``). Needs only Pillow.
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ TRAIN_SEED = 0
 HELDOUT_SEED = 1
 #: Bumped whenever the pictures or answers for a seed change (keys the generated data sets in the store).
 GENERATOR_VERSION = 2
+#: Bumped whenever the conversations for a seed change (keys the generated conversation sets in the store).
+CONVERSATION_GENERATOR_VERSION = 1
+#: A later turn's question that brings a new picture: the same kind of question as the turn before, about it.
+FOLLOW_UP = "And this one?"
 
 
 @attrs.frozen
@@ -217,6 +226,75 @@ def write_dataset(out_dir: str | os.PathLike, n: int, seed: int = HELDOUT_SEED, 
         item.scene.render().save(out / rel, optimize=False)
         lines.append(json.dumps({"image": rel, "question": item.question, "answer": item.answer,
                                  "kind": item.kind}))
+    path = out / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@attrs.frozen
+class Turn:
+    """One turn of a generated conversation: the question kind its answer is about, the question, the expected
+    answer, and the picture the turn brings (the first turn's always; ``None``: the one before)."""
+
+    kind: str
+    question: str
+    answer: str
+    scene: Scene | None = None
+
+
+def conversations(seed: int) -> Iterator[tuple[Turn, ...]]:
+    """An endless, deterministic stream of conversations of one to three turns (a fifth of them one turn, the rest
+    two or three). The first turn asks a question the scene supports; each later turn either asks another of the
+    scene's question kinds not asked yet, or (a third of the time, and always when none is left) ``"And this
+    one?"`` with a new picture that supports the previous turn's kind and answers it differently (another shape,
+    colour, count or description), which later turns are then about."""
+    rng = random.Random(f"conversations:{seed}")  # not the stream of items(seed): other pictures
+    while True:
+        n = rng.choice((1, 2, 2, 3, 3))
+        scene = random_scene(rng)
+        kind = rng.choice(scene.kinds())
+        turns = [Turn(kind, QUESTIONS[kind], scene.answer(kind), scene)]
+        asked = {kind}
+        while len(turns) < n:
+            fresh = [k for k in scene.kinds() if k not in asked]
+            if fresh and rng.random() >= 1 / 3:
+                kind = rng.choice(fresh)
+                asked.add(kind)
+                turns.append(Turn(kind, QUESTIONS[kind], scene.answer(kind)))
+                continue
+            before = turns[-1].answer
+            while True:
+                scene = random_scene(rng, 1 if kind in ("shape", "color") else None)
+                if scene.answer(kind) != before:
+                    break
+            turns.append(Turn(kind, FOLLOW_UP, scene.answer(kind), scene))
+            asked = {kind}
+        yield tuple(turns)
+
+
+def write_conversations(out_dir: str | os.PathLike, n: int, seed: int = HELDOUT_SEED,
+                        name: str = "conversations.jsonl") -> Path:
+    """Write ``n`` conversations as ``out_dir/name`` (JSONL: ``{"image", "turns": [{"question", "answer"},
+    {"image", "question", "answer"}, ...], "kind": "conversation"}``, a later turn's ``image`` only when it brings
+    one) and their pictures as ``out_dir/images/conv*.png``. Returns the JSONL path."""
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    stream = conversations(seed)
+    lines = []
+    for i in range(n):
+        record: dict = {}
+        turns = []
+        for t, turn in enumerate(next(stream), 1):
+            entry: dict = {}
+            if turn.scene is not None:
+                rel = f"images/conv{i:05d}-{t}.png"
+                turn.scene.render().save(out / rel, optimize=False)
+                if t == 1:
+                    record["image"] = rel
+                else:
+                    entry["image"] = rel
+            turns.append({**entry, "question": turn.question, "answer": turn.answer})
+        lines.append(json.dumps({**record, "turns": turns, "kind": "conversation"}))
     path = out / name
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -11,7 +11,11 @@ the reference tokens). The report gives, per layout: accuracy per kind, the dist
 cosine and SQNR per stage boundary and of teacher-forced top-1 agreement (median, 5th percentile), how many
 items pass the diff's thresholds, and the items where the layout departs the most.
 
-Modules: :mod:`.answers` (scoring), :mod:`.dataset` (JSONL records, bad records, the generated held-out set),
+A record may be a conversation (``"turns"``): it is asked turn by turn on each layout, with that layout's own
+answers in the history, and every turn's answer is scored (``conversations=True``: the generated held-out
+conversations); the report then adds the accuracy per turn.
+
+Modules: :mod:`.answers` (scoring), :mod:`.dataset` (JSONL records, bad records, the generated held-out sets),
 :mod:`.engine` (per-item runs, the result cache, worker processes, batched stages), :mod:`.report`
 (aggregation, terminal table, JSON, HTML).
 """
@@ -27,13 +31,15 @@ import attrs
 
 from ..errors import InputError, UsageError
 from .answers import is_correct, normalize_answer
-from .dataset import HELDOUT_ITEMS, Record, Skipped, heldout_dataset, read_dataset
+from .dataset import (HELDOUT_CONVERSATIONS, HELDOUT_ITEMS, Record, Skipped, Turn, heldout_conversations,
+                      heldout_dataset, read_dataset)
 from .engine import LayoutSpec, ResultCache, Side, WorkerConfig, layout_key
 from .report import aggregate, format_table, write_html
 
 __all__ = [
-    "HELDOUT_ITEMS", "EvalRun", "LayoutSpec", "Record", "Skipped", "aggregate", "evaluate", "format_table",
-    "heldout_dataset", "is_correct", "normalize_answer", "read_dataset", "write_html",
+    "HELDOUT_CONVERSATIONS", "HELDOUT_ITEMS", "EvalRun", "LayoutSpec", "Record", "Skipped", "Turn", "aggregate",
+    "evaluate", "format_table", "heldout_conversations", "heldout_dataset", "is_correct", "normalize_answer",
+    "read_dataset", "write_html",
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 48  # the longest generated answer is 39 tokens + <|im_end|>
@@ -76,8 +82,10 @@ def evaluate(
     on_skip: Callable[[Skipped], None] | None = None,
     on_item: Callable[[Record, dict | None], None] | None = None,
     ray_address: str | None = None,
+    conversations: bool = False,
 ) -> EvalRun:
-    """Run ``layouts`` (and the reference) over ``dataset`` (default: the generated held-out set) and aggregate.
+    """Run ``layouts`` (and the reference) over ``dataset`` (default: the generated held-out set; with
+    ``conversations``: the generated held-out conversations) and aggregate.
 
     ``progress(label)`` wraps long steps (exports, compiles); ``bar(total, initial, desc)`` makes a progress bar
     with ``update()``/``close()``; ``on_skip`` sees each bad record as it is found; ``on_item(record, results)``
@@ -100,6 +108,8 @@ def evaluate(
         raise UsageError("--workers must be at least 1")
     if limit is not None and limit < 1:
         raise UsageError("--limit must be at least 1")
+    if conversations and dataset is not None:
+        raise UsageError("give a DATASET or --conversations (the generated conversations), not both")
     ref_spec = reference if isinstance(reference, LayoutSpec) else LayoutSpec.parse(reference)
     specs = [s if isinstance(s, LayoutSpec) else LayoutSpec.parse(s) for s in layouts] or [ref_spec]
     registry = registry or plugins_mod.load()
@@ -109,7 +119,7 @@ def evaluate(
     store.clean_stale()
 
     if dataset is None:
-        dataset = heldout_dataset(store, progress=progress)
+        dataset = (heldout_conversations if conversations else heldout_dataset)(store, progress=progress)
     records, skipped = read_dataset(dataset, strict=strict, limit=limit, on_skip=on_skip)
     if not records:
         raise UsageError(f"data set {dataset} has no usable record ({len(skipped)} skipped)")

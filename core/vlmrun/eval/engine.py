@@ -7,6 +7,11 @@ What is kept per (layout, item) is small: the answer text and tokens and the met
 (``<item key>.npz``) so a layout added later, or an interrupted run, never recomputes it. All results of an item
 are written once every layout has finished it, so a failed item leaves nothing behind and an interrupted run
 resumes at the first unfinished item.
+
+A conversation (a record with two or more turns) runs as one on every layout (:meth:`Pipeline.chat`): each turn's
+question is asked with that layout's own earlier answers in the history, as a user of a chat would ask it. What is
+kept per turn is its answer and tokens (``turns``); the answers are scored in the report, per turn. Conversations
+are not diffed against the reference (a layout's history is its own, so later turns are not the same request).
 """
 
 from __future__ import annotations
@@ -233,6 +238,8 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
 
     Returns ``{layout key: result}``. Raises :class:`VlmrunError` for an item that cannot run (nothing written).
     """
+    if record.turns:
+        return run_conversation(record, ref, sides, cache, settings, run_id)
     from ..diff.capture import capture_pipeline
     from ..diff.compare import compare
     from ..diff.thresholds import infer_precision, thresholds_for
@@ -274,6 +281,39 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
     return results
 
 
+def converse(pipe, record: Record, settings) -> list[dict]:
+    """Ask ``record``'s turns in one conversation on ``pipe``, each with the pipeline's own earlier answers in the
+    history: per turn its question, answer (``text``), ``tokens`` and the positions it prefilled and reused."""
+    chat = pipe.chat(system=settings.system, settings=settings)
+    turns = []
+    for turn in record.turns:
+        gen = chat.ask(turn.question, image=turn.image).run()
+        turns.append({"question": turn.question, "text": gen.text, "tokens": [int(t) for t in gen.token_ids],
+                      "prefill_tokens": gen.timings.get("prefill_tokens"),
+                      "reused_tokens": gen.timings.get("reused_tokens")})
+    return turns
+
+
+def run_conversation(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCache, settings,
+                     run_id: str = "") -> dict[str, dict]:
+    """:func:`run_item` for a conversation: every layout answers it as a conversation of its own (no capture, no
+    diff); the result's ``turns`` hold each turn's answer."""
+    results: dict[str, dict] = {}
+    new: list[tuple[Side, dict]] = []
+    for s in [ref, *[s for s in sides if s is not ref]]:
+        cached = cache.get(s.key, record.key)
+        if cached is not None:
+            results[s.key] = cached
+            continue
+        t = time.perf_counter()
+        turns = converse(s.pipe, record, settings)
+        new.append((s, {"item": record.key, "turns": turns, "seconds": time.perf_counter() - t, "run": run_id}))
+        results[s.key] = new[-1][1]
+    for s, result in new:
+        cache.put(s.key, record.key, result)
+    return results
+
+
 # --------------------------------------------------------------------------------------------------------------
 # batched stages
 
@@ -293,6 +333,9 @@ def batched_stages(layout, registry) -> list[str]:
 def precompute(side: Side, records: Sequence[Record], stages: Sequence[str], progress) -> None:
     """Run ``stages`` of ``side``'s layout over ``records`` with one ``run_stage_batch`` call per stage (vision
     first, the projector on its outputs, then embed) and keep the outputs for the per-item runs."""
+    records = [r for r in records if not r.turns]  # a conversation's turns run one by one, stage by stage
+    if not records:
+        return
     pipe = side.pipe
     if "run_stage" not in vars(pipe):
         _install_precomputed(side)

@@ -1,5 +1,10 @@
 """The eval report: aggregation over items (accuracy per kind, drift distributions, the most departing items),
-the terminal table, and the self-contained HTML page (in the style of the diff report)."""
+the terminal table, and the self-contained HTML page (in the style of the diff report).
+
+When the data set holds conversations, accuracy counts every turn, and each layout's entry adds ``turns`` (the
+turns scored), ``accuracy_by_turn`` (``"turn 1"``, ``"turn 2"``, ...: a one-turn record is a turn 1) and
+``records`` (per record its turns: question, expected, got, correct); drift and the departing items come from the
+one-turn records only. A data set of one-turn records gives the report it always did."""
 
 from __future__ import annotations
 
@@ -42,28 +47,55 @@ def _accuracy(rows: list[tuple[str, bool]]) -> dict:
     return out
 
 
+def _by_turn(by_turn: dict[int, list[bool]]) -> dict:
+    return {f"turn {i}": {"correct": int(sum(v)), "n": len(v), "accuracy": sum(v) / len(v)}
+            for i, v in sorted(by_turn.items())}
+
+
+def _turns(record, item: dict, ref_item: dict) -> list[dict]:
+    """A record's turns scored: question (and the picture a later turn brings), expected, got, correct, and
+    whether the reference answered the same (``same``)."""
+    got = [t.get("text", "") for t in item.get("turns") or []] if record.turns else [item.get("text", "")]
+    ref = [t.get("text", "") for t in ref_item.get("turns") or []] if record.turns else [ref_item.get("text", "")]
+    out = []
+    for i, turn in enumerate(record.asked):
+        text = got[i] if i < len(got) else ""
+        entry = {"question": turn.question}
+        if i and turn.image is not None:
+            entry["image"] = str(turn.image)
+        entry.update(expected=turn.answer, got=text, correct=normalize_answer(text) == normalize_answer(turn.answer),
+                     same=normalize_answer(text) == normalize_answer(ref[i] if i < len(ref) else ""))
+        out.append(entry)
+    return out
+
+
 def aggregate(*, records, skipped, sides, results, labels, timing, dataset, model, settings, workers=1,
               batched=None) -> dict:
     """The report as a JSON-able dict; see the module docstring of :mod:`vlmrun.eval`."""
     ref = sides[0]
     ref_results = results[ref.key]
+    conversations = any(r.turns for r in records)
     layouts = []
     for side in sides:
         res = results[side.key]
-        rows, same, worst = [], [], []
+        rows, same, worst, scored = [], [], [], []
+        by_turn: dict[int, list[bool]] = {}
         drift: dict[str, dict[str, list]] = {}
         passed, culprits = [], {}
         for r in records:
             item = res.get(r.key)
             if item is None:
                 continue
-            text = item.get("text", "")
-            ok = normalize_answer(text) == normalize_answer(r.answer)
-            rows.append((r.kind, ok))
-            ref_text = (ref_results.get(r.key) or {}).get("text", "")
-            same.append(normalize_answer(text) == normalize_answer(ref_text))
-            if side is ref:
+            turns = _turns(r, item, ref_results.get(r.key) or {})
+            for i, turn in enumerate(turns, 1):
+                rows.append((r.kind, turn["correct"]))
+                same.append(turn["same"])
+                by_turn.setdefault(i, []).append(turn["correct"])
+            scored.append({"file": r.file, "line": r.line, "image": str(r.image), "kind": r.kind,
+                           "turns": [{k: v for k, v in t.items() if k != "same"} for t in turns]})
+            if side is ref or r.turns:
                 continue
+            text, ok, ref_text = turns[0]["got"], turns[0]["correct"], (ref_results.get(r.key) or {}).get("text", "")
             for cp, metrics in (item.get("drift") or {}).items():
                 for m, v in metrics.items():
                     drift.setdefault(cp, {}).setdefault(m, []).append(v)
@@ -86,20 +118,23 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
             "options": {s: dict(side.pipe.layout.stages[s].options) for s in side.pipe.layout.stages
                         if side.pipe.layout.stages[s].options},
             "batched_stages": list((batched or {}).get(side.key, [])),
-            "items": len(rows),
+            "items": len(scored),
             "device_bytes": device_bytes(side.pipe.handles),
             "accuracy": _accuracy(rows),
             "same_answer_as_reference": (sum(same) / len(same)) if same else None,
             "computed": timing[side.key]["computed"],
-            "cached": len(rows) - timing[side.key]["computed"],
+            "cached": len(scored) - timing[side.key]["computed"],
             # seconds spent on this layout's items in this run (its captures; the reference's include the
             # generation it is compared against), and the items per second that makes
             "seconds": round(timing[side.key]["seconds"], 3),
             "items_per_s": (timing[side.key]["computed"] / timing[side.key]["seconds"]
                             if timing[side.key]["seconds"] > 0 and timing[side.key]["computed"] else None),
         }
+        if conversations:
+            entry.update(turns=len(rows), accuracy_by_turn=_by_turn(by_turn), records=scored)
         if side is not ref:
-            entry["precision"] = next((item.get("precision") for item in res.values() if item), None)
+            entry["precision"] = next((item["precision"] for item in res.values() if item and item.get("precision")),
+                                      None)
             entry["drift"] = {
                 cp: {m: distribution(v) for m, v in drift[cp].items()
                      if m in ("cosine", "sqnr_db", "top1_agreement", "top5_overlap", "kl_mean", "match_fraction",
@@ -107,6 +142,8 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
                 for cp in [*DRIFT_CHECKPOINTS, "generation/tokens"] if cp in drift
             }
             entry["diff_pass_rate"] = (sum(passed) / len(passed)) if passed else None
+            if conversations:
+                entry["diffed_items"] = len(passed)
             entry["culprits"] = culprits
             # departing the most: lowest logits SQNR (wrong answers where the reference was right first)
             worst.sort(key=lambda w: (w["correct"] or normalize_answer(w["reference_answer"])
@@ -114,7 +151,7 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
                                       w["logits_sqnr_db"] if w["logits_sqnr_db"] is not None else -1e9))
             entry["worst_items"] = worst[:WORST_ITEMS]
         layouts.append(entry)
-    return {
+    report = {
         "dataset": dataset,
         "model": model,
         "items": len(records),
@@ -125,6 +162,9 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
         "workers": workers,
         "layouts": layouts,
     }
+    if conversations:
+        report["turns"] = sum(len(r.asked) for r in records)
+    return report
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -155,7 +195,8 @@ def _kinds(report: Mapping) -> list[str]:
 def format_table(report: Mapping) -> str:
     """Accuracy per layout and kind, drift per stage boundary (median / 5th percentile over the items), and the
     items where each layout departs the most."""
-    lines = [f"data set: {report['dataset']} ({report['items']} items, {report['skipped']} skipped)"
+    turns = f", {report['turns']} turns" if "turns" in report else ""
+    lines = [f"data set: {report['dataset']} ({report['items']} items{turns}, {report['skipped']} skipped)"
              f"    model: {report['model']}    reference: {report['reference']}", ""]
     kinds = _kinds(report)
     rows = [["accuracy", "items", *kinds, "all", "same as ref", "computed", "items/s"]]
@@ -165,6 +206,13 @@ def format_table(report: Mapping) -> str:
                      _pct(lay["accuracy"]["all"]), _share(lay["same_answer_as_reference"]),
                      f"{lay['computed']}/{lay['items']}", "-" if ips is None else f"{ips:.2f}"])
     lines += _table(rows)
+    by_turn = _turn_names(report)
+    if by_turn:
+        lines += ["", "accuracy per turn (a one-turn record is a turn 1)"]
+        rows = [["layout", *by_turn]]
+        for lay in report["layouts"]:
+            rows.append([lay["label"], *[_counted(lay["accuracy_by_turn"].get(t)) for t in by_turn]])
+        lines += _table(rows)
     others = [lay for lay in report["layouts"] if not lay["is_reference"]]
     if others:
         lines += ["", "drift against the reference, over the items: median / 5th percentile"]
@@ -181,10 +229,16 @@ def format_table(report: Mapping) -> str:
         lines += _table(rows, left=2)
         for lay in others:
             rate = lay["diff_pass_rate"]
+            if rate is None:
+                lines.append(f"{lay['label']}: no one-turn item to diff (conversations are scored, not diffed)")
+                continue
             culprits = ", ".join(f"{k} {v}" for k, v in sorted(lay["culprits"].items(), key=lambda kv: -kv[1]))
-            lines.append(f"{lay['label']}: {0 if rate is None else 100 * rate:.1f}% of items pass the diff's"
+            of = f"the {lay['diffed_items']} one-turn items" if "diffed_items" in lay else "items"
+            lines.append(f"{lay['label']}: {100 * rate:.1f}% of {of} pass the diff's"
                          f" {lay['precision']} thresholds" + (f" (failing first at: {culprits})" if culprits else ""))
         for lay in others:
+            if lay["diff_pass_rate"] is None:
+                continue
             lines += ["", f"items where {lay['label']} departs the most:"]
             for w in lay["worst_items"]:
                 lines.append(
@@ -197,6 +251,18 @@ def format_table(report: Mapping) -> str:
         lines += ["", f"skipped {report['skipped']} record(s):"]
         lines += [f"  {s['file']}:{s['line']}: {s['reason']}" for s in report["skipped_records"]]
     return "\n".join(lines)
+
+
+def _turn_names(report: Mapping) -> list[str]:
+    """``turn 1``, ``turn 2``, ... of the layouts' ``accuracy_by_turn`` (none for a data set of one-turn records)."""
+    found = {t for lay in report["layouts"] for t in lay.get("accuracy_by_turn") or {}}
+    return sorted(found, key=lambda t: int(t.split()[-1]))
+
+
+def _counted(acc: dict | None) -> str:
+    if not acc or acc.get("accuracy") is None:
+        return "-"
+    return f"{_pct(acc)} ({acc['correct']}/{acc['n']})"
 
 
 def _share(v) -> str:
@@ -294,6 +360,11 @@ def write_html(report: Mapping, directory: str | os.PathLike) -> Path:
         + (f" {esc(json.dumps(lay['options']))}" if lay["options"] else "") + "</td></tr>"
         for lay in report["layouts"]
     )
+    by_turn = _turn_names(report)
+    turn_rows = "".join(
+        "<tr><td>" + esc(lay["label"]) + "</td>"
+        + "".join(f"<td>{_counted(lay['accuracy_by_turn'].get(t))}</td>" for t in by_turn) + "</tr>"
+        for lay in report["layouts"]) if by_turn else ""
     drift_rows = []
     worst_blocks = []
     for lay in report["layouts"]:
@@ -314,6 +385,8 @@ def write_html(report: Mapping, directory: str | os.PathLike) -> Path:
             f"<td>{esc(w['answer'])}</td><td>{_f(w['logits_sqnr_db'], 1)}</td><td>{_f(w['top1_agreement'], 3)}</td>"
             f"<td>{esc(str(w['culprit'] or ''))}</td></tr>" for w in lay["worst_items"])
         rate = lay["diff_pass_rate"]
+        if rate is None:
+            continue
         worst_blocks.append(
             f"<h3>{esc(lay['label'])}</h3><p>{0 if rate is None else 100 * rate:.1f}% of the items pass the diff's"
             f" {esc(str(lay['precision']))} thresholds; first failing stage: "
@@ -339,6 +412,10 @@ max new tokens: {report['settings'].get('max_new_tokens')}</p>
 <table><tr><th>layout</th><th>items</th>{''.join(f'<th>{esc(k)}</th>' for k in kinds)}<th>all</th>
 <th>same answer as reference</th><th>stages</th></tr>{acc_rows}</table>
 <img alt="accuracy per layout" src="data:image/png;base64,{figs['accuracy']}">
+"""
+    if turn_rows:
+        page += f"""<h2>Accuracy per turn ({report.get('turns')} turns; a one-turn record is a turn 1)</h2>
+<table><tr><th>layout</th>{''.join(f'<th>{esc(t)}</th>' for t in by_turn)}</tr>{turn_rows}</table>
 """
     if "drift" in figs:
         page += f"""<h2>Drift against the reference, per stage boundary, over the items</h2>

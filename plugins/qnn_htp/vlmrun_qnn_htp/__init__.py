@@ -71,7 +71,7 @@ from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest
 from vlmrun_qualcomm.sdk import Sdk, newer_than, phone_options
 
-from . import calibration, ep, image_encoder, recipe
+from . import bundle_run, calibration, ep, image_encoder, recipe
 from .decoder import FixedKVDecoder, FixedKVState
 from .handles import ChunkedEmbed, DecoderHandle, LocalStage
 from .layers import LAYER_OPTIONS
@@ -432,6 +432,14 @@ def run_request(backend, handles, request):
     from .bundle_run import run_request as run
 
     return run(handles, request)
+
+
+@hookimpl
+def request_state(backend, handles):
+    """A bundle's conversation kept in Genie's pipeline between turns (:class:`.bundle_run.BundleConversation`)."""
+    if not mine(backend, NAME):
+        return None
+    return bundle_run.request_state(handles)
 
 
 @hookimpl

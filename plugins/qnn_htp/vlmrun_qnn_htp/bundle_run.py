@@ -8,16 +8,19 @@ returns for each stage of the layout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from vlmrun.errors import BackendError, UsageError
-from vlmrun.handles import DecoderHandle
+from vlmrun.handles import DecoderHandle, RequestState
+from vlmrun_qualcomm.genie_pipeline import PipelineSession, stream_pipeline
 from vlmrun.layouts import bundle_manifest
 
 from .bundle import CONNECTIONS, LUT, NODES, _split, sha256
@@ -176,10 +179,6 @@ class BundleRuntime:
         """The answer's text pieces from the pipeline on this machine; the boundary tensors into ``req.tensors``
         before the first; a run whose image never reached the generator, or with no text, is an error. ``rows``
         (a :class:`~vlmrun_qualcomm.genie_sampler.LogitsRows`): tap the logits, force ``req.teacher_tokens``."""
-        import time
-
-        from vlmrun_qualcomm.genie_pipeline import stream_pipeline
-
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-run-"))
         try:
             pixels = tmp / "pixel_values.raw"
@@ -239,6 +238,112 @@ class BundleRuntime:
         else:
             x = raw.astype(np.float32)
         return x.reshape(1, -1, hidden)
+
+
+# -- a conversation kept in Genie's pipeline ----------------------------------------------------------------------
+class BundleConversation(RequestState):
+    """A conversation kept in Genie's pipeline (``request_state``): the pipeline stays alive in its worker between
+    turns (:class:`vlmrun_qualcomm.genie_pipeline.PipelineSession`) and each turn executes again without reset, fed
+    only the text (and picture) the conversation added since; the generator continues from its KV cache. What the
+    pipeline holds is tracked as text: the rendered prompt and the answer (the end token Genie stopped at is sampled,
+    not fed: the next turn's new text starts with it). A turn that does not extend it (an undo, an edit, other sampling settings, another picture) starts
+    the pipeline again from nothing; so does a turn stopped before Genie finished (its worker is ended)."""
+
+    def __init__(self, runtime: BundleRuntime):
+        self.rt = runtime
+        self.session: PipelineSession | None = None
+        self.held = ""  # the text the pipeline holds (the image placeholder where the picture went in)
+        self.picture: str | None = None
+        self.config_key = ""
+        self.length = self.reused = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the kept worker holds: its resident set (the loaded bundle, libGenie, the runtime), else the
+        bundle's files."""
+        if self.session is None or not self.session.alive:
+            return 0
+        return self.session.rss() or sum(int(f["bytes"]) for f in self.rt.manifest["files"].values())
+
+    def reset(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        self.session, self.held, self.picture, self.length = None, "", None, 0
+
+    def close(self) -> None:
+        self.reset()
+
+    def run(self, req) -> Iterator[int]:
+        rt, tok = self.rt, self.rt.model.tokenizer
+        image_token = tok.id_to_token(rt.model.image_token_id)
+        text = req.prompt_text
+        picture = hashlib.sha256(np.ascontiguousarray(req.pixel_values, np.float32).tobytes()).hexdigest()
+        config = rt.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
+        key = json.dumps(config, sort_keys=True)
+        extends = (self.session is not None and self.session.alive and key == self.config_key and self.held
+                   and len(text) > len(self.held) and text.startswith(self.held) and (image_token not in self.held or picture == self.picture))
+        if not extends:
+            self.reset()
+            nodes = rt.request("", Path("unused"), "", req.sampling, req.max_new_tokens, req.stop_ids, Path("unused"))
+            self.session = PipelineSession(rt.lib, {"nodes": {**nodes["nodes"], "textGenerator": json.dumps(config)},
+                                                    "connections": nodes["connections"]},
+                                           cwd=rt.path, timeout=rt.timeout)
+            self.config_key = key
+        new = text[len(self.held):]
+        total = int(req.input_ids.shape[1])
+        fed = len(tok.encode(new.replace(image_token, ""), add_special_tokens=False).ids)
+        fed += rt.model.image_tokens if image_token in new else 0
+        self.reused = max(total - fed, 0)
+        self.length = self.reused
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-turn-"))
+        finished = False
+        try:
+            if image_token in new:
+                pixels = tmp / "pixel_values.raw"
+                np.ascontiguousarray(req.pixel_values, np.float32).tofile(pixels)
+                before, after = _split(new, image_token)
+                inputs = [["lutEncoder", "text", before], ["imageEncoder", "image", str(pixels)],
+                          ["lutEncoder", "text", after]]
+                self.picture = picture
+            else:
+                inputs = [["lutEncoder", "text", new]]
+            inputs = [i for i in inputs if i[1] != "text" or i[2]]  # Genie takes no empty text
+            result: dict = {}
+            self.length, count, answer = total, 0, ""
+            t0 = time.perf_counter()
+            first = None
+            for piece in self.session.turn(inputs, str(tmp / "image_embeddings.npy"), result):
+                if first is None:
+                    first = time.perf_counter()
+                    if image_token in new and "embeddings_dims" not in result:
+                        raise rt._no_image()
+                ids = tok.encode(piece, add_special_tokens=False).ids
+                answer += piece
+                count += len(ids)
+                self.length = total + count
+                yield from ids
+            stopped = bool(req.stop_ids) and count < req.max_new_tokens
+            # the end token Genie sampled is not in its KV cache (sampled, not fed, as every decode loop's last
+            # token): the next turn's text starts with it (measured: with it, a continued turn answers as the same
+            # conversation from scratch; without it, the model reads a history with no end to the answer)
+            self.held = text + answer
+            self.length = total + count
+            rt.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3,
+                               **({"ttft_wall_ms": (first - t0) * 1e3} if first is not None else {})}
+            finished = True
+            if stopped:
+                yield min(req.stop_ids)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not finished:  # stopped mid-turn: Genie's state is not what vlmrun knows; start again next turn
+                self.reset()
+
+
+def request_state(handles: dict) -> BundleConversation | None:
+    """The ``request_state`` hook: a bundle's conversation kept in Genie's pipeline on this machine (a phone's
+    genie-app runs each turn from the start)."""
+    rt = getattr(handles.get("decoder"), "runtime", None)
+    return BundleConversation(rt) if rt is not None and rt.phone is None else None
 
 
 # -- the stages of a bundle layout ------------------------------------------------------------------------------

@@ -23,12 +23,19 @@ import contextlib
 import ctypes
 import json
 import os
+import queue
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from vlmrun import procs
 from vlmrun.errors import BackendError
 
 from .genie import WorkerLines, _last_error_line, capture_fd, status_name
@@ -62,7 +69,7 @@ class PipelineLibrary:
             self.lib = lib = ctypes.CDLL(self.path)
         except OSError as exc:
             raise BackendError(f"cannot load {self.path}: {exc}") from None
-        vp, i32, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32
+        vp, i32 = ctypes.c_void_p, ctypes.c_int32
         sig = {
             "GenieNodeConfig_createFromJson": ([ctypes.c_char_p, ctypes.POINTER(vp)], i32),
             "GenieNodeConfig_free": ([vp], i32),
@@ -113,64 +120,85 @@ class PipelineLibrary:
         self.check(status, f"parse of {what}", log)
 
 
-def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Sequence[Sequence[str]],
-                 inputs: Sequence[Sequence[str]], on_text, on_embedding) -> None:
-    """Create the nodes (``{node name: config JSON}``), connect them, set the ``inputs`` (``[node, kind, value]``:
-    kind ``text`` with the text, ``image`` with a float32 ``.raw`` path) in order, and execute.
+class PipelineRun:
+    """A pipeline's nodes created and connected (``{node name: config JSON}``, ``connections``), ready to take inputs
+    and execute; :meth:`close` frees them. The generator keeps its KV cache between executions until :meth:`reset`:
+    a conversation's next turn is its new inputs and another :meth:`execute` (``genie-vlm-pipeline.md``,
+    "Conversations").
 
-    ``on_text(text, sentence_code)`` gets the generator's text, ``on_embedding(array)`` the image encoder's
+    ``on_text(text, sentence_code)`` gets the generator's text, ``on_embedding(raw, dims)`` the image encoder's
     embeddings (raw bytes as uint8 and the dims)."""
-    L = lib.lib
-    log: list[str] = []
-    handles: dict[str, ctypes.c_void_p] = {}
-    configs: list[ctypes.c_void_p] = []
-    keep: list = []
-    pcfg, pipe = ctypes.c_void_p(), ctypes.c_void_p()
 
-    def text_cb(text, code, _user):
-        on_text((text or b"").decode("utf-8", "replace"), int(code))
-        return 0
+    def __init__(self, lib: PipelineLibrary, nodes: Mapping[str, str], connections: Sequence[Sequence[str]],
+                 on_text, on_embedding):
+        self.lib, self.log = lib, []
+        self.handles: dict[str, ctypes.c_void_p] = {}
+        self.configs: list[ctypes.c_void_p] = []
+        self.keep: list = []
+        self.pcfg, self.pipe, self.logger = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
 
-    def emb_cb(dims, rank, size, buf, _user):
-        shape = [int(dims[i]) for i in range(int(rank))]
-        on_embedding(np.ctypeslib.as_array(ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8)), (int(size),)).copy(),
-                     shape)
+        def text_cb(text, code, _user):
+            on_text((text or b"").decode("utf-8", "replace"), int(code))
+            return 0
 
-    logger = ctypes.c_void_p()
-    try:
-        with _with_reason(log), capture_fd(2, log, 2), capture_fd(1, log, None):  # Genie's default logger and QNN's banner
-            # the reasons of failures are only in the log (every failure is status -1): warnings and errors
-            lib.check(L.GenieLog_create(None, None, LOG_LEVEL_WARN, ctypes.byref(logger)), "GenieLog_create", log)
-            lib.check(L.GeniePipelineConfig_createFromJson(b"{}", ctypes.byref(pcfg)), "pipeline config", log)
-            lib.check(L.GeniePipeline_create(pcfg, ctypes.byref(pipe)), "GeniePipeline_create", log)
-            for name, text in nodes.items():
-                cfg = ctypes.c_void_p()
-                lib.check(L.GenieNodeConfig_createFromJson(text.encode(), ctypes.byref(cfg)), f"{name} config", log)
-                configs.append(cfg)
-                lib.check(L.GenieNodeConfig_bindLogger(cfg, logger), f"bindLogger ({name})", log)
-                if os.environ.get("VLMRUN_GENIE_PROFILE"):
-                    prof = ctypes.c_void_p()
-                    lib.check(L.GenieProfile_create(None, ctypes.byref(prof)), "GenieProfile_create", log)
-                    keep.append(prof)
-                    lib.check(L.GenieNodeConfig_bindProfiler(cfg, prof), f"bindProfiler ({name})", log)
-                node = ctypes.c_void_p()
-                lib.check(L.GenieNode_create(cfg, ctypes.byref(node)), f"GenieNode_create ({name})", log)
-                handles[name] = node
-                kind = next(iter(json.loads(text)), "")  # the config's root key names the node type
-                if kind == "text-generator":
-                    cb = TextCB(text_cb)
-                    keep.append(cb)
-                    lib.check(L.GenieNode_setTextCallback(node, TEXT_GENERATOR_TEXT_OUTPUT, cb),
-                              f"setTextCallback ({name})", log)
-                if kind == "image-encoder":
-                    cb = EmbeddingCB(emb_cb)
-                    keep.append(cb)
-                    lib.check(L.GenieNode_setEmbeddingCallback(node, IMAGE_ENCODER_EMBEDDING_OUTPUT, cb),
-                              f"setEmbeddingCallback ({name})", log)
-                lib.check(L.GeniePipeline_addNode(pipe, node), f"GeniePipeline_addNode ({name})", log)
-            for prod, pio, cons, cio in connections:
-                lib.check(L.GeniePipeline_connect(pipe, handles[prod], IO_NAMES[pio], handles[cons], IO_NAMES[cio]),
-                          f"GeniePipeline_connect ({prod} -> {cons})", log)
+        def emb_cb(dims, rank, size, buf, _user):
+            shape = [int(dims[i]) for i in range(int(rank))]
+            on_embedding(np.ctypeslib.as_array(ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8)), (int(size),)).copy(),
+                         shape)
+
+        try:
+            with self._native():
+                self._create(nodes, connections, text_cb, emb_cb)
+        except BaseException:
+            self.close()
+            raise
+
+    @contextlib.contextmanager
+    def _native(self):
+        """Genie's default logger and QNN's banner captured; a failure's reason (only in the log: every failure is
+        status -1) added to its BackendError."""
+        with _with_reason(self.log), capture_fd(2, self.log, 2), capture_fd(1, self.log, None):
+            yield
+
+    def _create(self, nodes, connections, text_cb, emb_cb) -> None:
+        lib, L, log = self.lib, self.lib.lib, self.log
+        lib.check(L.GenieLog_create(None, None, LOG_LEVEL_WARN, ctypes.byref(self.logger)), "GenieLog_create", log)
+        lib.check(L.GeniePipelineConfig_createFromJson(b"{}", ctypes.byref(self.pcfg)), "pipeline config", log)
+        lib.check(L.GeniePipeline_create(self.pcfg, ctypes.byref(self.pipe)), "GeniePipeline_create", log)
+        for name, text in nodes.items():
+            cfg = ctypes.c_void_p()
+            lib.check(L.GenieNodeConfig_createFromJson(text.encode(), ctypes.byref(cfg)), f"{name} config", log)
+            self.configs.append(cfg)
+            lib.check(L.GenieNodeConfig_bindLogger(cfg, self.logger), f"bindLogger ({name})", log)
+            if os.environ.get("VLMRUN_GENIE_PROFILE"):
+                prof = ctypes.c_void_p()
+                lib.check(L.GenieProfile_create(None, ctypes.byref(prof)), "GenieProfile_create", log)
+                self.keep.append(prof)
+                lib.check(L.GenieNodeConfig_bindProfiler(cfg, prof), f"bindProfiler ({name})", log)
+            node = ctypes.c_void_p()
+            lib.check(L.GenieNode_create(cfg, ctypes.byref(node)), f"GenieNode_create ({name})", log)
+            self.handles[name] = node
+            kind = next(iter(json.loads(text)), "")  # the config's root key names the node type
+            if kind == "text-generator":
+                cb = TextCB(text_cb)
+                self.keep.append(cb)
+                lib.check(L.GenieNode_setTextCallback(node, TEXT_GENERATOR_TEXT_OUTPUT, cb),
+                          f"setTextCallback ({name})", log)
+            if kind == "image-encoder":
+                cb = EmbeddingCB(emb_cb)
+                self.keep.append(cb)
+                lib.check(L.GenieNode_setEmbeddingCallback(node, IMAGE_ENCODER_EMBEDDING_OUTPUT, cb),
+                          f"setEmbeddingCallback ({name})", log)
+            lib.check(L.GeniePipeline_addNode(self.pipe, node), f"GeniePipeline_addNode ({name})", log)
+        for prod, pio, cons, cio in connections:
+            lib.check(L.GeniePipeline_connect(self.pipe, self.handles[prod], IO_NAMES[pio], self.handles[cons],
+                                              IO_NAMES[cio]), f"GeniePipeline_connect ({prod} -> {cons})", log)
+
+    def run(self, inputs: Sequence[Sequence[str]]) -> None:
+        """Set the ``inputs`` (``[node, kind, value]``: kind ``text`` with the text, ``image`` with a float32
+        ``.raw`` path) in order, and execute."""
+        lib, L, log = self.lib, self.lib.lib, self.log
+        with self._native():
             for node, kind, value in inputs:
                 if kind in ("text", "gtext"):
                     data = value.encode()
@@ -180,21 +208,40 @@ def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Se
                     data = Path(value).read_bytes()
                     buf = ctypes.create_string_buffer(data, len(data))
                     io = IMAGE_ENCODER_IMAGE_INPUT
-                keep.append(buf)  # Genie may read the buffer until execute: it must outlive the whole run
-                lib.check(L.GenieNode_setData(handles[node], io, ctypes.cast(buf, ctypes.c_void_p), len(data), None),
-                          f"GenieNode_setData ({node}, {kind})", log)
-            lib.check(L.GeniePipeline_execute(pipe, None), "GeniePipeline_execute", log)
-    finally:
-        for node in handles.values():
+                self.keep.append(buf)  # Genie may read the buffer until execute: it must outlive the whole run
+                lib.check(L.GenieNode_setData(self.handles[node], io, ctypes.cast(buf, ctypes.c_void_p), len(data),
+                                              None), f"GenieNode_setData ({node}, {kind})", log)
+            lib.check(L.GeniePipeline_execute(self.pipe, None), "GeniePipeline_execute", log)
+
+    def reset(self) -> None:
+        """Forget the conversation (the generator's KV cache)."""
+        with self._native():
+            self.lib.check(self.lib.lib.GeniePipeline_reset(self.pipe), "GeniePipeline_reset", self.log)
+
+    def close(self) -> None:
+        L = self.lib.lib
+        for node in self.handles.values():
             L.GenieNode_free(node)
-        for cfg in configs:
+        for cfg in self.configs:
             L.GenieNodeConfig_free(cfg)
-        if pipe:
-            L.GeniePipeline_free(pipe)
-        if pcfg:
-            L.GeniePipelineConfig_free(pcfg)
-        if logger:
-            L.GenieLog_free(logger)
+        if self.pipe:
+            L.GeniePipeline_free(self.pipe)
+        if self.pcfg:
+            L.GeniePipelineConfig_free(self.pcfg)
+        if self.logger:
+            L.GenieLog_free(self.logger)
+        self.handles, self.configs = {}, []
+        self.pipe = self.pcfg = self.logger = None
+
+
+def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Sequence[Sequence[str]],
+                 inputs: Sequence[Sequence[str]], on_text, on_embedding) -> None:
+    """One request: create the nodes (:class:`PipelineRun`), set the ``inputs`` in order, execute, free."""
+    run = PipelineRun(lib, nodes, connections, on_text, on_embedding)
+    try:
+        run.run(inputs)
+    finally:
+        run.close()
 
 
 @contextlib.contextmanager
@@ -220,6 +267,8 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vlmrun_qualcomm.genie_pipeline")
     ap.add_argument("--lib", required=True)
     ap.add_argument("--request", required=True, help="JSON: nodes, connections, inputs, embeddings_out")
+    ap.add_argument("--session", action="store_true",
+                    help="keep the pipeline: then read TURN {inputs, embeddings_out} / RESET lines on stdin until EOF")
     a = ap.parse_args(argv)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # native code's stdout goes to stderr; the protocol has its own fd
@@ -242,6 +291,8 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         flush_embeddings()
         out.write(f"TEXT {json.dumps([text, code])}\n")
 
+    if a.session:
+        return _session(a.lib, req, out, embeds, flush_embeddings, on_text, on_embedding)
     try:
         lib = PipelineLibrary(a.lib)
         tap = None
@@ -259,14 +310,144 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         return 3
 
 
+def _session(lib_path: str, req: dict, out, embeds: list, flush_embeddings, on_text, on_embedding) -> int:
+    """The worker of a :class:`PipelineSession`: one pipeline for a whole conversation. ``READY`` once it is made;
+    then per stdin line ``TURN {"inputs": [...], "embeddings_out": PATH}`` (those inputs, execute: the generator
+    continues from its KV cache) or ``RESET``; each answered by ``DONE`` or ``ERROR reason``; EOF ends it."""
+    try:
+        run = PipelineRun(PipelineLibrary(lib_path), req["nodes"], req["connections"], on_text, on_embedding)
+    except BackendError as exc:
+        out.write(f"ERROR {exc}\n")
+        return 3
+    out.write("READY\n")
+    try:
+        for line in sys.stdin:
+            word, _, rest = line.strip().partition(" ")
+            try:
+                if word == "TURN":
+                    turn = json.loads(rest)
+                    req["embeddings_out"] = turn.get("embeddings_out")
+                    embeds.clear()
+                    run.run(turn["inputs"])
+                    flush_embeddings()
+                elif word == "RESET":
+                    run.reset()
+                else:
+                    raise BackendError(f"unknown command {word!r}")
+                out.write("DONE\n")
+            except BackendError as exc:
+                out.write(f"ERROR {exc}\n")
+    finally:
+        run.close()
+    return 0
+
+
+class PipelineSession:
+    """A Genie pipeline kept alive in its worker for a whole conversation (``--session``): each :meth:`turn` sets that
+    turn's inputs and executes, the generator continuing from the KV cache the earlier turns left; :meth:`reset`
+    forgets them. A turn past ``timeout`` kills the worker (the conversation is then gone: :attr:`alive` is False)."""
+
+    def __init__(self, lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float):
+        self.timeout = float(timeout)
+        self._tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-session-"))
+        req_path = self._tmp / "request.json"
+        req_path.write_text(json.dumps(request))
+        argv = [sys.executable, "-m", "vlmrun_qualcomm.genie_pipeline", "--lib", str(lib_path), "--request",
+                str(req_path), "--session"]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
+        self.proc = procs._start(argv, "the Genie pipeline worker", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, cwd=cwd, env=env, text=True, bufsize=1)
+        self._lines: "queue.Queue[str | None]" = queue.Queue()
+        self._err: list[str] = []
+
+        def pump(stream, sink):
+            for ln in stream:
+                sink(ln)
+            if stream is self.proc.stdout:
+                self._lines.put(None)
+
+        threading.Thread(target=pump, args=(self.proc.stdout, self._lines.put), daemon=True).start()
+        threading.Thread(target=pump, args=(self.proc.stderr, self._err.append), daemon=True).start()
+        for word, rest in self._until_done("READY"):
+            pass
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss(self) -> int:
+        """The worker's resident bytes (Linux ``/proc``; 0 where unknown)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
+
+    def _until_done(self, end: str = "DONE") -> Iterator[tuple[str, str]]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                self.close()
+                raise BackendError(f"the Genie pipeline timed out after {self.timeout:g} s (worker killed); raise"
+                                   " --option timeout or check the bundle with vlmrun bundle --verify") from None
+            if line is None:
+                self.close()
+                detail = _last_error_line("".join(self._err)) or "no message"
+                raise BackendError(f"the Genie pipeline worker exited with status {self.proc.returncode}: {detail}")
+            word, _, rest = line.rstrip("\n").partition(" ")
+            if word == "ERROR":
+                self.close()
+                raise BackendError(rest)
+            if word == end:
+                return
+            yield word, rest
+
+    def _send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self.close()
+            raise BackendError("the Genie pipeline worker is gone; the conversation starts again") from None
+
+    def turn(self, inputs: Sequence[Sequence[str]], embeddings_out: str | None, result: dict) -> Iterator[str]:
+        """This turn's inputs, executed on top of the kept state: its text pieces; ``result`` as
+        :func:`stream_pipeline`'s."""
+        self._send("TURN " + json.dumps({"inputs": [list(i) for i in inputs], "embeddings_out": embeddings_out}))
+        for word, rest in self._until_done():
+            if word == "TEXT":
+                text, _ = json.loads(rest)
+                if text:
+                    yield text
+            elif word == "EMBEDDINGS":
+                result["embeddings_dims"] = json.loads(rest)
+
+    def reset(self) -> None:
+        self._send("RESET")
+        for _ in self._until_done():
+            pass
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                procs.kill_group(self.proc)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
 def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float = 600.0,
                     result: dict | None = None, logits: LogitsRows | None = None) -> Iterator[str]:
     """Run ``request`` (see :func:`_worker`) in a worker process whose working directory is ``cwd`` (the bundle:
     its configs name their files relative to it, as genie-app runs them on a phone); yield the generator's text
     pieces. ``result`` gets ``embeddings_dims`` when the image encoder's callback fired, and ``tokens``, the ids
     the custom sampler wrote, when ``request["logits"]`` taps the logits (each row to ``logits``)."""
-    import shutil
-    import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-pipeline-"))
     req_path = tmp / "request.json"
