@@ -339,3 +339,22 @@ def test_the_state_contract_of_each_engine(ref_pipe, npu_pipe, picture):
         # fp16 on the emulator: the same rows up to the chunking of the prefill (other AR-N calls, other sums)
         np.testing.assert_allclose(rows["resumed"], rows["whole"], atol=0.05 if pipe is npu_pipe else 1e-4)
         assert rows["resumed"].argmax() == rows["whole"].argmax()
+
+
+def test_genies_dialog_keeps_the_conversation_in_its_worker(tiny_model, store, picture):
+    """Engine genie: the dialog stays alive in its worker between turns (its KV cache); a turn feeds its new rows;
+    an answer spelled otherwise by the tokenizer (or an undo) replays the kept rows into a new dialog, from the
+    divergence on computed again: every turn the tokens of the conversation computed from scratch."""
+    from vlmrun import Pipeline, layouts
+
+    pipe = Pipeline.build(tiny_model, layouts.resolve("all-npu", options={"decoder": {"engine": "genie"}}),
+                          store=store)
+    chat, kept = converse(pipe, picture)
+    _, scratch = converse(pipe, picture, keep_state=False)
+    assert [t[:2] for t in kept] == [t[:2] for t in scratch] and kept[0][0] == FIRST
+    # Genie hands out no end token: the 19 answer tokens it wrote were all fed
+    assert len(kept[0][1]) == 19 and [t[2:4] for t in kept] == [(68, 0), (27, 87), (26, 116)]
+    state = chat.kept.state
+    assert state.session.alive and state.length == chat.tokens
+    chat.reset()
+    assert state.session is None and state.length == 0

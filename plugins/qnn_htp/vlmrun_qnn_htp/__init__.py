@@ -68,6 +68,7 @@ from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import STAGES, ExportForm
 from vlmrun_qualcomm import socs
+from vlmrun_qualcomm.genie_session import DialogState
 from vlmrun_qualcomm.manifest import ContextManifest
 from vlmrun_qualcomm.sdk import Sdk, newer_than, phone_options
 
@@ -499,12 +500,13 @@ def decode(backend, handle, request):
 
 @hookimpl
 def decoder_state(backend, handle):
-    """A conversation's KV buffers for the host engine (fixed and parts forms): each turn prefills its new rows only.
-    Genie (engine ``genie``, bundles, phones) keeps its own dialog state, which vlmrun does not hold between turns
-    yet: ``None``, and the core answers each turn from the start."""
-    if not mine(backend, NAME) or getattr(handle, "runtime_name", None) or getattr(handle, "phone", None) is not None:
+    """A conversation's state kept between turns: the host engine's KV buffers (fixed and parts forms); with engine
+    ``genie``, Genie's dialog alive in its worker (:class:`vlmrun_qualcomm.genie_session.DialogState`). Each turn
+    feeds its new rows only. A phone's genie-t2t-run answers each turn from the start (``None``); a bundle keeps its
+    conversation through ``request_state``."""
+    if not mine(backend, NAME) or getattr(handle, "phone", None) is not None or hasattr(handle, "runtime"):
         return None
-    if hasattr(handle, "runtime") or hasattr(handle, "genie_generate"):
-        return None
+    if hasattr(handle, "genie_generate"):  # engine genie: the dialog kept in its worker between turns
+        return DialogState(handle.lib.path, handle.config, handle.lut_npy, handle.facts.hidden, handle.timeout)
     decoder = getattr(handle, "decoder", None)
     return FixedKVState(decoder) if isinstance(decoder, FixedKVDecoder) else None

@@ -159,6 +159,7 @@ class GeniePartsHandle(PartsHandle):
 
         from .genie_engine import GenieHtpHandle
 
+        check_loadable(self.artifact.manifest, "decoder (Genie)")
         stops = sorted(request.stop_ids) if request.stop_ids else [GenieHtpHandle._never_token(self)]
         return genie_mod.dialog_config(
             self.facts, "QnnHtp", tokenizer=self.model.path / "tokenizer.json", context_size=self.ctx,

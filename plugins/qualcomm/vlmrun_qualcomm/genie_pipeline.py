@@ -23,23 +23,19 @@ import contextlib
 import ctypes
 import json
 import os
-import queue
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from vlmrun import procs
 from vlmrun.errors import BackendError
 
 from .genie import WorkerLines, _last_error_line, capture_fd, status_name
 from .genie_sampler import LogitsRows, LogitsTap
+from .genie_session import WorkerSession
 
 # GenieNode_IOName_t
 TEXT_GENERATOR_TEXT_INPUT, TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 0, 1, 2
@@ -342,83 +338,26 @@ def _session(lib_path: str, req: dict, out, embeds: list, flush_embeddings, on_t
     return 0
 
 
-class PipelineSession:
-    """A Genie pipeline kept alive in its worker for a whole conversation (``--session``): each :meth:`turn` sets that
-    turn's inputs and executes, the generator continuing from the KV cache the earlier turns left; :meth:`reset`
-    forgets them. A turn past ``timeout`` kills the worker (the conversation is then gone: :attr:`alive` is False)."""
+class PipelineSession(WorkerSession):
+    """A Genie pipeline kept alive in its worker for a whole conversation (``--session``; the protocol of
+    :mod:`.genie_session`): each :meth:`turn` sets that turn's inputs and executes, the generator continuing from the
+    KV cache the earlier turns left; :meth:`reset` forgets them. A turn past ``timeout`` kills the worker (the
+    conversation is then gone: :attr:`alive` is False)."""
+
+    what = "the Genie pipeline worker"
 
     def __init__(self, lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float):
-        self.timeout = float(timeout)
         self._tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-session-"))
         req_path = self._tmp / "request.json"
         req_path.write_text(json.dumps(request))
-        argv = [sys.executable, "-m", "vlmrun_qualcomm.genie_pipeline", "--lib", str(lib_path), "--request",
-                str(req_path), "--session"]
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
-        self.proc = procs._start(argv, "the Genie pipeline worker", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, cwd=cwd, env=env, text=True, bufsize=1)
-        self._lines: "queue.Queue[str | None]" = queue.Queue()
-        self._err: list[str] = []
-
-        def pump(stream, sink):
-            for ln in stream:
-                sink(ln)
-            if stream is self.proc.stdout:
-                self._lines.put(None)
-
-        threading.Thread(target=pump, args=(self.proc.stdout, self._lines.put), daemon=True).start()
-        threading.Thread(target=pump, args=(self.proc.stderr, self._err.append), daemon=True).start()
-        for word, rest in self._until_done("READY"):
-            pass
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def rss(self) -> int:
-        """The worker's resident bytes (Linux ``/proc``; 0 where unknown)."""
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return 0
-
-    def _until_done(self, end: str = "DONE") -> Iterator[tuple[str, str]]:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.001))
-            except queue.Empty:
-                self.close()
-                raise BackendError(f"the Genie pipeline timed out after {self.timeout:g} s (worker killed); raise"
-                                   " --option timeout or check the bundle with vlmrun bundle --verify") from None
-            if line is None:
-                self.close()
-                detail = _last_error_line("".join(self._err)) or "no message"
-                raise BackendError(f"the Genie pipeline worker exited with status {self.proc.returncode}: {detail}")
-            word, _, rest = line.rstrip("\n").partition(" ")
-            if word == "ERROR":
-                self.close()
-                raise BackendError(rest)
-            if word == end:
-                return
-            yield word, rest
-
-    def _send(self, line: str) -> None:
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            self.close()
-            raise BackendError("the Genie pipeline worker is gone; the conversation starts again") from None
+        super().__init__([sys.executable, "-m", "vlmrun_qualcomm.genie_pipeline", "--lib", str(lib_path),
+                          "--request", str(req_path), "--session"], timeout=timeout, cwd=cwd)
 
     def turn(self, inputs: Sequence[Sequence[str]], embeddings_out: str | None, result: dict) -> Iterator[str]:
         """This turn's inputs, executed on top of the kept state: its text pieces; ``result`` as
         :func:`stream_pipeline`'s."""
-        self._send("TURN " + json.dumps({"inputs": [list(i) for i in inputs], "embeddings_out": embeddings_out}))
-        for word, rest in self._until_done():
+        self.send("TURN " + json.dumps({"inputs": [list(i) for i in inputs], "embeddings_out": embeddings_out}))
+        for word, rest in self.events():
             if word == "TEXT":
                 text, _ = json.loads(rest)
                 if text:
@@ -427,18 +366,12 @@ class PipelineSession:
                 result["embeddings_dims"] = json.loads(rest)
 
     def reset(self) -> None:
-        self._send("RESET")
-        for _ in self._until_done():
+        self.send("RESET")
+        for _ in self.events():
             pass
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                procs.kill_group(self.proc)
+        super().close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
