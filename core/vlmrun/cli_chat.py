@@ -170,6 +170,9 @@ def chat_command(image, system, prompts, script, no_keep_state, timings, **opts)
     settings = _settings(opts)
     chat = pipe.chat(system=system, settings=settings, keep_state=not no_keep_state)
     click.echo(f"[{pipe.layout.describe()}]", err=True)
+    if not chat.keeps_state and not no_keep_state:
+        click.echo(f"(the decoder's backend ({pipe.layout.backend('decoder')}) keeps no state between turns here:"
+                   " each turn is computed from the start, the same answer, slower)", err=True)
     session = Session(chat, settings, opts["as_json"], timings)
     if turns:
         for turn in turns:
