@@ -394,7 +394,7 @@ def test_generated_conversations():
     for conv in convs:
         assert conv[0].scene is not None and conv[0].question == shapes.QUESTIONS[conv[0].kind]
         scene = conv[0].scene
-        for before, turn in zip(conv, conv[1:]):
+        for before, turn in itertools.pairwise(conv):
             if turn.question == shapes.FOLLOW_UP:  # a new picture, the same kind of answer about it
                 follow_ups += 1
                 assert turn.scene is not None and turn.kind == before.kind and turn.answer != before.answer

@@ -400,8 +400,9 @@ def test_an_all_npu_layout_and_a_bundle_behind_the_server(tiny_model, store, pic
             turns = _three_turns(s.client, picture)  # a conversation: the answers of the reference's
             assert [t[0] for t in turns] == ["A red circle on a blue background.", "Re be.", "A ree."]
             # the emulator's parts engine keeps its KV buffers, Genie's pipeline (the bundle) its KV cache
-            # 67: the request before was the same turn; a bundle's Genie holds that turn's answer too, and starts again
-            assert [t[2] for t in turns] == ([67, 87, 116] if pipe is npu else [0, 87, 118])
+            # 67: the request before was the same turn; a bundle's Genie holds that turn's answer too, and starts again,
+            # as it does after "Re be." (held in tokens that are not the tokenizer's spelling of the text)
+            assert [t[2] for t in turns] == ([67, 87, 116] if pipe is npu else [0, 87, 0])
         finally:
             s.stop()
 

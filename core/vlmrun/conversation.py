@@ -247,6 +247,9 @@ class ChatGeneration(Generation):
             kept._seq, kept._generated = list(plan.keys), self.token_ids
             kept._answered = [n for n in kept._answered if n <= start] + [total]
             tokens = state.decode(request)
+            replayed = int(getattr(state, "replayed", 0) or 0)
+            if replayed:
+                self.timings.update(prefill_tokens=total - start + replayed, reused_tokens=start - replayed)
         else:
             backend = pipe.layout.backend("decoder")
             tokens = pipe.registry.hook.decode(backend=backend, handle=pipe.handles["decoder"], request=request)
@@ -359,6 +362,16 @@ class Chat:
     def tokens(self) -> int:
         """The positions the decoder's kept state holds."""
         return len(self.kept.keys)
+
+    def close(self) -> None:
+        """Release what the conversation holds (a runtime's worker process); it can go on afterwards, from the start."""
+        self.kept.close()
+
+    def __enter__(self) -> "Chat":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class KeptStates:

@@ -76,6 +76,9 @@ class DecoderState:
     """
 
     length: int = 0
+    #: positions the state fed again on its own in the last :meth:`decode` (a runtime that cannot cut its cache
+    #: replays the kept ones into a new one): the core counts them as prefilled, not reused
+    replayed: int = 0
 
     def truncate(self, n: int) -> bool:
         """Keep the first ``n`` positions only; ``False`` when the state cannot drop positions (the core resets)."""

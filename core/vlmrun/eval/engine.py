@@ -284,13 +284,13 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
 def converse(pipe, record: Record, settings) -> list[dict]:
     """Ask ``record``'s turns in one conversation on ``pipe``, each with the pipeline's own earlier answers in the
     history: per turn its question, answer (``text``), ``tokens`` and the positions it prefilled and reused."""
-    chat = pipe.chat(system=settings.system, settings=settings)
     turns = []
-    for turn in record.turns:
-        gen = chat.ask(turn.question, image=turn.image).run()
-        turns.append({"question": turn.question, "text": gen.text, "tokens": [int(t) for t in gen.token_ids],
-                      "prefill_tokens": gen.timings.get("prefill_tokens"),
-                      "reused_tokens": gen.timings.get("reused_tokens")})
+    with pipe.chat(system=settings.system, settings=settings) as chat:  # a bundle's worker ends with it
+        for turn in record.turns:
+            gen = chat.ask(turn.question, image=turn.image).run()
+            turns.append({"question": turn.question, "text": gen.text, "tokens": [int(t) for t in gen.token_ids],
+                          "prefill_tokens": gen.timings.get("prefill_tokens"),
+                          "reused_tokens": gen.timings.get("reused_tokens")})
     return turns
 
 

@@ -215,7 +215,6 @@ def format_table(report: Mapping) -> str:
         lines += _table(rows)
     others = [lay for lay in report["layouts"] if not lay["is_reference"]]
     if others:
-        lines += ["", "drift against the reference, over the items: median / 5th percentile"]
         rows = [["layout", "stage boundary", "cosine", "SQNR dB", "top-1 (teacher-forced)"]]
         for lay in others:
             for cp, m in lay["drift"].items():
@@ -226,7 +225,10 @@ def format_table(report: Mapping) -> str:
                 rows.append([lay["label"], cp, f"{_f(cos.get('median'), 6)} / {_f(cos.get('p5'), 6)}",
                              f"{_f(sq.get('median'), 1)} / {_f(sq.get('p5'), 1)}",
                              "" if top1 is None else f"{_f(top1.get('median'), 3)} / {_f(top1.get('p5'), 3)}"])
-        lines += _table(rows, left=2)
+        if len(rows) > 1:  # (none when every item is a conversation)
+            lines += ["", "drift against the reference, over the items: median / 5th percentile", *_table(rows, left=2)]
+        else:
+            lines.append("")
         for lay in others:
             rate = lay["diff_pass_rate"]
             if rate is None:

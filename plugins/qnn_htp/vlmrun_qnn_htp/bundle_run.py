@@ -20,7 +20,8 @@ import numpy as np
 
 from vlmrun.errors import BackendError, UsageError
 from vlmrun.handles import DecoderHandle, RequestState
-from vlmrun_qualcomm.genie_pipeline import PipelineSession, stream_pipeline
+from vlmrun_qualcomm import genie_pipeline
+from vlmrun_qualcomm.genie_pipeline import PipelineSession
 from vlmrun.layouts import bundle_manifest
 
 from .bundle import CONNECTIONS, LUT, NODES, _split, sha256
@@ -191,7 +192,7 @@ class BundleRuntime:
             result: dict = {}
             t0 = time.perf_counter()
             text, first = "", None
-            for piece in stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result,
+            for piece in genie_pipeline.stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result,
                                          logits=rows):
                 if first is None:
                     first = time.perf_counter()
@@ -281,7 +282,8 @@ class BundleConversation(RequestState):
         config = rt.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
         key = json.dumps(config, sort_keys=True)
         extends = (self.session is not None and self.session.alive and key == self.config_key and self.held
-                   and len(text) > len(self.held) and text.startswith(self.held) and (image_token not in self.held or picture == self.picture))
+                   and len(text) > len(self.held) and text.startswith(self.held)
+                   and (image_token not in self.held or picture == self.picture))
         if not extends:
             self.reset()
             nodes = rt.request("", Path("unused"), "", req.sampling, req.max_new_tokens, req.stop_ids, Path("unused"))
@@ -309,34 +311,50 @@ class BundleConversation(RequestState):
                 inputs = [["lutEncoder", "text", new]]
             inputs = [i for i in inputs if i[1] != "text" or i[2]]  # Genie takes no empty text
             result: dict = {}
-            self.length, count, answer = total, 0, ""
+            self.length, count, answer, sampled = total, 0, "", []
             t0 = time.perf_counter()
             first = None
-            for piece in self.session.turn(inputs, str(tmp / "image_embeddings.npy"), result):
-                if first is None:
-                    first = time.perf_counter()
-                    if image_token in new and "embeddings_dims" not in result:
-                        raise rt._no_image()
-                ids = tok.encode(piece, add_special_tokens=False).ids
-                answer += piece
-                count += len(ids)
-                self.length = total + count
-                yield from ids
-            stopped = bool(req.stop_ids) and count < req.max_new_tokens
-            # the end token Genie sampled is not in its KV cache (sampled, not fed, as every decode loop's last
-            # token): the next turn's text starts with it (measured: with it, a continued turn answers as the same
-            # conversation from scratch; without it, the model reads a history with no end to the answer)
-            self.held = text + answer
-            self.length = total + count
-            rt.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3,
-                               **({"ttft_wall_ms": (first - t0) * 1e3} if first is not None else {})}
+            pieces = self.session.turn(inputs, str(tmp / "image_embeddings.npy"), result)
+            try:
+                for piece in pieces:
+                    if first is None:
+                        first = time.perf_counter()
+                        if image_token in new and "embeddings_dims" not in result:
+                            raise rt._no_image()
+                    ids = tok.encode(piece, add_special_tokens=False).ids
+                    answer += piece
+                    sampled += ids
+                    count += len(ids)
+                    self.length = total + count
+                    yield from ids
+            except GeneratorExit:  # the caller stopped (its budget, a stop string): Genie ends its turn anyway
+                for piece in pieces:  # its rest, bounded by the session's timeout, so that the state stays known
+                    answer += piece
+                    sampled += tok.encode(piece, add_special_tokens=False).ids
+                finished = True
+                self._after(text, answer, sampled, req, t0, first)
+                raise
+            self._after(text, answer, sampled, req, t0, first)
             finished = True
-            if stopped:
+            if bool(req.stop_ids) and count < req.max_new_tokens:
                 yield min(req.stop_ids)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            if not finished:  # stopped mid-turn: Genie's state is not what vlmrun knows; start again next turn
+            if not finished:  # failed mid-turn: Genie's state is not what vlmrun knows; start again next turn
                 self.reset()
+
+    def _after(self, text: str, answer: str, sampled: list[int], req, t0: float, first) -> None:
+        """What the pipeline holds after a turn: the prompt and the answer as Genie sampled it. The end token it
+        stopped at is sampled, not fed: the next turn's new text starts with it (measured: with it, a continued turn
+        answers as the same conversation from scratch). An answer whose tokens are not the tokenizer's own spelling
+        of its text (the model wrote "Re" as two tokens) holds a sequence a re-rendered history does not have: the
+        next turn starts again, as a recompute from scratch sees it."""
+        tok = self.rt.model.tokenizer
+        canonical = tok.encode(answer, add_special_tokens=False).ids == sampled
+        self.held = text + answer if canonical else ""
+        self.length = int(req.input_ids.shape[1]) + len(sampled)
+        self.rt.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3,
+                                **({"ttft_wall_ms": (first - t0) * 1e3} if first is not None else {})}
 
 
 def request_state(handles: dict) -> BundleConversation | None:

@@ -186,11 +186,12 @@ class DialogState(DecoderState):
         config = self.make_config(request)
         key = json.dumps(config, sort_keys=True)
         new = np.asarray(request.inputs_embeds, np.float32).reshape(-1, self.rows.shape[1])
+        self.replayed = 0
         if self.session is None or not self.session.alive or not self.in_sync or key != self.key:
             self.close()
             self.session, self.key = DialogSession(self.lib_path, config, self.lut_npy, timeout=self.timeout), key
             new = np.concatenate([self.rows, new])  # replay what the dialog must hold, then the new rows
-            self.rows = self.rows[:0]
+            self.replayed, self.rows = len(self.rows), self.rows[:0]
         return self._stream(new, request)
 
     def _stream(self, feed: np.ndarray, request) -> Iterator[int]:
@@ -198,13 +199,18 @@ class DialogState(DecoderState):
         self.in_sync = False
         generated: list[int] = []
         finished = False
+        tokens = self.session.query(feed)
         try:
             self.length = len(base)
-            for tok in self.session.query(feed):
+            for tok in tokens:
                 generated.append(tok)
                 self.length = len(base) + len(generated) - 1
                 yield tok
             finished = True
+        except GeneratorExit:  # the caller stopped (its budget, a stop string): Genie ends its query anyway; its
+            generated += list(tokens)  # rest, bounded by the session's timeout, keeps the dialog's state known
+            finished = True
+            raise
         finally:
             # Genie does not hand out the end token it stops at (sampled, not fed): an answer that ended before the
             # budget had every token it handed out fed; at the budget (or stopped early) the last one was not
