@@ -146,8 +146,9 @@ class KeptState:
 
     def close(self) -> None:
         """Release what is kept (a runtime's worker process)."""
-        if self.runtime is not None:
-            self.runtime.close()
+        for held in (self.state, self.runtime):
+            if held is not None:
+                held.close()
 
     @property
     def nbytes(self) -> int:

@@ -97,6 +97,9 @@ class DecoderState:
         """Host bytes this state holds (a server's cache of conversations is bounded by them)."""
         return 0
 
+    def close(self) -> None:
+        """Release what the state holds beyond host memory (a runtime's worker process); nothing by default."""
+
 
 class RequestState:
     """A conversation kept by a runtime that runs whole requests (``run_request``: a bundle's), from the
