@@ -228,8 +228,10 @@ class Pty:
         env = {**os.environ, "VLMRUN_CACHE_DIR": str(cache_dir), "TERM": "dumb", "COLUMNS": "200"}
         def controlling_terminal():  # a session of its own whose terminal is the pty: Ctrl-C there is SIGINT
             import fcntl
+            import signal
             import termios
 
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background job's ignored SIGINT is not inherited
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def _interactive(session: Session) -> None:
     from .errors import VlmrunError
 
     prompt = "> " if sys.stdin.isatty() else ""
-    if sys.stdin.isatty():
+    if sys.stdin.isatty():  # Ctrl-C stops an answer, even when started from a shell that ignores SIGINT for jobs
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         click.echo("(a conversation: type a question; /help for commands, Ctrl-D to leave)", err=True)
     while True:
         try:

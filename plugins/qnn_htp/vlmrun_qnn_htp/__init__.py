@@ -507,6 +507,7 @@ def decoder_state(backend, handle):
     if not mine(backend, NAME) or getattr(handle, "phone", None) is not None or hasattr(handle, "runtime"):
         return None
     if hasattr(handle, "genie_generate"):  # engine genie: the dialog kept in its worker between turns
-        return DialogState(handle.lib.path, handle.config, handle.lut_npy, handle.facts.hidden, handle.timeout)
+        return DialogState(handle.lib.path, getattr(handle, "dialog_config", handle.config), handle.lut_npy,
+                           handle.facts.hidden, handle.timeout)
     decoder = getattr(handle, "decoder", None)
     return FixedKVState(decoder) if isinstance(decoder, FixedKVDecoder) else None

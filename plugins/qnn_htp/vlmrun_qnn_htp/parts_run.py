@@ -159,12 +159,16 @@ class GeniePartsHandle(PartsHandle):
 
         from .genie_engine import GenieHtpHandle
 
-        check_loadable(self.artifact.manifest, "decoder (Genie)")
         stops = sorted(request.stop_ids) if request.stop_ids else [GenieHtpHandle._never_token(self)]
         return genie_mod.dialog_config(
             self.facts, "QnnHtp", tokenizer=self.model.path / "tokenizer.json", context_size=self.ctx,
             sampling=getattr(request.sampler, "settings", None), max_new_tokens=request.max_new_tokens,
             ctx_bins=self.ctx_bins, eos=stops)
+
+    def dialog_config(self, request) -> dict:
+        """:meth:`config` for a dialog about to run here: the binaries must load on this machine."""
+        check_loadable(self.artifact.manifest, "decoder (Genie)")
+        return self.config(request)
 
     def genie_generate(self, request):
         from vlmrun.errors import InputError

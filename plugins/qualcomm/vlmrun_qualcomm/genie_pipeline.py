@@ -126,8 +126,10 @@ class PipelineRun:
     embeddings (raw bytes as uint8 and the dims)."""
 
     def __init__(self, lib: PipelineLibrary, nodes: Mapping[str, str], connections: Sequence[Sequence[str]],
-                 on_text, on_embedding):
-        self.lib, self.log = lib, []
+                 on_text, on_embedding, log: list[str] | None = None):
+        self.lib = lib
+        self.log = [] if log is None else log  # a caller's log: it captures native output itself (no capture here)
+        self._capture = log is None
         self.handles: dict[str, ctypes.c_void_p] = {}
         self.configs: list[ctypes.c_void_p] = []
         self.keep: list = []
@@ -153,6 +155,9 @@ class PipelineRun:
     def _native(self):
         """Genie's default logger and QNN's banner captured; a failure's reason (only in the log: every failure is
         status -1) added to its BackendError."""
+        if not self._capture:
+            yield
+            return
         with _with_reason(self.log), capture_fd(2, self.log, 2), capture_fd(1, self.log, None):
             yield
 
@@ -232,12 +237,15 @@ class PipelineRun:
 
 def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Sequence[Sequence[str]],
                  inputs: Sequence[Sequence[str]], on_text, on_embedding) -> None:
-    """One request: create the nodes (:class:`PipelineRun`), set the ``inputs`` in order, execute, free."""
-    run = PipelineRun(lib, nodes, connections, on_text, on_embedding)
-    try:
-        run.run(inputs)
-    finally:
-        run.close()
+    """One request: create the nodes (:class:`PipelineRun`), set the ``inputs`` in order, execute, free; native
+    output captured once around the whole request."""
+    log: list[str] = []
+    with _with_reason(log), capture_fd(2, log, 2), capture_fd(1, log, None):  # Genie's logger and QNN's banner
+        run = PipelineRun(lib, nodes, connections, on_text, on_embedding, log)
+        try:
+            run.run(inputs)
+        finally:
+            run.close()
 
 
 @contextlib.contextmanager
