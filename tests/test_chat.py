@@ -290,6 +290,8 @@ def test_vlmrun_chat_interactive_streams_takes_commands_and_survives_ctrl_c(cach
         t.read_until("> ")
         t.send("/image /no/such.png\n")
         t.read_until("image not found: /no/such.png")
+        t.read_until("> ")
+        time.sleep(1.0)  # as for Ctrl-C: a control key typed before readline reads the terminal can be flushed
         t.send("\x04")  # Ctrl-D leaves
         assert t.proc.wait(60) == 0
     finally:
