@@ -152,62 +152,6 @@ class StageCompileContext(CompileContext):
                 out.append({"inputs_embeds": pipe.embed_prompt(prepared)})
         return out
 
-    def image_embeds(self, pixel_values: np.ndarray, timings: dict | None = None,
-                     profiles: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """vision -> projector for one picture: (``image_features``, ``image_embeds`` [1, N, H]); ``timings`` and
-        ``profiles`` as :meth:`embed_prompt` fills them."""
-        feats = self._timed("vision", {"pixel_values": pixel_values}, timings, profiles)["image_features"]
-        img = self._timed("projector", {"image_features": feats}, timings, profiles,
-                          self.layout.backend("vision"))["image_embeds"]
-        return feats, img
-
-    def _timed(self, stage: str, inputs: dict, timings: dict | None, profiles: dict | None,
-               producer: str = "the caller") -> dict:
-        """:meth:`run_stage` with its latency in ``timings`` (``<stage>_ms``: the device's own ``inference_ms`` when
-        the handle reports one, the host's wall time as ``<stage>_wall_ms``) and its device figures in ``profiles``."""
-        t = time.perf_counter()
-        out = self.run_stage(stage, inputs, producer)
-        wall = (time.perf_counter() - t) * 1e3
-        prof = profile_of(self.handles[stage])
-        device_ms = prof.get("inference_ms")
-        if timings is not None:
-            if isinstance(device_ms, (int, float)):
-                timings[f"{stage}_ms"], timings[f"{stage}_wall_ms"] = float(device_ms), wall
-            else:
-                timings[f"{stage}_ms"] = wall
-        if profiles is not None and prof:
-            profiles[stage] = prof
-        return out
-
-    def decoder_state(self):
-        """A new state for one conversation over the decoder (the ``decoder_state`` hook), or ``None`` when the
-        decoder's backend cannot continue from a kept state (each turn is then decoded from the start)."""
-        return self.registry.hook.decoder_state(backend=self.layout.backend("decoder"), handle=self.handles["decoder"])
-
-    def request_state(self):
-        """A new conversation state of the runtime that runs this layout's whole requests (``request_state`` hook:
-        a bundle's), or ``None`` (stage by stage, or a runtime that keeps none)."""
-        backend = self.whole_backend
-        return None if backend is None else self.registry.hook.request_state(backend=backend, handles=dict(self.handles))
-
-    def new_kept_state(self) -> KeptState:
-        """What a new conversation keeps between its turns (:class:`vlmrun.conversation.KeptState`)."""
-        return KeptState(self.decoder_state(), self.request_state())
-
-    def generate_turn(self, plan, kept=None, settings: GenerationSettings = GenerationSettings()) -> Generation:
-        """One turn of a conversation already planned (:func:`vlmrun.conversation.plan_turn`), continuing from
-        ``kept`` (a :class:`vlmrun.conversation.KeptState`; ``None``: a new one): what a server runs per request."""
-        if settings.max_new_tokens < 1:
-            raise InputError("max_new_tokens must be at least 1")
-        return ChatGeneration(self, plan, kept if kept is not None else self.new_kept_state(), settings)
-
-    def chat(self, system: str | None = None, settings: GenerationSettings = GenerationSettings(),
-             keep_state: bool = True) -> Chat:
-        """A conversation on this pipeline (:class:`vlmrun.conversation.Chat`): ``chat.ask(prompt, image=None)``
-        returns a streaming :class:`Generation` per turn; the decoder's state is kept between turns (``keep_state``:
-        ``False`` recomputes every turn from the start, the same tokens)."""
-        return Chat(self, system=system, settings=settings, keep_state=keep_state)
-
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
         return self._reference().embed_tokens(ids)
 

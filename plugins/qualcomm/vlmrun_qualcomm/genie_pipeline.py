@@ -355,11 +355,11 @@ class PipelineSession(WorkerSession):
     what = "the Genie pipeline worker"
 
     def __init__(self, lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float):
-        self._tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-session-"))
-        req_path = self._tmp / "request.json"
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-session-"))
+        req_path = tmp / "request.json"
         req_path.write_text(json.dumps(request))
         super().__init__([sys.executable, "-m", "vlmrun_qualcomm.genie_pipeline", "--lib", str(lib_path),
-                          "--request", str(req_path), "--session"], timeout=timeout, cwd=cwd)
+                          "--request", str(req_path), "--session"], timeout=timeout, cwd=cwd, tmp=tmp)
 
     def turn(self, inputs: Sequence[Sequence[str]], embeddings_out: str | None, result: dict) -> Iterator[str]:
         """This turn's inputs, executed on top of the kept state: its text pieces; ``result`` as
@@ -372,15 +372,6 @@ class PipelineSession(WorkerSession):
                     yield text
             elif word == "EMBEDDINGS":
                 result["embeddings_dims"] = json.loads(rest)
-
-    def reset(self) -> None:
-        self.send("RESET")
-        for _ in self.events():
-            pass
-
-    def close(self) -> None:
-        super().close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float = 600.0,

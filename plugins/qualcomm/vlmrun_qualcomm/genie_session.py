@@ -41,8 +41,9 @@ class WorkerSession:
 
     what = "the Genie worker"
 
-    def __init__(self, argv: Sequence[str], *, timeout: float, cwd: str | os.PathLike | None = None):
-        self.timeout = float(timeout)
+    def __init__(self, argv: Sequence[str], *, timeout: float, cwd: str | os.PathLike | None = None,
+                 tmp: Path | None = None):
+        self.timeout, self._tmp = float(timeout), tmp  # ``tmp``: the session's own folder, removed by close
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
         self.proc = procs._start(list(argv), self.what, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, cwd=cwd, env=env, text=True, bufsize=1)
@@ -104,6 +105,12 @@ class WorkerSession:
             self.close()
             raise BackendError(f"{self.what} is gone") from None
 
+    def reset(self) -> None:
+        """Forget the conversation (``RESET``)."""
+        self.send("RESET")
+        for _ in self.events():
+            pass
+
     def close(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
@@ -112,6 +119,8 @@ class WorkerSession:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 procs.kill_group(self.proc)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 class DialogSession(WorkerSession):
@@ -122,11 +131,11 @@ class DialogSession(WorkerSession):
 
     def __init__(self, lib_path: str | os.PathLike, config: Mapping, lut_npy: str | os.PathLike, *,
                  timeout: float):
-        self._tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-dialog-"))
-        cfg = self._tmp / "genie_config.json"
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-dialog-"))
+        cfg = tmp / "genie_config.json"
         cfg.write_text(json.dumps(config, indent=1))
         super().__init__([sys.executable, "-m", "vlmrun_qualcomm.genie_session", "--lib", str(lib_path),
-                          "--config", str(cfg), "--lut", str(lut_npy)], timeout=timeout)
+                          "--config", str(cfg), "--lut", str(lut_npy)], timeout=timeout, tmp=tmp)
 
     def query(self, embeds: np.ndarray) -> Iterator[int]:
         path = self._tmp / "embeddings.raw"
@@ -135,15 +144,6 @@ class DialogSession(WorkerSession):
         for word, rest in self.events():
             if word == "TOKEN":
                 yield int(rest)
-
-    def reset(self) -> None:
-        self.send("RESET")
-        for _ in self.events():
-            pass
-
-    def close(self) -> None:
-        super().close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 class DialogState(DecoderState):
