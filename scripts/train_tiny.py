@@ -86,7 +86,19 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--heldout", type=int, default=1000, help="held-out items for the recorded accuracy")
     ap.add_argument("--validation", type=int, default=200, help="validation items checked every --eval-every")
-    return ap.parse_args(argv)
+    ap.add_argument("--from", dest="init_from", type=Path, default=None,
+                    help="fine-tune this trained checkpoint (phase 3) instead of training from scratch: the vision"
+                         " tower frozen, the projector and decoder trained on --images-per-step pictures and"
+                         " --conversations conversations per step; --out may be the same folder")
+    ap.add_argument("--conversations", type=int, default=8,
+                    help="with --from: conversations per step (vlmrun.shapes.conversations of the --seed)")
+    ap.add_argument("--heldout-conversations", type=int, default=100,
+                    help="held-out conversations for the recorded per-turn accuracy (the set vlmrun eval uses)")
+    ap.add_argument("--validation-conversations", type=int, default=60)
+    args = ap.parse_args(argv)
+    if args.init_from is not None and not (args.init_from / "model.safetensors").is_file():
+        ap.error(f"--from {args.init_from}: no model.safetensors there (train one first, without --from)")
+    return args
 
 
 class Batcher:
@@ -115,6 +127,44 @@ class Batcher:
 
         return preprocess_image(image, self.fvlm.image_processor_config)[0]
 
+    @staticmethod
+    def messages(turns, answers) -> list[dict]:
+        """The conversation's messages as :class:`vlmrun.conversation.Chat` renders them: a turn's picture first,
+        then its question; each answered turn followed by the assistant's answer."""
+        out = []
+        for i, turn in enumerate(turns):
+            content = ([{"type": "image"}] if turn.scene is not None else []) + [{"type": "text", "text": turn.question}]
+            out.append({"role": "user", "content": content})
+            if i < len(answers):
+                out.append({"role": "assistant", "content": answers[i]})
+        return out
+
+    def tokens(self, messages) -> tuple[list[int], list[int]]:
+        """``messages`` rendered with the chat template (plus the generation prompt) and tokenized as the pipeline
+        does: token ids and where each picture's positions start."""
+        from vlmrun.preprocess import render_conversation, tokenize_conversation
+
+        text = render_conversation(self.fvlm.chat_template, messages)
+        ids, starts = tokenize_conversation(self.fvlm.tokenizer, text, self.fvlm.image_token_id,
+                                            self.fvlm.image_tokens)
+        return ids[0].tolist(), starts
+
+    def conversation(self, turns) -> tuple[list[int], list[int], list[tuple[int, list[int]]]]:
+        """A whole conversation (every turn answered right) as one sequence: its token ids, where each picture
+        starts, and each answer's first position with the answer's ids (then ``<|im_end|>``). Checked: turn k's
+        prompt, rendered and tokenized alone as a chat turn is, is a prefix of the sequence, with the answer's
+        ids right after it (so training sees exactly the tokens a conversation gives at inference)."""
+        answers = [t.answer for t in turns]
+        ids, starts = self.tokens(self.messages(turns, answers))
+        targets = []
+        for k in range(len(turns)):
+            prompt, _ = self.tokens(self.messages(turns[: k + 1], answers[:k]))
+            want = self.answer_ids(answers[k])
+            if ids[: len(prompt)] != prompt or ids[len(prompt) : len(prompt) + len(want)] != want:
+                raise AssertionError(f"turn {k + 1}'s prompt and answer are not a prefix of the conversation's tokens")
+            targets.append((len(prompt), want))
+        return ids, starts, targets
+
 
 def image_embeds(model, pixel_values):
     from vlmrun.torch_stages import project, vision_features
@@ -122,10 +172,10 @@ def image_embeds(model, pixel_values):
     return project(model, vision_features(model, pixel_values))  # [n_img, N, H]
 
 
-def forward_logits(model, pixel_values, image_index, input_ids, image_starts, attention_mask, img=None):
+def forward_logits(model, pixel_values, splices, input_ids, attention_mask, img=None):
     """The pipeline's computation, batched: vision -> projector on each image once (or ``img``, computed
-    before), embed, splice the image embeddings at each sequence's placeholder, decoder. ``image_index[b]`` is
-    sequence b's image."""
+    before), embed, splice the image embeddings, decoder. ``splices``: ``(sequence, start, image)`` for every
+    picture of every sequence (a conversation's sequence holds one per picture it shows)."""
     import torch
 
     from vlmrun.torch_stages import embed_tokens
@@ -134,34 +184,45 @@ def forward_logits(model, pixel_values, image_index, input_ids, image_starts, at
         img = image_embeds(model, pixel_values)
     txt = embed_tokens(model, input_ids)  # [B, T, H]
     n = img.shape[1]
-    pos = torch.as_tensor(image_starts)[:, None] + torch.arange(n)[None]  # [B, N]
-    rows = torch.arange(input_ids.shape[0])[:, None].expand_as(pos)
-    embeds = txt.index_put((rows, pos), img[torch.as_tensor(image_index)].reshape(-1, n, img.shape[-1]))
+    rows_, starts, images = zip(*splices)
+    pos = torch.as_tensor(starts)[:, None] + torch.arange(n)[None]  # [S, N]
+    rows = torch.as_tensor(rows_)[:, None].expand_as(pos)
+    embeds = txt.index_put((rows, pos), img[torch.as_tensor(images)].reshape(-1, n, img.shape[-1]))
     out = model.model.language_model(inputs_embeds=embeds, attention_mask=attention_mask)
     return model.lm_head(out.last_hidden_state)
 
 
-def make_batch(batcher, scenes):
+def make_batch(batcher, scenes, conversations=()):
+    """Pixel values, splices, token ids, attention mask and targets for every question of every scene (one
+    sequence each) and every conversation (one sequence each: every answer of it is a target)."""
     import numpy as np
     import torch
 
-    pixels, seqs = [], []
-    for si, scene in enumerate(scenes):
+    pixels, seqs = [], []  # seqs: (ids, [(start, image)], [(first target position, answer ids)])
+    for scene in scenes:
         pixels.append(batcher.pixels(scene.render()))
         for kind in scene.kinds():
             prompt, start = batcher.prompts[kind]
-            seqs.append((si, prompt, start, batcher.answer_ids(scene.answer(kind))))
-    length = max(len(p) + len(a) for _, p, _, a in seqs)
-    ids = torch.zeros((len(seqs), length), dtype=torch.long)
+            seqs.append((prompt + batcher.answer_ids(scene.answer(kind)), [(start, len(pixels) - 1)],
+                         [(len(prompt), batcher.answer_ids(scene.answer(kind)))]))
+    for turns in conversations:
+        ids, starts, answers = batcher.conversation(turns)
+        first = len(pixels)
+        pixels += [batcher.pixels(t.scene.render()) for t in turns if t.scene is not None]
+        seqs.append((ids, [(st, first + i) for i, st in enumerate(starts)], answers))
+    length = max(len(ids) for ids, _, _ in seqs)
+    ids_t = torch.zeros((len(seqs), length), dtype=torch.long)
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     targets = torch.full((len(seqs), length), -100, dtype=torch.long)
-    for b, (_, prompt, _, answer) in enumerate(seqs):
-        full = prompt + answer
-        ids[b, : len(full)] = torch.tensor(full)
-        mask[b, : len(full)] = 1
-        # logits at position p predict token p + 1: the answer tokens are predicted from len(prompt) - 1 on
-        targets[b, len(prompt) - 1 : len(full) - 1] = torch.tensor(answer)
-    return (torch.from_numpy(np.stack(pixels)), [s[0] for s in seqs], ids, [s[2] for s in seqs], mask, targets)
+    splices = []
+    for b, (ids, where, answers) in enumerate(seqs):
+        ids_t[b, : len(ids)] = torch.tensor(ids)
+        mask[b, : len(ids)] = 1
+        splices += [(b, start, image) for start, image in where]
+        # logits at position p predict token p + 1: an answer starting at position a is predicted from a - 1 on
+        for at, answer in answers:
+            targets[b, at - 1 : at - 1 + len(answer)] = torch.tensor(answer)
+    return torch.from_numpy(np.stack(pixels)), splices, ids_t, mask, targets
 
 
 def greedy_answers(model, batcher, items, max_new_tokens=48, batch=50):
@@ -185,7 +246,7 @@ def greedy_answers(model, batcher, items, max_new_tokens=48, batch=50):
                 gen = [[] for _ in chunk]
                 for _ in range(max_new_tokens):
                     mask = torch.ones_like(ids)
-                    logits = forward_logits(model, px, list(range(len(chunk))), ids, [start] * len(chunk), mask,
+                    logits = forward_logits(model, px, [(b, start, b) for b in range(len(chunk))], ids, mask,
                                             img=img)
                     nxt = logits[:, -1].argmax(-1)
                     for b, t in enumerate(nxt.tolist()):
@@ -213,6 +274,46 @@ def accuracy(model, batcher, items):
         per.setdefault(item.kind, []).append(int(ok))
         if not ok and len(wrong) < 20:
             wrong.append({"kind": item.kind, "expected": item.answer, "got": got})
+    table = {k: {"correct": sum(v), "n": len(v), "accuracy": sum(v) / len(v)} for k, v in sorted(per.items())}
+    n = sum(len(v) for v in per.values())
+    table["all"] = {"correct": sum(sum(v) for v in per.values()), "n": n,
+                    "accuracy": sum(sum(v) for v in per.values()) / n}
+    return table, wrong
+
+
+def conversation_accuracy(model, batcher, conversations, max_new_tokens=48):
+    """Greedy answers of every turn of ``conversations`` (tuples of :class:`vlmrun.shapes.Turn`), each turn asked
+    with the model's own earlier answers in the history (as ``vlmrun eval --conversations`` asks them), scored per
+    turn number like :func:`accuracy`."""
+    import numpy as np
+    import torch
+
+    from vlmrun.eval import normalize_answer
+
+    per: dict[str, list[int]] = {}
+    wrong = []
+    with torch.no_grad():
+        for turns in conversations:
+            scenes = [t.scene for t in turns if t.scene is not None]
+            img = image_embeds(model, torch.from_numpy(np.stack([batcher.pixels(sc.render()) for sc in scenes])))
+            answers: list[str] = []
+            for k, turn in enumerate(turns):
+                ids, starts = batcher.tokens(batcher.messages(turns[: k + 1], answers))
+                gen: list[int] = []
+                for _ in range(max_new_tokens):
+                    x = torch.tensor([ids + gen])
+                    logits = forward_logits(model, None, [(0, st, i) for i, st in enumerate(starts)], x,
+                                            torch.ones_like(x), img=img)
+                    t = int(logits[0, -1].argmax())
+                    if t == batcher.im_end:
+                        break
+                    gen.append(t)
+                got = batcher.fvlm.tokenizer.decode(gen, skip_special_tokens=True)
+                answers.append(got)
+                ok = normalize_answer(got) == normalize_answer(turn.answer)
+                per.setdefault(f"turn{k + 1}", []).append(int(ok))
+                if not ok and len(wrong) < 20:
+                    wrong.append({"turn": k + 1, "question": turn.question, "expected": turn.answer, "got": got})
     table = {k: {"correct": sum(v), "n": len(v), "accuracy": sum(v) / len(v)} for k, v in sorted(per.items())}
     n = sum(len(v) for v in per.values())
     table["all"] = {"correct": sum(sum(v) for v in per.values()), "n": n,
@@ -413,8 +514,149 @@ def take(seed, n):
     return list(itertools.islice(items(seed), n))
 
 
+def finetune(args) -> int:
+    """Phase 3 (``--from``): the trained model learns conversations. The vision tower is frozen (its features
+    already tell every shape apart); the projector and the decoder train on each step's single-turn questions
+    (every question of ``--images-per-step`` fresh pictures, so one-turn answers are kept) and ``--conversations``
+    conversations of one to three turns (:func:`vlmrun.shapes.conversations`: later turns ask about the same
+    picture, or bring a new one with "And this one?"), cross-entropy on every answer of every turn. Warm-up,
+    constant, cool-down once the validation questions (seed 2) of every kind and the validation conversations'
+    turns reach ``--target``. Held-out accuracy is measured again, one-turn and per turn of the held-out
+    conversations, and recorded in ``training.json`` beside the first phases' record."""
+    import itertools
+
+    import torch
+    from transformers import FastVlmForConditionalGeneration
+
+    from vlmrun import shapes
+    from vlmrun.model import FastVLMModel
+    from vlmrun.torch_stages import project, vision_features
+
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    src = args.init_from
+    previous = json.loads((src / "training.json").read_text()) if (src / "training.json").is_file() else {}
+    model = FastVlmForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
+    fvlm = FastVLMModel(src, src, "fast_vlm")
+    batcher = Batcher(fvlm)
+    for q in model.model.vision_tower.parameters():
+        q.requires_grad_(False)
+    trained = [q for n, q in model.named_parameters() if q.requires_grad]
+    groups = [{"params": [q for q in trained if q.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [q for q in trained if q.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
+    cool_from = max(args.max_steps - args.cooldown, args.warmup)
+
+    def scale_at(step):
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        if step < cool_from:
+            return 1.0
+        return max(0.02, 1.0 - (step - cool_from) / args.cooldown)
+
+    def validate():
+        single, _ = accuracy(model, batcher, validation)
+        conv, _ = conversation_accuracy(model, batcher, validation_conversations)
+        return single, conv
+
+    validation = take(VALIDATION_SEED, args.validation)
+    validation_conversations = list(itertools.islice(shapes.conversations(VALIDATION_SEED),
+                                                     args.validation_conversations))
+    single, conv = validate()
+    history = [{"step": 0, **{k: round(v["accuracy"], 4) for k, v in single.items()},
+                **{f"conversation_{k}": round(v["accuracy"], 4) for k, v in conv.items()}}]
+    print("validation:", json.dumps(history[-1]), flush=True)
+    rng = random.Random(args.seed)
+    stream = shapes.conversations(args.seed)
+    stop_file = args.out.with_name(args.out.name + ".cooldown")
+    t_train = time.perf_counter()
+    running, step = None, 0
+    while step < cool_from + args.cooldown:
+        for group in opt.param_groups:
+            group["lr"] = args.lr * scale_at(step)
+        scenes = [shapes.random_scene(rng) for _ in range(args.images_per_step)]
+        convs = [next(stream) for _ in range(args.conversations)]
+        px, splices, ids, mask, targets = make_batch(batcher, scenes, convs)
+        with torch.no_grad():
+            features = vision_features(model, px)
+        logits = forward_logits(model, px, splices, ids, mask, img=project(model, features))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                 ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+        step += 1
+        value = float(loss.detach())
+        running = value if running is None else 0.95 * running + 0.05 * value
+        if step % 50 == 0:
+            el = time.perf_counter() - t_train
+            print(f"step {step} loss {running:.4f} lr x{scale_at(step - 1):.2f} ({el:.0f} s, {el / step:.2f} s/step)",
+                  flush=True)
+        if args.eval_every and step % args.eval_every == 0 and step < cool_from:
+            single, conv = validate()
+            history.append({"step": step, "loss": round(running, 4),
+                            **{k: round(v["accuracy"], 4) for k, v in single.items()},
+                            **{f"conversation_{k}": round(v["accuracy"], 4) for k, v in conv.items()}})
+            print("validation:", json.dumps(history[-1]), flush=True)
+            good = all(v["accuracy"] >= args.target for v in single.values()) and \
+                conv["all"]["accuracy"] >= args.target
+            if good or stop_file.exists():
+                cool_from = step
+                print(f"cooling down from step {step} for {args.cooldown} steps", flush=True)
+    train_s = time.perf_counter() - t_train
+
+    out = args.out
+    tmp_out = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp_out, ignore_errors=True)
+    tmp_out.mkdir(parents=True)
+    for f in src.iterdir():  # tokenizer, chat template, processor: unchanged
+        if f.is_file() and f.name not in ("model.safetensors", "config.json", "generation_config.json",
+                                          "training.json"):
+            shutil.copy2(f, tmp_out / f.name)
+    model.to(torch.float16).save_pretrained(tmp_out)
+    reloaded = FastVlmForConditionalGeneration.from_pretrained(tmp_out, dtype=torch.float32).eval()
+    saved = Batcher(FastVLMModel(tmp_out, tmp_out, "fast_vlm"))
+    t_eval = time.perf_counter()
+    heldout, wrong = accuracy(reloaded, saved, take(shapes.HELDOUT_SEED, args.heldout))
+    conv_heldout, conv_wrong = conversation_accuracy(
+        reloaded, saved, list(itertools.islice(shapes.conversations(shapes.HELDOUT_SEED), args.heldout_conversations)))
+    eval_s = time.perf_counter() - t_eval
+    record = dict(previous)
+    record["finetune"] = {
+        "phase": "3: conversations (scripts/train_tiny.py --from)",
+        "steps": step, "cooldown_from": cool_from, "images_per_step": args.images_per_step,
+        "conversations_per_step": args.conversations, "lr": args.lr, "warmup": args.warmup,
+        "weight_decay": args.weight_decay, "optimizer": "AdamW(0.9, 0.98)", "frozen": "vision tower",
+        "data": f"vlmrun.shapes.random_scene(random.Random({args.seed})), every question per picture; "
+                f"vlmrun.shapes.conversations({args.seed})",
+        "loss": "cross-entropy on every answer's tokens and <|im_end|> (every turn of a conversation)",
+        "seed": args.seed, "threads": args.threads, "final_loss": running, "train_s": round(train_s, 1),
+        "wall_s": round(time.perf_counter() - t_start, 1), "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "validation": history,
+    }
+    record["heldout"] = {"seed": shapes.HELDOUT_SEED, "items": args.heldout, "eval_s": round(eval_s, 1),
+                         "engine": "torch float32, greedy", "accuracy": heldout, "wrong_examples": wrong}
+    record["heldout_conversations"] = {
+        "seed": shapes.HELDOUT_SEED, "conversations": args.heldout_conversations,
+        "engine": "torch float32, greedy; each turn with the model's own earlier answers",
+        "accuracy": conv_heldout, "wrong_examples": conv_wrong}
+    (tmp_out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp_out, out)
+    print(json.dumps({"heldout": heldout["all"], "conversations": conv_heldout}, indent=1))
+    print(f"saved {out}; fine-tuning {train_s:.0f} s, total {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.init_from is not None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return finetune(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -482,12 +724,12 @@ def main(argv=None) -> int:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * scale_at(step)
             scenes = [shapes.random_scene(rng) for _ in range(args.images_per_step)]
-            px, image_index, ids, starts, mask, targets = make_batch(batcher, scenes)
+            px, splices, ids, mask, targets = make_batch(batcher, scenes)
             from vlmrun.torch_stages import project, vision_features
 
             features = vision_features(model, px)
             embeds = project(model, features)
-            logits = forward_logits(model, px, image_index, ids, starts, mask, img=embeds)
+            logits = forward_logits(model, px, splices, ids, mask, img=embeds)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                                      ignore_index=-100)
             aux = 0.5 * (feature_head.loss(features, scenes) + head.loss(embeds, scenes))

@@ -32,6 +32,12 @@ def cosine(a, b) -> float:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
+    """The session's artifact store. Under pytest-xdist the workers share one (the store builds a key once, the
+    others wait for it and reuse it), so the two cores split the tests, not the builds."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "vlmrun-cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("vlmrun-cache")
 
 

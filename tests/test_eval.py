@@ -259,7 +259,7 @@ def eval_results(cache: Path) -> list[Path]:
 def test_bad_records_are_skipped_counted_and_named(heldout, cache_dir, tmp_path):
     data, bad_lines = bad_set(heldout, tmp_path)
     cache = tmp_path / "cache"
-    shutil.copytree(cache_dir / "artifacts", cache / "artifacts", ignore=shutil.ignore_patterns("*qnn*", "*htp*"))
+    shutil.copytree(cache_dir / "artifacts", cache / "artifacts", ignore=shutil.ignore_patterns("*qnn*", "*htp*", ".tmp-*"))
     res = run_cli(["eval", str(data), "--json"], cache, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr
@@ -311,7 +311,7 @@ def test_workers_give_the_same_results(heldout, cache_dir, tmp_path):
     runs = {}
     for workers in (1, 2):
         cache = tmp_path / f"cache{workers}"
-        shutil.copytree(cache_dir / "artifacts", cache / "artifacts", ignore=shutil.ignore_patterns("*qnn*"))
+        shutil.copytree(cache_dir / "artifacts", cache / "artifacts", ignore=shutil.ignore_patterns("*qnn*", ".tmp-*"))
         res = run_cli(["eval", str(data), "--workers", str(workers), "--json", "-L", "reference", "-L", AGAIN],
                       cache, timeout=900)
         assert res.returncode == 0, res.stderr

@@ -52,7 +52,7 @@ def hub_store(cache_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("qaihub-batch-store")
     if (cache_dir / "artifacts").exists():
         shutil.copytree(cache_dir / "artifacts", root / "artifacts",
-                        ignore=shutil.ignore_patterns("*qnn*", "*htp*", "*qaihub*"))
+                        ignore=shutil.ignore_patterns("*qnn*", "*htp*", "*qaihub*", ".tmp-*"))
     return ArtifactStore(root)
 
 

@@ -120,13 +120,23 @@ def test_second_run_loads_from_store_without_compiling(htp_pipe, tiny_model, cac
     print(f"\n[qnn_htp] warm all-npu load from the store {warm:.2f} s")
 
 
-def test_corrupted_bin_is_detected_and_rebuilt(htp_pipe, tiny_model, cache_dir, registry):
+def test_corrupted_bin_is_detected_and_rebuilt(htp_pipe, tiny_model, cache_dir, registry, tmp_path):
+    import os
+    import shutil
+
     art = htp_pipe.handles["projector"].artifact
-    bin_path = next(art.path / f for f in art.manifest["files"] if f.endswith(".bin"))
+    # a store of its own (the session's artifacts hard-linked, the projector's copied): the session store stays
+    # intact for the tests that run beside this one
+    own = tmp_path / "cache"
+    shutil.copytree(cache_dir / "artifacts", own / "artifacts", copy_function=os.link,
+                    ignore=lambda d, names: [n for n in names if n.startswith(".tmp-") or n == art.path.name])
+    shutil.copytree(art.path, own / "artifacts" / art.path.name)
+    art_path = own / "artifacts" / art.path.name
+    bin_path = next(art_path / f for f in art.manifest["files"] if f.endswith(".bin"))
     data = bytearray(bin_path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     bin_path.write_bytes(bytes(data))
-    fresh = ArtifactStore(cache_dir)
+    fresh = ArtifactStore(own)
     pipe = build(tiny_model, layout(), fresh, registry, stages=("projector",))
     assert fresh.builds == [art.path.name]
     assert sha256_file(bin_path) == pipe.handles["projector"].artifact.manifest["checksums"][bin_path.name]["sha256"]

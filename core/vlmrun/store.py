@@ -71,6 +71,19 @@ def _intact(f: Path, meta: Mapping[str, object]) -> bool:
     return sha256_file(f) == meta["sha256"]
 
 
+class _Held:
+    """A held :class:`filelock.FileLock`, released when the ``with`` block ends."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self):
+        return self.lock
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
 @attrs.frozen
 class Artifact:
     """A complete, verified directory in the store."""
@@ -118,12 +131,39 @@ class ArtifactStore:
         *,
         rebuild: bool = False,
     ) -> Artifact:
-        """Return the artifact for ``key``, building it with ``build(tmp_dir) -> manifest`` when needed."""
+        """Return the artifact for ``key``, building it with ``build(tmp_dir) -> manifest`` when needed.
+
+        One process builds a key at a time (a file lock per key under ``locks/``): a second vlmrun (a server, an
+        eval beside it, a test worker) that needs the same artifact waits for it and reuses it instead of building
+        it again."""
         if not rebuild:
             found = self.lookup(key)
             if found is not None:
                 return found
         path = self.path_for(key)
+        with self._build_lock(path):
+            if not rebuild:
+                found = self.lookup(key)  # built by another process while this one waited
+                if found is not None:
+                    return found
+            return self._build(key, path, build)
+
+    def _build_lock(self, path: Path):
+        from filelock import FileLock, Timeout
+
+        locks = self.root / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(locks / f"{path.name}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            import sys
+
+            print(f"vlmrun: waiting for another process that is building {path.name}", file=sys.stderr, flush=True)
+            lock.acquire()
+        return _Held(lock)
+
+    def _build(self, key: Mapping[str, object], path: Path, build: Callable[[Path], dict | None]) -> Artifact:
         with atomic_directory(path, replace=True) as tmp:
             manifest = build(tmp)
             if manifest is None:
