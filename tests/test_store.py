@@ -347,3 +347,29 @@ def test_a_rebuild_clears_what_a_killed_build_of_the_same_folder_left(tmp_path):
     assert (tmp_path / "model" / "config.json").is_file()
     assert not dead.exists() and live.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-model-def", "model"]
+
+
+def test_two_processes_that_need_one_artifact_build_it_once(tmp_path):
+    """A second process that needs a key another is building waits for it (and says so) and reuses it."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, time
+        from vlmrun.store import ArtifactStore
+        def build(d):
+            pathlib.Path({str(tmp_path / "started")!r}).touch()
+            time.sleep(3)
+            (d / "a.bin").write_bytes(b"child")
+            return {{"files": ["a.bin"]}}
+        ArtifactStore({str(tmp_path / "cache")!r}).get_or_build({{"stage": "vision", "kind": "x"}}, build)
+        """)])
+    try:
+        for _ in range(300):
+            if (tmp_path / "started").exists():
+                break
+            time.sleep(0.05)
+        store = ArtifactStore(tmp_path / "cache")
+        calls = []
+        art = store.get_or_build({"stage": "vision", "kind": "x"}, lambda d: calls.append(1) or writer({"a.bin": b"me"})(d))
+        assert child.wait(60) == 0
+    finally:
+        child.kill()
+    assert calls == [] and store.builds == [] and art.file().read_bytes() == b"child"
