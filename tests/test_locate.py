@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from vlmrun import diff
+from vlmrun import what_if as wi
 from vlmrun.diff import locate as loc
+from vlmrun.diff import locate_report as lr
 
 N = 6  # generated tokens per side
 PROMPT = "What is in the picture?"
@@ -263,7 +265,7 @@ def test_clean_run_locates_nothing_and_probe_outputs_equal_the_stage(clean, stag
                             "decoder.lm_head"]}[stage]
     assert names == expected
     assert all(p.metrics["sqnr_db"] == diff.SQNR_CAP_DB for p in found.points)
-    assert "located: nothing" in loc.format_location(found)
+    assert "located: nothing" in lr.format_location(found)
     # the probe's own output is the normal stage's, bit for bit
     inputs = loc.probe_inputs(stage, clean.reference, ref.embed_tokens)
     probe = loc.run_probe(ref, stage, loc.load_probe(ref, stage), inputs)
@@ -283,7 +285,7 @@ def test_perturbed_layer_is_located_exactly(model, store, target):
     assert chosen == stage
     found = loc.locate(run.pipelines["reference"], run.pipelines["device"], stage, run.reference,
                        run.result.thresholds)
-    assert found.located == target, loc.format_location(found)
+    assert found.located == target, lr.format_location(found)
     assert found.largest_drop.name == target
     k = [p.name for p in found.points].index(target)
     assert all(p.metrics["sqnr_db"] == diff.SQNR_CAP_DB for p in found.points[:k])  # exact before it
@@ -294,7 +296,7 @@ def test_perturbed_layer_is_located_exactly(model, store, target):
     assert found.points[k].own["sqnr_db"] == pytest.approx(found.points[k].metrics["sqnr_db"])
     assert all(p.own["sqnr_db"] > 100 for p in found.points if p.name != target)
     assert found.points[k].impact["sqnr_db"] < 15  # and it alone fails the stage output
-    text = loc.format_location(found)
+    text = lr.format_location(found)
     assert f"located: {target} is the first layer of {stage}" in text and "<- first to cross" in text
     data = json.loads(json.dumps(found.to_json()))
     assert data["first_failing"] == target and len(data["layers"]) == len(found.points)
@@ -319,17 +321,17 @@ def test_parts_form_boundaries_then_the_layers_inside_the_worst_part(model, stor
     assert found.probed_part == 2 and "crosses the thresholds" in found.probed_why
     names = [p.name for p in found.points]
     assert names == ["decoder.layer0", *[f"decoder.layer{i}" for i in range(1, L)], "decoder.norm", "decoder.lm_head"]
-    assert found.located == target, loc.format_location(found)
+    assert found.located == target, lr.format_location(found)
     k = names.index(target)
     assert all(p.metrics["sqnr_db"] == diff.SQNR_CAP_DB for p in found.points[:k])  # exact inside the part too
     assert -15 < found.points[k].metrics["sqnr_db"] < -8
     assert found.largest_drop.name == target
-    text = loc.format_location(found)
+    text = lr.format_location(found)
     assert "part 2: layers 1-" in text and "<- probed inside" in text
     assert f"located: {target} is the first layer of decoder" in text
     data = json.loads(json.dumps(found.to_json()))
     assert data["probed_part"] == 2 and len(data["parts"]) == 2 and data["first_failing"] == target
-    page = loc.location_html(found, "")
+    page = lr.location_html(found, "")
     assert "probed inside" in page and "decoder parts at their boundaries" in page
 
     # a clean decoder in parts: exact boundaries, no part probed inside, nothing located
@@ -339,7 +341,7 @@ def test_parts_form_boundaries_then_the_layers_inside_the_worst_part(model, stor
                        run.result.thresholds)
     assert found.probed_part is None and found.located is None and len(found.parts) == 2
     assert [p.name for p in found.points] == ["decoder.layer0", "decoder.lm_head"]
-    assert "no part probed inside: every part's output is exact" in loc.format_location(found)
+    assert "no part probed inside: every part's output is exact" in lr.format_location(found)
 
 
 def test_reference_without_injections_falls_back(model, store):
@@ -359,7 +361,7 @@ def test_what_if_recovers_the_injected_fault(model, store):
     run = _run(model, store, diff.Side("reference", {"vision": "perturb"}), registry_with(perturb_module(target)))
     found = loc.locate(run.pipelines["reference"], run.pipelines["device"], "vision", run.reference,
                        run.result.thresholds)
-    w = loc.what_if(run, found, eval_items=2)
+    w = wi.what_if(run, found, eval_items=2)
     assert w.layers == [target] and w.option == target
     # the eval before and after the fix: the fixed layout is the reference, so its answers are the reference's
     e = w.eval
@@ -373,8 +375,8 @@ def test_what_if_recovers_the_injected_fault(model, store):
     assert w.recovered["decoder.logits"] == pytest.approx(1.0)
     assert 'keep_fp = "vision.stage2"' in w.snippet and 'backend = "perturb"' in w.snippet
     found.what_if = w
-    assert "noise power recovered: 100%" in loc.format_location(found)
-    assert "eval accuracy (2 held-out items): " in loc.format_location(found)
+    assert "noise power recovered: 100%" in lr.format_location(found)
+    assert "eval accuracy (2 held-out items): " in lr.format_location(found)
     assert json.loads(json.dumps(w.to_json()))["eval"]["items"] == 2
     # the snippet is a layout file that applies the fix
     import tomllib
@@ -501,7 +503,7 @@ def test_qnn_htp_keep_fp_what_if(model, store, clean):
     run.pipelines["reference"] = ref
     found = loc.locate(ref, run.pipelines["device"], "vision", run.reference, run.result.thresholds)
     layer = found.largest_drop.name
-    w = loc.what_if(run, found, [layer])
+    w = wi.what_if(run, found, [layer])
     kept = Pipeline.build(model, Layout("k", {s: StageAssignment(
         "qnn_htp" if s == "vision" else "ort_reference", {"precision": "int8", "keep_fp": layer} if s == "vision"
         else {}) for s in STAGES}), store=store, registry=ref.registry, stages=("vision",))
@@ -515,7 +517,7 @@ def test_qnn_htp_keep_fp_what_if(model, store, clean):
     # the layer whose own error costs the output most, kept in float, gives some of that error back (tiny random
     # model: vision.stage4, 27.0 -> 29.1 dB, 40% of the noise power)
     assert w.after["vision.image_features"]["sqnr_db"] > before
-    assert w.recovered["vision.image_features"] == pytest.approx(loc.recovered_share(
+    assert w.recovered["vision.image_features"] == pytest.approx(wi.recovered_share(
         before, w.after["vision.image_features"]["sqnr_db"]))
     with pytest.raises(UsageError, match="fp16 quantizes nothing"):
         vision_on_htp(precision="fp16", keep_fp="vision.stage1")
@@ -546,10 +548,10 @@ def test_qnn_htp_keep_a16w16_what_if(model, store, clean, capsys):
     run.pipelines["reference"] = ref
     found = loc.locate(ref, run.pipelines["device"], "vision", run.reference, run.result.thresholds)
     layer = found.largest_drop.name
-    w16 = loc.what_if(run, found, [layer], precision="a16w16")
+    w16 = wi.what_if(run, found, [layer], precision="a16w16")
     assert w16.precision == "a16w16" and w16.to_json()["option"] == {"keep_a16w16": layer}
     assert f'keep_a16w16 = "{layer}"' in w16.snippet and "keep_fp" not in w16.snippet
-    assert "quantized at a16w16" in "\n".join(loc.format_what_if(w16))
+    assert "quantized at a16w16" in "\n".join(wi.format_what_if(w16))
     kept = vision_on_htp(("vision",), precision="int8", keep_a16w16=layer)
     art = kept.handles["vision"].artifacts[0]
     q = art.manifest["quantization"]["a16w16"]
@@ -579,14 +581,14 @@ def test_qnn_htp_keep_a16w16_what_if(model, store, clean, capsys):
     assert bits.get("uint16", 0) > 0 and bits.get("int16", 0) > 0 and bits.get("uint8", 0) > bits["uint16"]
     before = w16.before["vision.image_features"]["sqnr_db"]
     after = w16.after["vision.image_features"]["sqnr_db"]
-    wfp = loc.what_if(run, found, [layer])  # keep_fp on the same layer, for the record
+    wfp = wi.what_if(run, found, [layer])  # keep_fp on the same layer, for the record
     with capsys.disabled():
         print(f"\n{layer}: vision.image_features SQNR int8 {before:.2f} dB, keep_fp {wfp.after['vision.image_features']['sqnr_db']:.2f}"
               f" dB, keep_a16w16 {after:.2f} dB; a16w16: {q}")
     # the 16-bit rebuild changes the stage output; whether it recovers depends on the layer (trained model,
     # vision.stage0: int8 16.12 dB, keep_a16w16 15.95 dB, keep_fp 17.12 dB), and the report says which
     assert after != pytest.approx(before, abs=1e-3)
-    assert w16.recovered["vision.image_features"] == pytest.approx(loc.recovered_share(before, after))
+    assert w16.recovered["vision.image_features"] == pytest.approx(wi.recovered_share(before, after))
     with pytest.raises(UsageError, match="fp16 quantizes nothing"):
         vision_on_htp(("vision",), precision="fp16", keep_a16w16="vision.stage1")
     with pytest.raises(UsageError, match="its layers are"):
@@ -726,12 +728,12 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
     found = loc.locate(ref, plain_pipe, "decoder", run.reference, {"decoder": {"sqnr_db": 60.0, "cosine": 0.99999}})
     target = found.first_failing or found.largest_drop
     assert target is not None and target.name in everything
-    w = loc.what_if(run, found, [target.name])
+    w = wi.what_if(run, found, [target.name])
     assert w.option == target.name and 'decoder_form = "parts"' in w.snippet and f'keep_fp = "{target.name}"' in w.snippet
     after = w.after["decoder.logits"]["sqnr_db"]
     assert w.before["decoder.logits"]["sqnr_db"] == pytest.approx(plain["sqnr_db"])
     assert after != pytest.approx(plain["sqnr_db"], abs=1e-3)  # rebuilt with the layer in float: the logits moved
-    assert w.recovered["decoder.logits"] == pytest.approx(loc.recovered_share(plain["sqnr_db"], after))
+    assert w.recovered["decoder.logits"] == pytest.approx(wi.recovered_share(plain["sqnr_db"], after))
 
     with pytest.raises(UsageError, match="node-name prefixes"):
         parts_on_htp(keep_fp="/Add_5")

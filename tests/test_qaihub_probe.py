@@ -34,6 +34,7 @@ pytest.importorskip("qai_hub")
 
 from fake_hub import serving  # noqa: E402
 from vlmrun import Pipeline, diff  # noqa: E402
+from vlmrun import what_if as wi  # noqa: E402
 from vlmrun.diff import locate as loc  # noqa: E402
 from vlmrun.errors import UsageError  # noqa: E402
 from vlmrun.layouts import Layout, StageAssignment  # noqa: E402
@@ -213,7 +214,7 @@ def test_what_if_is_refused_before_any_upload(hub, int8, precision, option):
     counts, jobs = uploads_and_jobs(hub), set(hub.jobs)
     t0 = time.monotonic()
     with pytest.raises(UsageError) as err:
-        loc.what_if(run, found, ["vision.stage2"], precision=precision)
+        wi.what_if(run, found, ["vision.stage2"], precision=precision)
     took = time.monotonic() - t0
     check_refusal(str(err.value), option)
     assert uploads_and_jobs(hub) == counts and set(hub.jobs) == jobs  # nothing uploaded, no job

@@ -189,3 +189,65 @@ def test_root_options_before_a_subcommand_reach_it(tmp_path):
     r = run_cli(["--cache-dir", str(target), "store", "list"], tmp_path / "env-cache", timeout=120)
     assert r.returncode == 0, r.stderr
     assert f"no artifacts in {target}" in (r.stdout + r.stderr).lower()
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, anywhere in the file (inside functions too; not under
+    ``if TYPE_CHECKING:``), for the core and every plugin package."""
+    import ast
+
+    roots = [CORE, *(p for p in (ROOT / "plugins").glob("*/vlmrun_*") if (p / "__init__.py").exists())]
+    files = {}
+    for root in roots:
+        for f in root.rglob("*.py"):
+            parts = list(f.relative_to(root.parent).with_suffix("").parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+
+    def targets(cur: str, node) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name for a in node.names if a.name in files}
+        base = cur.split(".") if files[cur].name == "__init__.py" else cur.split(".")[:-1]
+        if node.level:
+            base = base[: len(base) - node.level + 1]
+            full = ".".join(base + ([node.module] if node.module else []))
+        else:
+            full = node.module or ""
+        if full not in files:
+            return set()
+        return {f"{full}.{a.name}" if f"{full}.{a.name}" in files else full for a in node.names}
+
+    graph = {}
+    for mod, f in files.items():
+        edges: set[str] = set()
+
+        def visit(node):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for child in node.orelse:
+                    visit(child)
+                return
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges.update(targets(mod, node))
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+        visit(ast.parse(f.read_text()))
+        graph[mod] = edges - {mod}
+    return graph
+
+
+def test_no_import_circle_even_inside_functions():
+    """No module of the core or of a plugin reaches itself through the project's imports, counting the imports
+    placed inside functions (an import moved into a function to dodge a circle is still a circle)."""
+    graph = _import_graph()
+    circles = []
+    for start in graph:
+        seen, stack = set(), [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen and nxt in graph:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, "\n".join(sorted(set(circles)))

@@ -119,6 +119,7 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
     result = result_run.result
     located_note = None
     if locate is not None:
+        from . import what_if as what_if_mod
         from .diff import locate as loc_mod
 
         stage, why = loc_mod.stage_to_locate(result, locate)
@@ -133,10 +134,10 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
                                                  stage, result_run.reference, result.thresholds, progress=step)
             if what_if is not None:
                 layers = None if what_if == "auto" else [x for x in what_if.replace(",", " ").split() if x]
-                result_run.location.what_if = loc_mod.what_if(result_run, result_run.location, layers,
-                                                              progress=step, image=image, prompt=prompt,
-                                                              eval_items=what_if_eval,
-                                                              precision=what_if_precision or "fp")
+                result_run.location.what_if = what_if_mod.what_if(result_run, result_run.location, layers,
+                                                                  progress=step, image=image, prompt=prompt,
+                                                                  eval_items=what_if_eval,
+                                                                  precision=what_if_precision or "fp")
     if save_dir is not None:
         diff.save_run(result_run, save_dir)
         click.echo(f"captures saved to {save_dir} (compare again with --from {save_dir})", err=True)
@@ -154,7 +155,7 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
     else:
         click.echo(diff.format_table(result))
         if result_run.location is not None:
-            from .diff.locate import format_location
+            from .diff.locate_report import format_location
 
             click.echo(format_location(result_run.location))
         elif located_note:

@@ -153,3 +153,22 @@ def validate(layout: Layout, registry, stages=STAGES) -> Layout:
         checked[stage] = StageAssignment(assignment.backend,
                                          table.check(stage, assignment.backend, assignment.options))
     return Layout(layout.name, checked, layout.bundle)
+
+
+def layout_snippet(stage: str, backend: str, options: Mapping[str, object]) -> str:
+    """Layout-TOML lines for ``stage`` with ``options``."""
+    lines = [f"[{stage}]", f'backend = "{backend}"']
+    for k, v in options.items():
+        if isinstance(v, bool):
+            val = "true" if v else "false"
+        elif isinstance(v, (int, float)):
+            val = str(v)
+        else:
+            val = '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{k} = {val}")
+    return "\n".join(lines)
+
+
+def layout_toml(layout) -> str:
+    """A whole layout as a layout file (every stage's backend and options)."""
+    return "\n\n".join(layout_snippet(s, a.backend, a.options) for s, a in layout.stages.items()) + "\n"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..plots import png_base64, pyplot
+from .locate_report import location_html, plot_location
 from .metrics import SQNR_CAP_DB, fmt, fmt_shape
 
 if TYPE_CHECKING:
@@ -233,8 +234,6 @@ def _plots(run_: DiffRun) -> dict[str, str]:
         ax.set_ylabel("count")
     figs["hist"] = png_base64(fig)
     if getattr(run_, "location", None) is not None:  # --locate: the per-layer curve
-        from .locate import plot_location
-
         figs["locate"] = png_base64(plot_location(run_.location, plt))
     return figs
 
@@ -242,8 +241,6 @@ def _plots(run_: DiffRun) -> dict[str, str]:
 def _location_section(run_: DiffRun, figs: dict) -> str:
     if getattr(run_, "location", None) is None:
         return ""
-    from .locate import location_html
-
     return location_html(run_.location, figs["locate"])
 
 

@@ -76,7 +76,7 @@ def write_json(result, path: str | os.PathLike) -> Path:
 
 def layout_text(point, base: str) -> str:
     """The layout TOML of a point: every stage's backend and options, as measured."""
-    from ..diff.locate import layout_snippet
+    from ..layouts import layout_snippet
 
     head = [f"# vlmrun tune: {point.label} of base {base}", f"# {point.bytes:,} bytes on the device;"
             f" accuracy {_pct(point.accuracy)}, answers as reference {_pct(point.answers_as_reference)},"

@@ -1,17 +1,18 @@
 """vlmrun plugin ``ort_reference``: every FastVLM stage on ONNX Runtime (CPU), the reference layout.
 
-It also provides the ``export`` hook (torch -> ONNX, see :mod:`vlmrun_ort_reference.onnx_export`) that every
+It also provides the ``export`` hook (torch -> ONNX, see `vlmrun_ort_reference.onnx_export`) that every
 other backend builds on.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from vlmrun import hookimpl
-from vlmrun.handles import DecoderState
 from vlmrun.plugins import BackendInfo, Check, mine
 from vlmrun.stages import STAGES, ExportForm
+
+from .engine import KVDecoder, KVState, Session
+from .exporters import export_stage
+from .probes import ProbeSession
 
 NAME = "ort_reference"
 __version__ = "0.1.0"
@@ -47,93 +48,7 @@ def doctor():
 
 @hookimpl
 def export(model, stage, form, out_dir):
-    from .exporters import export_stage
-
     return export_stage(model, form, out_dir)
-
-
-class Session:
-    """An onnxruntime session with its input/output names."""
-
-    def __init__(self, path):
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        self.inputs = [i.name for i in self.sess.get_inputs()]
-        self.outputs = [o.name for o in self.sess.get_outputs()]
-
-    def run(self, feeds: dict) -> dict:
-        return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
-
-
-class KVDecoder:
-    """The growing-KV decoder graph and the loop around it."""
-
-    def __init__(self, path, model):
-        self.session = Session(path)
-        self.layers, self.kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
-        self.past_names = [n for n in self.session.inputs if n.startswith("past_")]
-        self.present_names = [n for n in self.session.outputs if n.startswith("present_")]
-
-    def empty_past(self) -> dict:
-        z = np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32)
-        return dict.fromkeys(self.past_names, z)
-
-    def forward(self, embeds: np.ndarray, past: dict, past_len: int):
-        t = embeds.shape[1]
-        feeds = {
-            "inputs_embeds": embeds,
-            "attention_mask": np.ones((1, past_len + t), dtype=np.int64),
-            "position_ids": np.arange(past_len, past_len + t, dtype=np.int64)[None],
-            **past,
-        }
-        outs = self.session.sess.run(None, feeds)
-        logits = outs[0]
-        new_past = dict(zip(self.past_names, outs[1:]))
-        return logits, new_past
-
-    def generate(self, request):
-        """Decode ``request`` from an empty cache."""
-        return KVState(self).decode(request)
-
-
-class KVState(DecoderState):
-    """A conversation's past keys and values (``decoder_state``): growing arrays, cut to keep a prefix."""
-
-    def __init__(self, decoder: KVDecoder):
-        self.decoder = decoder
-        self.reset()
-
-    def reset(self) -> None:
-        self.past, self.length = self.decoder.empty_past(), 0
-
-    def truncate(self, n: int) -> bool:
-        if n < self.length:
-            self.past = {k: v[:, :, :n] for k, v in self.past.items()}
-            self.length = n
-        return True
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.past.values())
-
-    def _feed(self, embeds: np.ndarray) -> np.ndarray:
-        logits, self.past = self.decoder.forward(embeds, self.past, self.length)
-        self.length += embeds.shape[1]
-        return logits
-
-    def decode(self, request):
-        logits = self._feed(request.inputs_embeds)
-        for i in range(request.max_new_tokens):
-            if request.on_logits is not None:
-                request.on_logits(logits[0, -1])
-            tok = request.sampler(logits[0, -1])
-            yield tok
-            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.length >= request.context_length:
-                return
-            logits = self._feed(request.embed_tokens(np.array([tok])))
 
 
 @hookimpl
@@ -158,11 +73,9 @@ def run_stage(backend, stage, handle, inputs):
 
 @hookimpl
 def load_probe(backend, stage, ctx):
-    """The stage's probe form (:mod:`vlmrun_ort_reference.probes`): its graph plus the layer outputs."""
+    """The stage's probe form (`vlmrun_ort_reference.probes`): its graph plus the layer outputs."""
     if not mine(backend, NAME) or stage not in ("vision", "projector", "decoder"):
         return None
-    from .probes import ProbeSession
-
     form = FORMS[stage].probe()
     return ProbeSession(ctx.exported(form), ctx.model, stage, export=ctx.exported, form=form)
 
@@ -183,7 +96,7 @@ def decode(backend, handle, request):
 
 @hookimpl
 def decoder_state(backend, handle):
-    """A conversation's KV cache, kept between its turns (:class:`KVState`)."""
+    """A conversation's KV cache, kept between its turns (`KVState`)."""
     if not mine(backend, NAME):
         return None
     return KVState(handle)

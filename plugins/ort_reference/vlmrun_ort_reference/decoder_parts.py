@@ -34,7 +34,8 @@ import json
 import warnings
 from pathlib import Path
 
-from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
+from .probe_names import graph_output
+from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch, rms_norm_of
 
 #: a mask entry above this is "attend" (0); masked entries are far below (vlmrun -65504, Genie -1000, a
 #: 16-bit quantized mask saturates at -100)
@@ -91,7 +92,6 @@ def _part_module(model, fvlm, form, lo: int, hi: int, last: bool, probe: bool = 
     ``residual_{hi}`` already), and in the last part after its last layer and the final norm too
     (:func:`export_part_probe`)."""
     torch, _ = _torch()
-    from .torch_common import rms_norm_of
 
     nn = torch.nn
     lm = fvlm.model.language_model
@@ -209,7 +209,6 @@ def probe_part_outputs(lo: int, hi: int, last: bool) -> list[tuple[str, str]]:
     """The probe points of part ``lo..hi-1`` as ``(probe name, graph output)`` pairs in network order: the
     residual stream after each layer (``decoder.layer{l}``, global index; a non-last part's last one is its
     ``residual_{hi}`` output), then in the last part ``decoder.norm`` and ``decoder.lm_head`` (= ``logits``)."""
-    from .probe_names import graph_output
 
     pairs = [(f"decoder.layer{l}", graph_output(f"decoder.layer{l}")) for l in range(lo, hi if last else hi - 1)]
     if last:

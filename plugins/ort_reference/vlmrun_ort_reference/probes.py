@@ -31,7 +31,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from vlmrun.stages import ExportForm, probe_outputs
+
+from .decoder_parts import export_part_probe
+from .engine import Session
+from .onnx_export import build_wrapper
 from .probe_names import FINAL, STAGES, decoder_probe_outputs, graph_output, inject_input  # noqa: F401
+from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
 
 
 def _points(fvlm, stage: str) -> list[tuple[str, object]]:
@@ -82,16 +88,9 @@ def _hooked(module, points, n_inputs: int):
 
 def export_probe(model, form, out_dir: Path) -> dict | None:
     """Write the probe form ``form`` (``form.is_probe``) into ``out_dir``; the manifest fields."""
-    from vlmrun.stages import ExportForm
-
-    from .onnx_export import build_wrapper
-    from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
-
     if form.stage not in STAGES:
         return None
     if form.kind == "decoder/parts":  # one part's layers (the parts form: decoder_parts.export_part_probe)
-        from .decoder_parts import export_part_probe
-
         return export_part_probe(model, form, out_dir)
     torch, _ = _torch()
     if form.stage == "decoder":
@@ -151,8 +150,6 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
 def inject_form(form):
     """The probe form of ``form`` that also takes ``inject_*`` inputs (the reference side of an isolated
     per-layer error: ``vlmrun diff --locate`` adds the device's error at one layer and reads the next one)."""
-    from vlmrun.stages import ExportForm
-
     return ExportForm(form.stage, form.kind, tuple(sorted({**dict(form.params), "probe": True, "inject": True}.items())))
 
 
@@ -165,8 +162,6 @@ class ProbeSession:
     loaded on first use (``export(form)`` gives its artifact)."""
 
     def __init__(self, artifact, model, stage: str, export=None, form=None):
-        from . import Session
-
         self.artifact = artifact
         self.artifacts = (artifact,)
         self.stage = stage
@@ -199,13 +194,9 @@ class ProbeSession:
         return feeds
 
     def run(self, inputs: dict) -> dict:
-        from vlmrun.stages import probe_outputs
-
         session = self.session
         if any(k.startswith("inject:") for k in inputs) and self._export is not None:
             if self._inject is None:
-                from . import Session
-
                 self._inject = Session(self._export(inject_form(self._form)).file())
             session = self._inject
         return probe_outputs(self.stage, self.manifest, session.run(self._feeds(session, inputs)))

@@ -77,7 +77,7 @@ from .decoder import FixedKVDecoder, FixedKVState
 from .handles import ChunkedEmbed, DecoderHandle, LocalStage
 from .layers import LAYER_OPTIONS
 from .options import (DECODER_FORMS, DEFAULT_CONTEXT, DEFAULT_EMBED_SEQ, DEFAULT_PREFILL_AR, ENGINES, NAME,
-                      PRECISIONS, RMSNORMS, TOOLCHAINS, binary_version, compile_key, forms, stage_options)
+                      PRECISIONS, RMSNORMS, TOOLCHAINS, binary_version, compiled_artifact, forms, stage_options)
 from .quantizer import io_quant, quantize
 
 __version__ = "0.1.0"
@@ -314,21 +314,6 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
                            io_quant=io_q, extra=extra).to_dict()
 
 
-def _compiled(ctx, stage: str, opts: dict, form: ExportForm):
-    src = ctx.exported(form)
-    kind = f"{form.label()}-{opts['precision']}-{opts['soc']}"
-    key_opts = compile_key(opts)
-    if opts.get("calibration_images"):
-        key_opts["calibration_images"] = opts["calibration_images"]
-    for option in LAYER_OPTIONS:  # per-layer precision: the layers' boundaries in this form's graphs (layers.py)
-        if opts.get(option):
-            from .layers import keep_fp_key, parts_keep_key
-
-            resolve = parts_keep_key if form.kind == "decoder/parts" else keep_fp_key
-            key_opts[option] = resolve(ctx, form, opts[option], option)
-    return ctx.compiled(src, key_opts, kind)
-
-
 @hookimpl
 def load_stage(backend, stage, ctx):
     if not mine(backend, NAME):
@@ -349,8 +334,8 @@ def load_stage(backend, stage, ctx):
                              layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
         from .genie_phone import attach  # engine genie + --target android: genie-t2t-run on the phone
 
-        return attach(load_parts(ctx, opts, soc, _compiled(ctx, stage, opts, form)), ctx, opts, soc)
-    arts = [_compiled(ctx, stage, opts, f) for f in forms(stage, opts)]
+        return attach(load_parts(ctx, opts, soc, compiled_artifact(ctx, stage, opts, form)), ctx, opts, soc)
+    arts = [compiled_artifact(ctx, stage, opts, f) for f in forms(stage, opts)]
     for art in arts:
         ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
         ep.check_binary(art.manifest, art.file(), soc, f"{stage} ({art.path.name})")
@@ -476,7 +461,7 @@ def load_probe(backend, stage, ctx):
     from .probe import load_probe as load
 
     opts = stage_options(stage, ctx.options)
-    return load(ctx, stage, opts, socs.soc(opts["soc"]), lambda form: _compiled(ctx, stage, opts, form),
+    return load(ctx, stage, opts, socs.soc(opts["soc"]), lambda form: compiled_artifact(ctx, stage, opts, form),
                 lambda: load_stage(backend, stage, ctx))
 
 

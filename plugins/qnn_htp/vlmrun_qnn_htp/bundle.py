@@ -31,8 +31,8 @@ import numpy as np
 from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
 
-from . import image_encoder
-from .options import NAME
+from . import ep, image_encoder
+from .options import NAME, compiled_artifact, parts_plan, stage_options
 
 MANIFEST = BUNDLE_MANIFEST
 FORMAT = 1
@@ -194,14 +194,12 @@ def write_bundle(request) -> dict:
     from vlmrun.stages import ExportForm
     from vlmrun_qualcomm import socs
 
-    from . import _compiled, ep
-    from .options import parts_plan, stage_options
 
     model, out, target = request.model, Path(request.out_dir), request.target
     vis_ctx = request.context("vision")
     vis_opts = stage_options("vision", vis_ctx.options)
     soc = socs.soc(vis_opts["soc"])
-    enc_art = _compiled(vis_ctx, "vision", vis_opts, ExportForm.of("vision", image_encoder.FORM))
+    enc_art = compiled_artifact(vis_ctx, "vision", vis_opts, ExportForm.of("vision", image_encoder.FORM))
     lut_art = vis_ctx.exported(ExportForm.of("embed", "embed/lut"))
     lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
     embeds = embeds_encoding(model, request, lut)
@@ -214,7 +212,7 @@ def write_bundle(request) -> dict:
     p = parts_plan(model, dec_opts)
     form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"], layers=",".join(map(str, p["layers"])),
                          rmsnorm=dec_opts.get("rmsnorm") or "safe")
-    dec_art = _compiled(dec_ctx, "decoder", dec_opts, form)
+    dec_art = compiled_artifact(dec_ctx, "decoder", dec_opts, form)
     with request.progress("writing the bundle"):
         shutil.copyfile(enc_art.path / next(f for f in enc_art.manifest["files"] if f.endswith(".bin")), out / IMAGE_BIN)
         parts = dec_art.manifest["decoder_parts"]

@@ -16,7 +16,7 @@ from vlmrun_qualcomm.parts import PRECISIONS as PARTS_PRECISIONS
 from vlmrun_qualcomm.sdk import Sdk
 
 from . import calibration, ep, recipe
-from .layers import LAYER_OPTIONS, check_keep_fp, parse_keep_fp
+from .layers import LAYER_OPTIONS, check_keep_fp, keep_fp_key, parse_keep_fp, parts_keep_key
 
 NAME = "qnn_htp"
 PRECISIONS = ("fp16", "int8", "a16w8", "w8a16", "w4a16")  # w8a16, w4a16: decoder_form = "parts" only
@@ -153,6 +153,21 @@ def compile_key(opts: dict) -> dict:
         sdk = Sdk.find(opts.get("sdk_root"))
         key.update(toolchain="sdk", qnn=sdk.version(), sdk_root=str(sdk.root))
     return key
+
+
+def compiled_artifact(ctx, stage: str, opts: dict, form: ExportForm):
+    """The stage's compiled binary for export form ``form`` through the store (`ctx.compiled`), keyed by the
+    options that determine its bytes (`compile_key`) and its per-layer precision resolved to the form's layers."""
+    src = ctx.exported(form)
+    kind = f"{form.label()}-{opts['precision']}-{opts['soc']}"
+    key_opts = compile_key(opts)
+    if opts.get("calibration_images"):
+        key_opts["calibration_images"] = opts["calibration_images"]
+    for option in LAYER_OPTIONS:  # per-layer precision: the layers' boundaries in this form's graphs (layers.py)
+        if opts.get(option):
+            resolve = parts_keep_key if form.kind == "decoder/parts" else keep_fp_key
+            key_opts[option] = resolve(ctx, form, opts[option], option)
+    return ctx.compiled(src, key_opts, kind)
 
 
 def binary_version(opts: dict, options) -> str | None:
