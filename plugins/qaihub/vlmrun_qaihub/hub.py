@@ -4,7 +4,7 @@ directory.
 
 Network failures. The ``qai-hub`` client retries inside every call, in two layers (urllib3 and a backoff
 decorator), which made one call to an unreachable hub take about 46 s to 5 min. While vlmrun runs an operation
-(:meth:`Hub.call`), the client's transport is vlmrun's instead: urllib3 does not retry, and a refused
+(``Hub.call``), the client's transport is vlmrun's instead: urllib3 does not retry, and a refused
 connection, a DNS failure, a timeout, a dropped connection or an HTTP 5xx answer is retried here with a short
 backoff, each retry announced with its real delay, until the hub has not answered for ``network_timeout``
 seconds (default 30): then the operation fails with one line naming the hub and the reason. The client's own
@@ -12,7 +12,7 @@ retry loops never see a transient error, so they add no time.
 
 Configuration is the client's own: ``~/.qai_hub/client.ini`` or the file named by ``QAIHUB_CLIENT_INI``. The
 API token is never printed, logged or written anywhere by this module: every message that leaves it goes
-through :func:`redact`.
+through ``redact``.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _cap_timeout(timeout, cap: float):
 
 
 class _Operation:
-    """One :meth:`Hub.call`: its network budget counts from the last answer the hub gave."""
+    """One ``Hub.call``: its network budget counts from the last answer the hub gave."""
 
     def __init__(self, hub: "Hub", what: str):
         self.hub = hub
@@ -225,7 +225,7 @@ class _Operation:
 
 
 def _install_transport() -> None:
-    """Make the client's HTTP adapter vlmrun's while a :meth:`Hub.call` runs (elsewhere it is unchanged)."""
+    """Make the client's HTTP adapter vlmrun's while a ``Hub.call`` runs (elsewhere it is unchanged)."""
     from qai_hub.util import session as client_session
 
     if getattr(client_session.HTTPAdapter, "_vlmrun", False):
@@ -495,7 +495,7 @@ def download_model_into(hub: Hub, model, out_dir: Path, final_name: str) -> tupl
 class Ledger:
     """``<state dir>/qaihub-jobs.json``: key -> {job_id, model_id, state, ...}, so a rerun re-attaches to a job
     an interrupted run submitted instead of uploading and submitting again. Written atomically under a lock.
-    The state directory is the artifact's own (:meth:`vlmrun.stages.CompileContext.state_dir`); keys name the
+    The state directory is the artifact's own (``vlmrun.stages.CompileContext.state_dir``); keys name the
     hub (api_url), the device and the options."""
 
     def __init__(self, root: Path):

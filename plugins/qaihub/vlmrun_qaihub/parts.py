@@ -2,8 +2,8 @@
 LLMs by on AI Hub.
 
 The ``decoder/parts`` export holds P parts, each a prompt (AR-N) and a token (AR-1) graph
-(:mod:`vlmrun_ort_reference.decoder_parts`). With ``weight_sharing`` on (the default for a hub compile: the
-binaries are for a device, see :func:`vlmrun_qnn_htp.options.resolve_sharing`):
+(``vlmrun_ort_reference.decoder_parts``). With ``weight_sharing`` on (the default for a hub compile: the
+binaries are for a device, see ``vlmrun_qnn_htp.options.resolve_sharing``):
 
 1. every graph is uploaded and compiled by one compile job, ``--target_runtime qnn_dlc --qnn_graph_name <name>``
    (Genie's ``{prompt|token}_ar{T}_cl{C}_{k}_of_{P}``), plus ``--qairt_version`` and ``hub_options`` as the other
@@ -13,7 +13,7 @@ binaries are for a device, see :func:`vlmrun_qnn_htp.options.resolve_sharing`):
    (the client refuses anything else: "Input model must be a QNN DLC model"), which is why step 1 compiles to
    ``qnn_dlc`` and not to ``qnn_context_binary``;
 3. the binaries are downloaded as ``part{k}_of_{P}_qnn.bin`` with an EP-context wrapper per graph, and the
-   manifest is qnn_htp's own (``decoder_parts``, written by :func:`vlmrun_qnn_htp.parts_compile.compile_parts` for a local
+   manifest is qnn_htp's own (``decoder_parts``, written by ``vlmrun_qnn_htp.parts_compile.compile_parts`` for a local
    compile), so qnn_htp loads the artifact and writes Genie's configuration from it unchanged; it records the jobs
    (``hub_compile_job`` per graph, ``hub_link_job`` per part, ``hub_link_jobs`` / ``hub_compile_jobs``).
 
@@ -41,9 +41,14 @@ import time
 from pathlib import Path
 
 from vlmrun.errors import BackendError, UsageError
+from vlmrun_qualcomm import parts as qparts  # the form's arithmetic, shared with qnn_htp
+from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
 from . import hub as hubmod
+from .devices import built_for, check_device_soc, expected_soc, make_device, resolve_device
 from .hub import HubJobFailed, HubJobTimeout, HubNotFound, HubUnreachable
+from .options import device_of, qairt_version_of
+from .reattach import forgotten, rerun_note
 
 GRAPHS = ("prompt", "token")
 
@@ -124,9 +129,7 @@ class _Steps:
         try:
             return self.hub.call(f"lookup of {kind} job {entry['job_id']}", self.hub.client.get_job, entry["job_id"])
         except HubNotFound as exc:
-            from . import _forgotten
-
-            _forgotten(self.hub, kind, entry["job_id"], exc)
+            forgotten(self.hub, kind, entry["job_id"], exc)
             self.ledger.drop(key)
             return None
 
@@ -157,10 +160,6 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     """Compile every part of the ``decoder/parts`` export ``source`` on the hub into ``out_dir``; the manifest."""
     import qai_hub
     from qai_hub.client import ModelMetadataKey
-    from vlmrun_qualcomm import parts as qparts  # the form's arithmetic, shared with qnn_htp
-    from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
-
-    from . import built_for, check_device_soc, device_of, expected_soc, make_device, qairt_version_of, resolve_device
 
     t0 = time.perf_counter()
     precision = str(options.get("precision") or "fp16").lower()
@@ -180,7 +179,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     link_opts = f"--qairt_version {qairt}" if qairt else ""
     ledger = hubmod.Ledger(state_dir)
     base = f"parts|{hub.api_url}|{spec}|{runtime}|{qairt or ''}|{extra}"
-    steps = _Steps(hub, ledger, base, dev, _rerun(rebuild), P)
+    steps = _Steps(hub, ledger, base, dev, rerun_note(rebuild), P)
     if rebuild:
         for k in ledger.keys(base + "|"):
             e = ledger.get(k) or {}
@@ -340,9 +339,3 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
                     "qairt_version": qairt, "client": str(getattr(qai_hub, "__version__", "?"))},
         },
     ).to_dict()
-
-
-def _rerun(rebuild: bool) -> str:
-    from . import REATTACH, REBUILD_NOTE
-
-    return REBUILD_NOTE if rebuild else REATTACH
