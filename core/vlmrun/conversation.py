@@ -9,7 +9,7 @@
 
 Every turn renders the whole history with the model's chat template (system, user and assistant turns, each
 picture's placeholder in the turn where it came) and tokenizes it, so a turn's token sequence is exactly the one a
-request computed from scratch would see. What a conversation keeps (:class:`KeptState`) is the decoder's state (its
+request computed from scratch would see. What a conversation keeps (`KeptState`) is the decoder's state (its
 KV cache, from the ``decoder_state`` hook) and the key of every position that state holds: the token id, or the
 picture's hash and row for an image position. A turn keeps the longest prefix its sequence shares with those keys,
 drops the rest (``DecoderState.truncate``) and prefills only what follows; the projector's output of a picture is
@@ -157,7 +157,7 @@ class KeptState:
 
 
 class ChatGeneration(Generation):
-    """One turn of a conversation: a :class:`vlmrun.generation.Generation` whose prompt is the whole history, of which
+    """One turn of a conversation: a `vlmrun.generation.Generation` whose prompt is the whole history, of which
     the decoder prefills only the positions its kept state does not hold. ``timings`` add ``prefill_tokens`` (the
     positions this turn fed the decoder) and ``reused_tokens`` (the positions taken from the kept state)."""
 

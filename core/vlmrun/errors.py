@@ -1,7 +1,7 @@
 """Errors vlmrun reports to users.
 
 Every problem a user can cause or fix (a bad image, an unknown plugin, a missing SDK tool, a tool that hangs)
-is raised as a :class:`VlmrunError` whose message is ONE line saying what is wrong and what to do. The CLI
+is raised as a `VlmrunError` whose message is ONE line saying what is wrong and what to do. The CLI
 prints that line and exits non-zero without a traceback (unless ``--debug``).
 """
 

@@ -1,6 +1,6 @@
 """A generation: the decoder's tokens streamed as text, with the figures of the request.
 
-:class:`Generation` is what :meth:`vlmrun.Pipeline.generate` and :meth:`vlmrun.conversation.Chat.ask` return: iterate
+`Generation` is what `vlmrun.Pipeline.generate` and `vlmrun.conversation.Chat.ask` return: iterate
 it for text pieces; afterwards ``token_ids``, ``text`` and ``timings`` are final.
 """
 

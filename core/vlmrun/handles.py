@@ -1,7 +1,7 @@
 """What the core reads from the handles plugins return from ``load_stage``.
 
 ``load_stage`` may return any object; the core reads nothing from it except through these classes. A handle
-that subclasses :class:`StageHandle` (or :class:`DecoderHandle` for the decoder) and sets their attributes tells
+that subclasses `StageHandle` (or `DecoderHandle` for the decoder) and sets their attributes tells
 the core what it loaded and what it measured; a plain object is a handle with nothing to report.
 
 >>> class MyVision(StageHandle):
@@ -21,7 +21,7 @@ class StageHandle:
     """Base class of a stage handle. Subclasses set what applies (instance attributes); the defaults say
     "nothing to report".
 
-    :ivar artifacts: the store artifacts (:class:`vlmrun.store.Artifact`) the stage runs from, reported by
+    :ivar artifacts: the store artifacts (`vlmrun.store.Artifact`) the stage runs from, reported by
         ``vlmrun compile``.
     :ivar last_profile: figures a device measured on the last ``run_stage`` (e.g. a hosted device's
         ``inference_ms``, ``peak_memory_bytes``, ``job_id``, ``device``), reported by ``vlmrun profile``.
@@ -53,7 +53,7 @@ class DecoderHandle(StageHandle):
 
     def engine_decode(self, request) -> "Iterator[int] | None":
         """With a ``runtime_name``: the engine behind ``run_stage`` decoding ``request`` (a
-        :class:`vlmrun.stages.DecodeRequest`) step by step over the same binaries as the runtime does (prefill,
+        `vlmrun.stages.DecodeRequest`) step by step over the same binaries as the runtime does (prefill,
         then one step per token: the same graphs in the same order), so that a diff compares the runtime with the
         engine graph for graph. ``None``: the diff compares with ``run_stage`` over the whole sequence."""
         return None
@@ -63,20 +63,20 @@ class DecoderState:
     """A decoder's state kept between the turns of a conversation (its KV cache over ``length`` positions), from the
     ``decoder_state`` hook. The core keeps one per conversation and calls, for each turn:
 
-    1. :meth:`truncate` to the longest prefix the kept positions share with the turn's whole token sequence (the
+    1. `truncate` to the longest prefix the kept positions share with the turn's whole token sequence (the
        history re-rendered; picture positions compared by the picture's hash): ``False`` when this state cannot drop
-       positions, and then the core calls :meth:`reset` and feeds the whole sequence;
-    2. :meth:`decode` with a :class:`vlmrun.stages.DecodeRequest` whose ``inputs_embeds`` are only the positions after
-       :attr:`length` (at least one): prefill them on top of the kept positions, then generate as the ``decode`` hook
+       positions, and then the core calls `reset` and feeds the whole sequence;
+    2. `decode` with a `vlmrun.stages.DecodeRequest` whose ``inputs_embeds`` are only the positions after
+       `length` (at least one): prefill them on top of the kept positions, then generate as the ``decode`` hook
        does. The positions fed (the new prompt rows and every generated token but the last, which is sampled and not
-       fed) stay in the state, and :attr:`length` counts them, also when the caller stops the iterator early.
+       fed) stay in the state, and `length` counts them, also when the caller stops the iterator early.
 
     A decoder whose runtime cannot keep state returns ``None`` from the hook; the core then decodes every turn from
     the start through ``decode`` (the same tokens, only slower).
     """
 
     length: int = 0
-    #: positions the state fed again on its own in the last :meth:`decode` (a runtime that cannot cut its cache
+    #: positions the state fed again on its own in the last `decode` (a runtime that cannot cut its cache
     #: replays the kept ones into a new one): the core counts them as prefilled, not reused
     replayed: int = 0
 
@@ -103,11 +103,11 @@ class DecoderState:
 
 class RequestState:
     """A conversation kept by a runtime that runs whole requests (``run_request``: a bundle's), from the
-    ``request_state`` hook. Each turn the core calls :meth:`run` with a :class:`vlmrun.stages.RequestRun` holding the
+    ``request_state`` hook. Each turn the core calls `run` with a `vlmrun.stages.RequestRun` holding the
     WHOLE conversation (``prompt_text`` rendered over every turn); the runtime compares it with what it holds, feeds
     only what is new when the conversation extends it (else starts again from nothing: the same answer, slower),
-    and sets :attr:`reused` (the positions it did not feed again) and :attr:`length` (the positions it holds, the
-    turn's generated tokens counted) as it goes. :meth:`close` releases what it holds (a worker process)."""
+    and sets `reused` (the positions it did not feed again) and `length` (the positions it holds, the
+    turn's generated tokens counted) as it goes. `close` releases what it holds (a worker process)."""
 
     length: int = 0
     reused: int = 0

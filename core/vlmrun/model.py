@@ -1,8 +1,8 @@
 """FastVLM checkpoints on disk, read without torch.
 
-:class:`FastVLMModel` reads a local checkpoint directory offline: transformers' native layout
+`FastVLMModel` reads a local checkpoint directory offline: transformers' native layout
 (``model_type: fast_vlm``) directly, Apple's original ``llava_qwen2`` layout through a one-time conversion
-into the artifact store (see :mod:`vlmrun.checkpoints`). Only :meth:`FastVLMModel.load_torch` imports torch.
+into the artifact store (see `vlmrun.checkpoints`). Only `FastVLMModel.load_torch` imports torch.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class FastVLMModel:
         return int(self.vision_config["hidden_size"])
 
     def dims(self) -> dict[str, int]:
-        """Symbolic dims of the stage contracts (:mod:`vlmrun.stages`)."""
+        """Symbolic dims of the stage contracts (`vlmrun.stages`)."""
         return {
             "S": self.image_size,
             "N": self.image_tokens,
@@ -257,14 +257,14 @@ def weights_hash(model_dir: Path, store: ArtifactStore | None = None) -> str:
 
 
 #: The default model: a small FastVLM (the real architecture) trained by ``scripts/train_tiny.py`` to answer
-#: questions about the pictures :mod:`vlmrun.shapes` draws; shipped with vlmrun (``training.json`` next to the
+#: questions about the pictures `vlmrun.shapes` draws; shipped with vlmrun (``training.json`` next to the
 #: weights records how it was trained and its accuracy).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "shapes-tiny"
 DEFAULT_MODEL_VERSION = "shapes-tiny-v1"
 
 
 def default_model(store: ArtifactStore, image_size: int | None = None, progress=None) -> FastVLMModel:
-    """The trained tiny FastVLM shipped with vlmrun (:data:`DEFAULT_MODEL_DIR`, 256 x 256 images).
+    """The trained tiny FastVLM shipped with vlmrun (`DEFAULT_MODEL_DIR`, 256 x 256 images).
 
     ``image_size`` other than its own (``None``: its own) gives the same weights with the image processor and
     ``image_seq_length`` set for that size (a copy in the artifact store, made once): the architecture runs at any

@@ -13,9 +13,9 @@ An option is a key of a stage's table in a layout file (``[vision] threads = 2``
 ``--option vision.threads=2`` on the command line, or, when it declares a ``flag``, that flag
 (``--precision int8``, applied to every stage whose backend or compiler declares the option).
 
-Before any export or compile, :func:`check_layout` checks each stage's options against what the stage's backend
+Before any export or compile, `check_layout` checks each stage's options against what the stage's backend
 (and its ``compiler``, when another plugin compiles for it) declares, plus the core's own options below:
-an unknown key, a value of the wrong type or outside its choices is one :class:`~vlmrun.errors.UsageError`
+an unknown key, a value of the wrong type or outside its choices is one `vlmrun.errors.UsageError`
 naming the key, the stage and the closest known option.
 """
 

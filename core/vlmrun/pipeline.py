@@ -109,7 +109,7 @@ CALIBRATION_PROMPT = "Describe the image."
 
 
 class StageCompileContext(CompileContext):
-    """The core's side of a compile (see :class:`vlmrun.stages.CompileContext`): reference activations come
+    """The core's side of a compile (see `vlmrun.stages.CompileContext`): reference activations come
     from a ``reference``-layout pipeline over the same model and store, built on first use."""
 
     def __init__(self, stage_ctx: StageContext, artifact: str):
@@ -188,7 +188,7 @@ def export_artifact(registry, store, model, form: ExportForm, progress: Progress
 
 
 class Pipeline:
-    """FastVLM on a layout: one loaded stage per backend. Build with :meth:`build`."""
+    """FastVLM on a layout: one loaded stage per backend. Build with `build`."""
 
     def __init__(self, model, layout, registry, store, handles, progress: Progress = no_progress):
         self.model: FastVLMModel = model
@@ -320,7 +320,7 @@ class Pipeline:
         return Prepared(pixel_values, ids, start, text)
 
     def prepare_messages(self, image, messages) -> Prepared:
-        """:meth:`prepare` for a whole conversation: ``messages`` as :func:`vlmrun.preprocess.render_messages`
+        """`prepare` for a whole conversation: ``messages`` as `vlmrun.preprocess.render_messages`
         takes them (system, user and assistant turns in order; the picture's ``{"type": "image"}`` part in the
         turn where it appears), rendered by the model's chat template with the generation prompt."""
         if isinstance(image, (str, os.PathLike)):
@@ -341,7 +341,7 @@ class Pipeline:
 
         ``timings`` gets each stage's latency (``<stage>_ms``: the device's own ``inference_ms`` when the handle
         reports one, with the host's wall time as ``<stage>_wall_ms``), ``tensors`` each boundary tensor and
-        ``profiles`` each stage's device figures (:attr:`vlmrun.handles.StageHandle.last_profile`), when given.
+        ``profiles`` each stage's device figures (`vlmrun.handles.StageHandle.last_profile`), when given.
         """
         feats, img = self.image_embeds(prepared.pixel_values, timings, profiles)
         txt = self._timed("embed", {"input_ids": prepared.input_ids}, timings, profiles)["inputs_embeds"]
@@ -353,7 +353,7 @@ class Pipeline:
     def image_embeds(self, pixel_values: np.ndarray, timings: dict | None = None,
                      profiles: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
         """vision -> projector for one picture: (``image_features``, ``image_embeds`` [1, N, H]); ``timings`` and
-        ``profiles`` as :meth:`embed_prompt` fills them."""
+        ``profiles`` as `embed_prompt` fills them."""
         feats = self._timed("vision", {"pixel_values": pixel_values}, timings, profiles)["image_features"]
         img = self._timed("projector", {"image_features": feats}, timings, profiles,
                           self.layout.backend("vision"))["image_embeds"]
@@ -361,7 +361,7 @@ class Pipeline:
 
     def _timed(self, stage: str, inputs: dict, timings: dict | None, profiles: dict | None,
                producer: str = "the caller") -> dict:
-        """:meth:`run_stage` with its latency in ``timings`` (``<stage>_ms``: the device's own ``inference_ms`` when
+        """`run_stage` with its latency in ``timings`` (``<stage>_ms``: the device's own ``inference_ms`` when
         the handle reports one, the host's wall time as ``<stage>_wall_ms``) and its device figures in ``profiles``."""
         t = time.perf_counter()
         out = self.run_stage(stage, inputs, producer)
@@ -389,20 +389,20 @@ class Pipeline:
         return None if backend is None else self.registry.hook.request_state(backend=backend, handles=dict(self.handles))
 
     def new_kept_state(self) -> KeptState:
-        """What a new conversation keeps between its turns (:class:`vlmrun.conversation.KeptState`)."""
+        """What a new conversation keeps between its turns (`vlmrun.conversation.KeptState`)."""
         return KeptState(self.decoder_state(), self.request_state())
 
     def generate_turn(self, plan, kept=None, settings: GenerationSettings = GenerationSettings()) -> Generation:
-        """One turn of a conversation already planned (:func:`vlmrun.conversation.plan_turn`), continuing from
-        ``kept`` (a :class:`vlmrun.conversation.KeptState`; ``None``: a new one): what a server runs per request."""
+        """One turn of a conversation already planned (`vlmrun.conversation.plan_turn`), continuing from
+        ``kept`` (a `vlmrun.conversation.KeptState`; ``None``: a new one): what a server runs per request."""
         if settings.max_new_tokens < 1:
             raise InputError("max_new_tokens must be at least 1")
         return ChatGeneration(self, plan, kept if kept is not None else self.new_kept_state(), settings)
 
     def chat(self, system: str | None = None, settings: GenerationSettings = GenerationSettings(),
              keep_state: bool = True) -> Chat:
-        """A conversation on this pipeline (:class:`vlmrun.conversation.Chat`): ``chat.ask(prompt, image=None)``
-        returns a streaming :class:`Generation` per turn; the decoder's state is kept between turns (``keep_state``:
+        """A conversation on this pipeline (`vlmrun.conversation.Chat`): ``chat.ask(prompt, image=None)``
+        returns a streaming `Generation` per turn; the decoder's state is kept between turns (``keep_state``:
         ``False`` recomputes every turn from the start, the same tokens)."""
         return Chat(self, system=system, settings=settings, keep_state=keep_state)
 
@@ -427,7 +427,7 @@ class Pipeline:
 
     def generate_prepared(self, prepared: Prepared, settings: GenerationSettings = GenerationSettings(),
                           keep_logits: bool = False, teacher_tokens: Sequence[int] | None = None) -> Generation:
-        """:meth:`generate` for inputs already :meth:`prepare`-d (a server checks them before queueing).
+        """`generate` for inputs already `prepare`-d (a server checks them before queueing).
 
         ``teacher_tokens``: teacher forcing through the decoder's own runtime (step k takes token k)."""
         if settings.max_new_tokens < 1:
@@ -449,7 +449,7 @@ class Pipeline:
     @property
     def runtime_name(self) -> str | None:
         """The runtime that generates, when it is not the engine behind ``run_stage`` for the decoder (e.g.
-        a vendor runtime over binaries vlmrun's host engine also runs): see :attr:`vlmrun.handles.DecoderHandle.runtime_name`."""
+        a vendor runtime over binaries vlmrun's host engine also runs): see `vlmrun.handles.DecoderHandle.runtime_name`."""
         return runtime_of(self.handles.get("decoder"))
 
     def _forced_rows(self, embeds: np.ndarray, forced: list[int], settings: GenerationSettings,
@@ -482,7 +482,7 @@ class Pipeline:
         its logits while generating and it generated exactly the forced tokens, those rows are the teacher-forced
         ones already; otherwise the decoder stage runs once more over the prompt plus the forced tokens.
 
-        When the decoder's runtime is not the engine behind ``run_stage`` (:attr:`runtime_name`, e.g. a vendor runtime), the
+        When the decoder's runtime is not the engine behind ``run_stage`` (`runtime_name`, e.g. a vendor runtime), the
         free-running generation is the runtime's as it ships (its own sampler), ``logits`` are the engine's over
         the same binaries, and ``runtime_logits`` are the runtime's own, teacher-forced through it on the same
         tokens (its ``teacher_tokens``): the two sides of the runtime boundary.

@@ -2,7 +2,7 @@
 
 ``VLMRUN_PLUGINS`` (comma-separated names) restricts which entry points are loaded; unset means all.
 A plugin that raises on import, implements a hook that does not exist (a misspelt name: pluggy's
-``check_pending``) or fails to describe itself or its options is recorded in :attr:`Registry.failures` with one
+``check_pending``) or fails to describe itself or its options is recorded in `Registry.failures` with one
 line and skipped, never fatal; ``vlmrun plugins`` shows it.
 """
 

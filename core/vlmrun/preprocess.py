@@ -131,7 +131,7 @@ def render_messages(chat_template: str, messages) -> str:
 
 
 def count_images(messages) -> int:
-    """The pictures of ``messages`` (``{"type": "image"}`` parts); each role checked to be one of :data:`ROLES`."""
+    """The pictures of ``messages`` (``{"type": "image"}`` parts); each role checked to be one of `ROLES`."""
     images = 0
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
@@ -143,7 +143,7 @@ def count_images(messages) -> int:
 
 
 def render_conversation(chat_template: str, messages) -> str:
-    """:func:`render_messages` for a conversation with any number of pictures (none, or one in several turns): one
+    """`render_messages` for a conversation with any number of pictures (none, or one in several turns): one
     ``<image>`` placeholder where each picture appears, in order."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -164,7 +164,7 @@ def render_conversation(chat_template: str, messages) -> str:
 def tokenize_conversation(tokenizer, text: str, image_token_id: int, image_tokens: int) -> tuple[np.ndarray, list[int]]:
     """Token ids [1, T] int64 with every ``<image>`` placeholder expanded to ``image_tokens`` copies, and where
     each picture's positions start (in order). The text between placeholders is tokenized piece by piece, as
-    :func:`tokenize_prompt` does for one picture."""
+    `tokenize_prompt` does for one picture."""
     pieces = text.split(IMAGE_PLACEHOLDER)
     ids: list[int] = []
     starts: list[int] = []

@@ -13,14 +13,14 @@ questions of four kinds::
                                                  "An orange star on a gray background."
                                                  (two shapes: left to right)
 
-Conversations (:func:`conversations`) ask one to three of those questions in turn: about one scene, or, after a
+Conversations (`conversations`) ask one to three of those questions in turn: about one scene, or, after a
 question, ``"And this one?"`` with a new picture whose answer is the same kind of answer about it::
 
     "What shape is in the image?" -> "A circle."   "And this one?" (a new picture) -> "A square."
 
-Everything is deterministic from a seed (:class:`random.Random`, Pillow drawing). :func:`write_dataset` writes
+Everything is deterministic from a seed (`random.Random`, Pillow drawing). `write_dataset` writes
 a JSONL data set (``{"image", "question", "answer", "kind"}``, image paths relative to the file) with its
-PNG images; :func:`write_conversations` one of conversations (``{"image", "turns", "kind"}``). Needs only Pillow.
+PNG images; `write_conversations` one of conversations (``{"image", "turns", "kind"}``). Needs only Pillow.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     pixel_values --[vision]--> image_features --[projector]--> image_embeds ---+
     input_ids ----[embed]----> inputs_embeds (text) ---------------- splice ---+--> [decoder] --> tokens
 
-Shapes are written with symbolic dims filled from the model (:meth:`vlmrun.model.FastVLMModel.dims`):
+Shapes are written with symbolic dims filled from the model (`vlmrun.model.FastVLMModel.dims`):
 ``S`` image size, ``N`` image tokens, ``F`` vision feature width, ``H`` LLM hidden size, ``V`` vocab rows,
 ``T`` a sequence length (free).
 """
@@ -110,8 +110,8 @@ class ExportForm:
 
     ``kind`` names the form (``vision``, ``projector``, ``embed``, ``embed/lut``, ``decoder/kv``,
     ``decoder/fixed``); ``params`` are sorted ``(key, value)`` pairs (e.g. ``ar``, ``ctx``, ``seq``).
-    ``probe=True`` (:meth:`probe`) asks for the same graph with extra outputs at layer granularity (``vlmrun diff
-    --locate``); its manifest names them (``probe_outputs``, see :func:`probe_outputs`).
+    ``probe=True`` (`probe`) asks for the same graph with extra outputs at layer granularity (``vlmrun diff
+    --locate``); its manifest names them (``probe_outputs``, see `probe_outputs`).
     """
 
     stage: str
@@ -130,7 +130,7 @@ class ExportForm:
         return self.kind + (f"[{extra}]" if extra else "")
 
     def probe(self) -> "ExportForm":
-        """This form with ``probe=True``: the same graph plus its layer outputs (see :func:`probe_outputs`)."""
+        """This form with ``probe=True``: the same graph plus its layer outputs (see `probe_outputs`)."""
         return ExportForm(self.stage, self.kind, tuple(sorted({**dict(self.params), "probe": True}.items())))
 
     @property
@@ -179,7 +179,7 @@ class RequestRun:
     :ivar input_ids: int64 [1, T], the image placeholder expanded (what the stage-by-stage path embeds).
     :ivar image_start: where the image's rows start in ``input_ids``.
     :ivar prompt_text: the rendered chat template, with the image placeholder once (not expanded).
-    :ivar max_new_tokens: the budget; ``sampling``: a :class:`vlmrun.sampling.SamplingSettings`; ``stop_ids``:
+    :ivar max_new_tokens: the budget; ``sampling``: a `vlmrun.sampling.SamplingSettings`; ``stop_ids``:
         the tokens that end generation (empty: none).
     :ivar tensors: a dict the backend fills with the stage-boundary tensors it saw (e.g. ``image_embeds`` from
         its image encoder), for diffs.
@@ -205,11 +205,11 @@ class RequestRun:
 class BundleRequest:
     """What a ``write_bundle`` hook gets.
 
-    :ivar model: the :class:`vlmrun.model.FastVLMModel`.
-    :ivar layout: the :class:`vlmrun.layouts.Layout` the bundle is made from (every stage on the hook's backend).
+    :ivar model: the `vlmrun.model.FastVLMModel`.
+    :ivar layout: the `vlmrun.layouts.Layout` the bundle is made from (every stage on the hook's backend).
     :ivar out_dir: an empty temporary directory; the core renames it to the user's folder on success.
     :ivar target: ``local`` (this machine's runtime) or ``android`` (a phone).
-    :ivar context: ``context(stage, options=None)`` -> a :class:`vlmrun.pipeline.StageContext` for the stage (its
+    :ivar context: ``context(stage, options=None)`` -> a `vlmrun.pipeline.StageContext` for the stage (its
         layout options, or ``options``), whose ``exported`` / ``compiled`` cache artifacts in the store.
     :ivar progress: ``progress(label)`` context manager for long steps.
     """
@@ -227,8 +227,8 @@ class CompileRequest:
     """Everything a ``compile`` hook gets: what to compile, for whom, where to write, and a narrow context.
 
     :ivar stage: the stage name.
-    :ivar model: the :class:`vlmrun.model.FastVLMModel`.
-    :ivar source: the :class:`vlmrun.store.Artifact` of the exported ONNX stage.
+    :ivar model: the `vlmrun.model.FastVLMModel`.
+    :ivar source: the `vlmrun.store.Artifact` of the exported ONNX stage.
     :ivar options: the options that key the binary (what the loading backend passed to ``ctx.compiled``).
     :ivar stage_options: all of the stage's layout options, checked against the declarations (a remote
         compiler's device or timeout live here).
@@ -237,7 +237,7 @@ class CompileRequest:
     :ivar out_dir: an empty temporary directory; it becomes the artifact if the hook returns normally.
     :ivar artifact: the name the result will have in the store (stable across runs).
     :ivar rebuild: the user asked to rebuild (``--rebuild``): cached remote results are stale.
-    :ivar context: a :class:`CompileContext`: what compilers may ask of the core.
+    :ivar context: a `CompileContext`: what compilers may ask of the core.
     """
 
     stage: str
@@ -254,7 +254,7 @@ class CompileRequest:
 
 
 class CompileContext:
-    """What a compiler may ask of the core while it compiles (implemented by :mod:`vlmrun.pipeline`)."""
+    """What a compiler may ask of the core while it compiles (implemented by `vlmrun.pipeline`)."""
 
     def reference_inputs(self, images: Sequence[object] | None = None,
                          prompts: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
