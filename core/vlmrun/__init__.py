@@ -1,6 +1,6 @@
 """vlmrun: run FastVLM stage by stage on pluggable backends.
 
-The public API (see :mod:`vlmrun.pipeline` for examples)::
+The public API (see `vlmrun.pipeline` for examples)::
 
     Pipeline.build(model=None, layout="reference", overrides={"vision": "acme_npu"}) -> Pipeline
     Pipeline.generate(image, prompt, GenerationSettings(...)) -> Generation (iterate for streamed text)

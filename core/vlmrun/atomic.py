@@ -1,6 +1,6 @@
 """Directories that appear complete or not at all, and the clean-up of the ones a killed run left behind.
 
-:func:`atomic_directory` is the one place vlmrun builds a directory (store artifacts, ``make_tiny``, checkpoint
+`atomic_directory` is the one place vlmrun builds a directory (store artifacts, ``make_tiny``, checkpoint
 conversions). It makes a temporary directory next to the destination (same filesystem, so the final rename is
 atomic)::
 
@@ -10,7 +10,7 @@ atomic)::
         old/                a replaced <dest>, moved aside and deleted with the rest
 
 On any exception (``KeyboardInterrupt`` included) the whole temporary directory is removed. A run killed with
-SIGKILL cannot clean up; :func:`is_stale` tells such a leftover from a build in progress: its builder's pid is
+SIGKILL cannot clean up; `is_stale` tells such a leftover from a build in progress: its builder's pid is
 gone or belongs to a process started at another time (pid reuse). Builders on another host cannot be checked:
 their directories are left alone for a day.
 """
@@ -72,7 +72,7 @@ def _boot_id() -> str | None:
 
 
 def owner_record() -> dict:
-    """What :func:`atomic_directory` writes into its temporary directory about the current process."""
+    """What `atomic_directory` writes into its temporary directory about the current process."""
     pid = os.getpid()
     return {"pid": pid, "start_time": process_start_time(pid), "host": socket.gethostname(), "boot_id": _boot_id(),
             "created": time.time()}
@@ -196,7 +196,7 @@ def atomic_directory(dest: str | os.PathLike, *, replace: bool = False) -> Itera
 
 def discard(path: str | os.PathLike) -> None:
     """Delete the directory ``path`` as one step for readers: it is first renamed into an owned temporary
-    directory (which a killed run leaves for :func:`is_stale` to find), then removed."""
+    directory (which a killed run leaves for `is_stale` to find), then removed."""
     path = Path(path).absolute()
     if not os.path.lexists(path):
         return

@@ -2,14 +2,14 @@
 
 Two layouts exist (see ``/work/shared/reference/fastvlm.md``):
 
-* :data:`NATIVE` (``model_type: fast_vlm``): ``FastVlmForConditionalGeneration`` -- a ``TimmWrapperModel`` around
+* `NATIVE` (``model_type: fast_vlm``): ``FastVlmForConditionalGeneration`` -- a ``TimmWrapperModel`` around
   timm's ``fastvit_mci3``, ``multi_modal_projector.linear_1/2`` and a Qwen2 decoder; an ``<image>`` token that the
   processor repeats ``image_seq_length`` times; ``LlavaProcessor`` (patch size 64) + ``CLIPImageProcessor``.
-* :data:`APPLE` (``model_type: llava_qwen2``): Apple's ``LlavaQwen2ForCausalLM`` (github apple/ml-fastvlm) -- the
+* `APPLE` (``model_type: llava_qwen2``): Apple's ``LlavaQwen2ForCausalLM`` (github apple/ml-fastvlm) -- the
   MobileCLIP ``MCi`` tower under ``model.vision_tower.vision_tower.model.*``, ``model.mm_projector.0/2``, the Qwen2
   keys at ``model.*``; no ``<image>`` token (Apple's code splices an ``IMAGE_TOKEN_INDEX = -200`` placeholder).
 
-:func:`convert_apple_to_native` follows transformers' conversion script
+`convert_apple_to_native` follows transformers' conversion script
 (huggingface/transformers ``src/transformers/models/fast_vlm/convert_fastvlm_weights_to_hf.py``): the same key
 renames, ``head.proj`` dropped, an ``<image>`` token appended to the tokenizer (it takes the place of Apple's -200
 placeholder and its id becomes ``image_token_id``), the vocabulary grown by one row and padded to a multiple of 64,
@@ -20,13 +20,13 @@ the same up to noise), and the chat template is the project's rendering of Apple
 (``vlmrun.tiny.CHAT_TEMPLATE``; the script's template renders the same prompt for an image + text user turn but
 drops string contents such as a system prompt).
 
-:func:`save_as_apple` is the inverse, used by the tests to make an Apple-layout checkpoint from a native one. Apple's
+`save_as_apple` is the inverse, used by the tests to make an Apple-layout checkpoint from a native one. Apple's
 layout has no room for the native vocabulary rows past Apple's ``vocab_size`` (the ``<image>`` row and the padding);
-so that the round trip is lossless it stores them in a side file, :data:`EXTRA_ROWS_FILE`, which
-:func:`convert_apple_to_native` uses instead of the mean rows when present. Real Apple checkpoints have no such file.
+so that the round trip is lossless it stores them in a side file, `EXTRA_ROWS_FILE`, which
+`convert_apple_to_native` uses instead of the mean rows when present. Real Apple checkpoints have no such file.
 
-The conversion also writes :data:`CONVERSION_FILE` (Apple's ``vocab_size`` among others: the sampler never picks
-the rows past it, which Apple's model does not have). :func:`conversion_digest` hashes every file that shapes a
+The conversion also writes `CONVERSION_FILE` (Apple's ``vocab_size`` among others: the sampler never picks
+the rows past it, which Apple's model does not have). `conversion_digest` hashes every file that shapes a
 conversion (weights, config, generation config, tokenizer files, chat template, processor config); the
 artifact store keys converted checkpoints by it. A sharded checkpoint is read through its
 ``model.safetensors.index.json``, and a shard it lists but the directory lacks is named.
@@ -64,9 +64,9 @@ __all__ = [
 NATIVE = "fast_vlm"
 APPLE = "llava_qwen2"
 
-#: Side file written by :func:`save_as_apple`: native vocabulary rows beyond Apple's ``vocab_size``.
+#: Side file written by `save_as_apple`: native vocabulary rows beyond Apple's ``vocab_size``.
 EXTRA_ROWS_FILE = "vlmrun_extra_vocab_rows.safetensors"
-#: Written by :func:`convert_apple_to_native` beside the converted checkpoint: what the source model was
+#: Written by `convert_apple_to_native` beside the converted checkpoint: what the source model was
 #: (``source_vocab_size``: the rows Apple's model has; the rows past it exist only for ``<image>`` and padding).
 CONVERSION_FILE = "vlmrun_conversion.json"
 #: A sharded checkpoint's map of weight name -> shard file (transformers' name).
@@ -184,7 +184,7 @@ def _native_vision_to_apple(rel: str) -> str:
 
 
 def native_key_to_apple(key: str) -> str:
-    """Rename one native (``fast_vlm``) key to Apple's; checked to invert :func:`apple_key_to_native` exactly."""
+    """Rename one native (``fast_vlm``) key to Apple's; checked to invert `apple_key_to_native` exactly."""
     if key.startswith(_NATIVE_VISION_PREFIX):
         try:
             apple = _APPLE_VISION_PREFIX + _native_vision_to_apple(key[len(_NATIVE_VISION_PREFIX):])
@@ -236,7 +236,7 @@ def _read_config(model_dir: str | os.PathLike) -> tuple[pathlib.Path, dict]:
 
 
 def detect_layout(model_dir: str | os.PathLike) -> str:
-    """:data:`NATIVE` or :data:`APPLE`, from ``config.json``; :class:`InputError` for anything that is not FastVLM."""
+    """`NATIVE` or `APPLE`, from ``config.json``; `InputError` for anything that is not FastVLM."""
     path, cfg = _read_config(model_dir)
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
@@ -272,7 +272,7 @@ def _atomic_dir(out_dir: str | os.PathLike, build) -> pathlib.Path:
 
 
 def _indexed_weight_files(path: pathlib.Path) -> list[pathlib.Path] | None:
-    """The shards :data:`SAFETENSORS_INDEX` names (``None`` without an index); a missing shard is named."""
+    """The shards `SAFETENSORS_INDEX` names (``None`` without an index); a missing shard is named."""
     index = path / SAFETENSORS_INDEX
     if not index.is_file():
         return None
@@ -293,7 +293,7 @@ def _indexed_weight_files(path: pathlib.Path) -> list[pathlib.Path] | None:
 
 
 def check_shards(model_dir: str | os.PathLike) -> None:
-    """Raise :class:`InputError` naming a shard that ``model.safetensors.index.json`` lists but is missing."""
+    """Raise `InputError` naming a shard that ``model.safetensors.index.json`` lists but is missing."""
     _indexed_weight_files(pathlib.Path(model_dir).expanduser())
 
 
@@ -463,10 +463,10 @@ def conversion_inputs(model_dir: str | os.PathLike) -> list[pathlib.Path]:
     """Every file of a checkpoint directory that shapes its conversion, sorted by name.
 
     The weights the conversion reads (the shards ``model.safetensors.index.json`` names, else every
-    ``*.safetensors``, plus :data:`EXTRA_ROWS_FILE`) and every configuration, tokenizer, chat-template and
+    ``*.safetensors``, plus `EXTRA_ROWS_FILE`) and every configuration, tokenizer, chat-template and
     processor file (``*.json``, ``*.txt``, ``*.jinja``, ...), whatever its name, so that a tokenizer stored as
     vocab.json + merges.txt + added_tokens.json counts as much as a tokenizer.json. READMEs, licences and hidden
-    files do not count. A shard the index lists but the directory lacks raises :class:`InputError` naming it.
+    files do not count. A shard the index lists but the directory lacks raises `InputError` naming it.
     """
     path = pathlib.Path(model_dir).expanduser()
     files = {p.name: p for p in _weight_files(path)}
@@ -479,10 +479,10 @@ def conversion_inputs(model_dir: str | os.PathLike) -> list[pathlib.Path]:
 
 
 def conversion_digest(model_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
-    """sha256 (16 hex digits) over the names and contents of :func:`conversion_inputs`: the conversion's key.
+    """sha256 (16 hex digits) over the names and contents of `conversion_inputs`: the conversion's key.
 
     Files up to the store's full-hash limit (every tokenizer and config file) are hashed on every call; a larger
-    weight file's hash is kept in ``cache_dir/``:data:`FILE_HASHES` and reused while its size, mtime, ctime and
+    weight file's hash is kept in ``cache_dir/```FILE_HASHES` and reused while its size, mtime, ctime and
     inode are unchanged (as the store does for its own multi-GB files).
     """
     import hashlib
@@ -723,7 +723,7 @@ def save_as_apple(native_dir: str | os.PathLike, out_dir: str | os.PathLike) -> 
     config.json as apple/FastVLM-0.5B's (Qwen2 keys at the top level plus Apple's llava keys), with a
     ``vision_config`` block recording the timm tower's ``model_args``; Apple's key names in model.safetensors (plus
     a zero ``head.proj`` as MCi carries); the tokenizer without ``<image>``; Qwen2's chat template; a
-    CLIPImageProcessor ``preprocessor_config.json``; and :data:`EXTRA_ROWS_FILE` with the vocabulary rows Apple's
+    CLIPImageProcessor ``preprocessor_config.json``; and `EXTRA_ROWS_FILE` with the vocabulary rows Apple's
     layout has no room for. Tensors keep their dtype.
     """
     src, cfg = _read_config(native_dir)

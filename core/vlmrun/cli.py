@@ -1,4 +1,4 @@
-"""The ``vlmrun`` command: a thin layer over :mod:`vlmrun.pipeline`.
+"""The ``vlmrun`` command: a thin layer over `vlmrun.pipeline`.
 
     vlmrun --image photo.jpg --prompt "Describe the image." [--layout reference] [--vision X --decoder Y]
     vlmrun demo | export | plugins | make-tiny DIR | doctor

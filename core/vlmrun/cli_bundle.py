@@ -1,7 +1,7 @@
-"""``vlmrun bundle``: the deployable folder of a layout (registered in :mod:`vlmrun.cli` as ``bundle_command``).
+"""``vlmrun bundle``: the deployable folder of a layout (registered in `vlmrun.cli` as ``bundle_command``).
 
 The core only resolves the layout, finds the one backend all its stages are on and hands it a
-:class:`vlmrun.stages.BundleRequest` (``write_bundle`` hook) or the folder (``verify_bundle`` hook); what a bundle
+`vlmrun.stages.BundleRequest` (``write_bundle`` hook) or the folder (``verify_bundle`` hook); what a bundle
 holds is the backend's business. The folder appears only when the bundle is complete: it is written into a
 temporary directory beside ``OUT`` and renamed.
 """

@@ -1,5 +1,5 @@
-"""``vlmrun chat``: a conversation in the terminal, over :class:`vlmrun.conversation.Chat` (registered in
-:mod:`vlmrun.cli` as ``chat_command``)."""
+"""``vlmrun chat``: a conversation in the terminal, over `vlmrun.conversation.Chat` (registered in
+`vlmrun.cli` as ``chat_command``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``vlmrun diff``: the command over :mod:`vlmrun.diff` (registered in :mod:`vlmrun.cli` as ``diff_command``)."""
+"""``vlmrun diff``: the command over `vlmrun.diff` (registered in `vlmrun.cli` as ``diff_command``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``vlmrun eval``: the command over :mod:`vlmrun.eval` (registered in :mod:`vlmrun.cli` as ``eval_command``)."""
+"""``vlmrun eval``: the command over `vlmrun.eval` (registered in `vlmrun.cli` as ``eval_command``)."""
 
 from __future__ import annotations
 

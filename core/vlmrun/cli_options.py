@@ -56,7 +56,7 @@ def _click_type(declared):
 
 def stage_option_flags(f):
     """Every flag the installed plugins (and the core) declare for their per-stage options, plus the generic
-    ``--option STAGE.KEY=VALUE``. The values reach the layout through :func:`layout_overrides`."""
+    ``--option STAGE.KEY=VALUE``. The values reach the layout through `layout_overrides`."""
     f = click.option("--option", "-o", "option_specs", multiple=True, metavar="STAGE.KEY=VALUE",
                      help="Set one per-stage option, e.g. -o vision.precision=int8 (repeatable; `vlmrun plugins"
                           " --options` lists them).")(f)

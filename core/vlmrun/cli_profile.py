@@ -4,7 +4,7 @@
 
 The stage is compiled (cached in the artifact store), run once on inputs made from the demo image (vision),
 a prompt (embed) or seeded random features (projector), and the figures the backend's handle reports as
-``last_profile`` (:class:`vlmrun.handles.StageHandle`) are printed, e.g. a hosted device's inference time,
+``last_profile`` (`vlmrun.handles.StageHandle`) are printed, e.g. a hosted device's inference time,
 load times and peak memory.
 """
 

@@ -1,5 +1,5 @@
-"""``vlmrun store list|verify|prune``: the artifact store from the command line (registered in :mod:`vlmrun.cli`
-as ``store_group``). The work is done by :class:`vlmrun.store.ArtifactStore`."""
+"""``vlmrun store list|verify|prune``: the artifact store from the command line (registered in `vlmrun.cli`
+as ``store_group``). The work is done by `vlmrun.store.ArtifactStore`."""
 
 from __future__ import annotations
 

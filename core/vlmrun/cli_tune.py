@@ -1,4 +1,4 @@
-"""``vlmrun tune``: the command over :mod:`vlmrun.tune` (registered in :mod:`vlmrun.cli` as ``tune_command``)."""
+"""``vlmrun tune``: the command over `vlmrun.tune` (registered in `vlmrun.cli` as ``tune_command``)."""
 
 from __future__ import annotations
 

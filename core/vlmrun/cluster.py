@@ -3,7 +3,7 @@ checking that every node sees the artifact store.
 
 The store is shared by path: every node must see it at the same path (a shared filesystem). Tasks compile into it
 (the store's atomic builds make two nodes building one artifact safe) and write their eval results there; what they
-return to the driver are figures. :func:`connect` checks that each node sees the store before any task runs, and
+return to the driver are figures. `connect` checks that each node sees the store before any task runs, and
 says what to do when one does not.
 """
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-#: What the default model answers to the demo's question ("Describe the image.") about :func:`demo_image`.
+#: What the default model answers to the demo's question ("Describe the image.") about `demo_image`.
 DEMO_ANSWER = "A red circle on a blue background."
 
 
 def demo_image(size: int = 640):
     """A red circle on a blue (vertical gradient) background, ``size`` x ``size * 3 / 4`` pixels (not square, to
     exercise padding), as a PIL RGB image: one of the pictures the default model was trained on
-    (:data:`vlmrun.shapes.DEMO_SCENE`)."""
+    (`vlmrun.shapes.DEMO_SCENE`)."""
     import attrs
 
     from .shapes import DEMO_SCENE

@@ -8,7 +8,7 @@ Plugins drive SDK tools, device transports and worker processes through these tw
 
 A tool is started in its own session (process group), so a timeout or an interrupt kills it *and* whatever it
 started (a shell, a device server's round trip, a child holding the pipes). Failing to start and timing out are one
-:class:`vlmrun.errors.BackendError` line each; a non-zero exit is the caller's to judge (it knows the tool).
+`vlmrun.errors.BackendError` line each; a non-zero exit is the caller's to judge (it knows the tool).
 """
 
 from __future__ import annotations

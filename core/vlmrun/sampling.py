@@ -128,7 +128,7 @@ def _draw(order: np.ndarray, cum: np.ndarray, u: float, normalise: bool = True) 
 
 
 def sample_sorted(logits: np.ndarray, s: SamplingSettings, rng: np.random.Generator) -> int:
-    """The plain algorithm :func:`sample` reproduces: a stable sort of the whole vocabulary, top-k, softmax over the
+    """The plain algorithm `sample` reproduces: a stable sort of the whole vocabulary, top-k, softmax over the
     kept ones, top-p cut, ``rng.choice``. vlmrun's sampler until partial selection; kept as the reference it is
     held to (tests, ``benchmarks/serve.py``)."""
     scaled = logits.astype(np.float64) / s.temperature

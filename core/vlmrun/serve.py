@@ -10,7 +10,7 @@
 Every response carries ``usage`` and vlmrun's own figures (``vlmrun.timings``: per-stage ms, TTFT, tokens/s).
 
 Concurrency: a device has one of each stage, so a layout runs one generation at a time unless every backend of it
-says its stages are safe to share (:attr:`vlmrun.plugins.BackendInfo.concurrent`: the reference layout); then
+says its stages are safe to share (`vlmrun.plugins.BackendInfo.concurrent`: the reference layout); then
 ``--concurrency`` generations (default 2, this machine's cores) run in parallel. Requests beyond those wait in a
 bounded queue (``--max-queue``); when it is full the answer is 429 with ``Retry-After``. A client that disconnects
 cancels its generation (the next token is not computed) and frees its slot; a request that runs past
@@ -188,8 +188,8 @@ def decode_image(url: str, allowed_media: Path | None = None):
 
 
 def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRequest:
-    """The JSON body of /v1/chat/completions as a :class:`ChatRequest`, or a RequestError; local image paths are
-    read only under ``allowed_media`` (see :func:`decode_image`)."""
+    """The JSON body of /v1/chat/completions as a `ChatRequest`, or a RequestError; local image paths are
+    read only under ``allowed_media`` (see `decode_image`)."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -425,7 +425,7 @@ def create_app(pipe, *, model_id: str | None = None, concurrency: int | None = N
                request_timeout: float = 600.0, api_key: str | None = None,
                allowed_local_media_path: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
                max_conversations: int = 16, conversation_cache_mb: float = 1024.0):
-    """The FastAPI app serving ``pipe`` (a built :class:`vlmrun.pipeline.Pipeline`). ``api_key``: required as a
+    """The FastAPI app serving ``pipe`` (a built `vlmrun.pipeline.Pipeline`). ``api_key``: required as a
     Bearer token on every /v1 endpoint; ``allowed_local_media_path``: the one folder local image paths may name
     (none by default); ``max_request_bytes``: a body's limit (413 beyond, before it is read); ``max_conversations``
     and ``conversation_cache_mb``: the kept decoder states of answered conversations (0: keep none)."""

@@ -2,12 +2,12 @@
 
 One directory per key (weights hash, stage, backend, form, options, versions) with a ``manifest.json``
 that lists every file with its size and sha256. Artifacts are built in a temporary directory and renamed
-into place (:func:`vlmrun.atomic.atomic_directory`), so a killed run never leaves a directory that looks
-complete; an artifact whose files do not match its manifest is rebuilt. :meth:`ArtifactStore.clean_stale`
+into place (`vlmrun.atomic.atomic_directory`), so a killed run never leaves a directory that looks
+complete; an artifact whose files do not match its manifest is rebuilt. `ArtifactStore.clean_stale`
 removes the temporary directories of builders that are gone. The mtime of an artifact's ``manifest.json`` is
 when it was last used (``lookup`` touches it; the manifest is not among the checksummed files).
 
-:meth:`ArtifactStore.entries`, :meth:`~ArtifactStore.verify` and :meth:`~ArtifactStore.prune` are what
+`ArtifactStore.entries`, `ArtifactStore.verify` and `ArtifactStore.prune` are what
 ``vlmrun store list|verify|prune`` show.
 
 Location: ``--cache-dir``, else ``$VLMRUN_CACHE_DIR``, else ``$XDG_CACHE_HOME/vlmrun`` (``~/.cache/vlmrun``).
@@ -72,7 +72,7 @@ def _intact(f: Path, meta: Mapping[str, object]) -> bool:
 
 
 class _Held:
-    """A held :class:`filelock.FileLock`, released when the ``with`` block ends."""
+    """A held `filelock.FileLock`, released when the ``with`` block ends."""
 
     def __init__(self, lock):
         self.lock = lock

@@ -13,7 +13,7 @@ about 1e-26, so every numeric comparison would pass trivially. Here every stage 
 features have a std of O(0.1..1), the projector is scaled so image embeddings have the std of the text token
 embeddings, and greedy generation does not collapse into one repeated token.
 
-torch, timm and transformers' modeling code are imported inside :func:`make_tiny` only: this module is imported
+torch, timm and transformers' modeling code are imported inside `make_tiny` only: this module is imported
 by the CLI at start-up.
 """
 
@@ -122,7 +122,7 @@ def make_tiny(
     the FastVLM-0.5B dimensions (FastViTHD with 3072-wide features, Qwen2-0.5B with 152000 vocabulary rows);
     otherwise a tiny model of the same architecture. The same arguments give a byte-identical
     ``model.safetensors``. ``massive_activations`` plants the residual-stream outliers of real LLMs (see
-    :func:`plant_massive_activations`).
+    `plant_massive_activations`).
 
     The checkpoint is built in a temporary sibling directory and renamed onto ``out_dir`` at the end, so an
     interrupted build never leaves a complete-looking directory. An existing ``out_dir`` is replaced only if it
@@ -408,7 +408,7 @@ def plant_massive_activations(model, tokenizer, seed: int = 0) -> dict[str, Any]
     """Plant "massive activations" in a built model's weights (in place) and return where they are.
 
     As in real LLMs, layer 0's MLP writes a few residual channels in the hundreds to thousands (see
-    :data:`MASSIVE_FIRST`, :data:`MASSIVE_DELIMITER`) on the first token and on delimiter tokens, and they ride the
+    `MASSIVE_FIRST`, `MASSIVE_DELIMITER`) on the first token and on delimiter tokens, and they ride the
     residual stream through every later layer; other tokens are untouched. How: two hidden channels are reserved
     as token-class markers (1.0 in the embedding rows of the first-token / delimiter tokens, 0 elsewhere, and
     nothing else writes them before layer 0's MLP: layer 0's o_proj and the projector's output rows are zeroed;
@@ -501,7 +501,7 @@ def build_model(
     text: dict[str, Any] | None = None,
     vision: dict[str, Any] | None = None,
 ):
-    """The random-weight FastVLM in memory (eval mode, float32) and its tokenizer: what :func:`make_tiny` saves.
+    """The random-weight FastVLM in memory (eval mode, float32) and its tokenizer: what `make_tiny` saves.
 
     ``text`` / ``vision`` override the tiny model's Qwen2 config and timm ``model_args`` (e.g. ``{"hidden_size":
     128, "num_hidden_layers": 3}``, ``{"embed_dims": [16, 32, 64, 128, 256]}``; ``vision`` may also set

@@ -1,6 +1,6 @@
 """The stage boundaries of the torch model (transformers ``FastVlmForConditionalGeneration``), defined once.
 
-``fvlm`` below is that model (:meth:`vlmrun.model.FastVLMModel.load_torch`). The functions compute one stage
+``fvlm`` below is that model (`vlmrun.model.FastVLMModel.load_torch`). The functions compute one stage
 eagerly (``vlmrun diff``'s torch side, calibration, tests); the modules wrap the same computation for the ONNX
 exporter, one stage per graph::
 
@@ -40,7 +40,7 @@ def embed_tokens(fvlm, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 class VisionStage(nn.Module):
-    """:func:`vision_features` as a module over the tower alone."""
+    """`vision_features` as a module over the tower alone."""
 
     def __init__(self, fvlm):
         super().__init__()
@@ -51,7 +51,7 @@ class VisionStage(nn.Module):
 
 
 class ProjectorStage(nn.Module):
-    """:func:`project` as a module."""
+    """`project` as a module."""
 
     def __init__(self, fvlm):
         super().__init__()
@@ -62,7 +62,7 @@ class ProjectorStage(nn.Module):
 
 
 class EmbedStage(nn.Module):
-    """:func:`embed_tokens` as a module holding only the embedding table."""
+    """`embed_tokens` as a module holding only the embedding table."""
 
     def __init__(self, fvlm):
         super().__init__()

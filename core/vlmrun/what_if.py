@@ -81,9 +81,9 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     ``precision`` (``--what-if-precision``): ``fp`` keeps the layers in float (option ``keep_fp``), ``a16w16``
     quantizes them with 16-bit activations and weights (option ``keep_a16w16``); the rest stays as it was.
 
-    ``run`` is the :class:`vlmrun.diff.DiffRun` whose device pipeline is rebuilt (``run.pipelines``).
+    ``run`` is the `vlmrun.diff.DiffRun` whose device pipeline is rebuilt (``run.pipelines``).
     ``eval_items``: also evaluate the device layout before and after the fix, and the reference, on that many items
-    of ``dataset`` (default: the held-out set; :func:`what_if_eval`).
+    of ``dataset`` (default: the held-out set; `what_if_eval`).
     """
 
     progress = progress or no_progress
@@ -161,7 +161,7 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
 
 def what_if_eval(reference, before, after, pipe, items: int, dataset=None, progress=None) -> dict:
     """Accuracy of ``before`` and ``after`` (layouts) and of ``reference`` (a layout or a preset name) on ``items``
-    items of ``dataset`` (default: the held-out set), by :func:`vlmrun.eval.evaluate` on ``pipe``'s model, store
+    items of ``dataset`` (default: the held-out set), by `vlmrun.eval.evaluate` on ``pipe``'s model, store
     and plugins (its per-item results are cached in the store, so the reference and an unchanged layout are
     computed once)."""
 

@@ -1,6 +1,6 @@
 """``vlmrun diff``: capture every stage boundary on two sides and say which stage broke.
 
-A *side* is a layout run by the :class:`~vlmrun.pipeline.Pipeline` (``reference``, ``all-npu``, a layout file,
+A *side* is a layout run by the `vlmrun.pipeline.Pipeline` (``reference``, ``all-npu``, a layout file,
 per-stage overrides), the torch eager model (``torch``), or a capture saved earlier (``--from``). Both sides
 get the same image and prompt; the reference side is captured first and the device side's decoder is then fed
 the reference tokens (teacher forcing), so the per-step logits stay comparable after the first divergent token.
@@ -20,10 +20,10 @@ Checkpoints, in pipeline order (the first whose thresholds fail is named the lik
     decoder     logits, teacher-forced       (+ per step: top-1 agreement, top-5 overlap, KL(ref || dev))
     generation  tokens, free-running         (matching tokens, first divergent step)
 
-Modules, in the order of the flow: :mod:`.capture` (running a side, npz captures), :mod:`.metrics`,
-:mod:`.thresholds`, :mod:`.compare` (verdict and culprit), :mod:`.report` (table, JSON, HTML); :func:`run`
-ties them together. :mod:`.locate` goes inside a stage layer by layer (``--locate``) and tries a layer at higher
-precision (``--what-if``) on the pipelines a run keeps (:attr:`DiffRun.pipelines`).
+Modules, in the order of the flow: `.capture` (running a side, npz captures), `.metrics`,
+`.thresholds`, `.compare` (verdict and culprit), `.report` (table, JSON, HTML); `run`
+ties them together. `.locate` goes inside a stage layer by layer (``--locate``) and tries a layer at higher
+precision (``--what-if``) on the pipelines a run keeps (`DiffRun.pipelines`).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def run(
 ) -> DiffRun:
     """Capture both sides (or load them, ``from_dirs``) and compare them; see the module docstring.
 
-    A side is ``"torch"``, a layout name or TOML file, a :class:`Side` (layout + per-stage overrides), or an
-    already built :class:`~vlmrun.pipeline.Pipeline` (reused as is).
+    A side is ``"torch"``, a layout name or TOML file, a `Side` (layout + per-stage overrides), or an
+    already built `vlmrun.pipeline.Pipeline` (reused as is).
 
     ``image`` defaults to the built-in demo image, ``prompt`` to "Describe the image." (or what a loaded
     reference capture used). Thresholds: defaults of ``precision`` < ``thresholds_file`` < ``thresholds``.

@@ -58,7 +58,7 @@ class Capture:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Capture":
-        """Read a capture from a directory written by :meth:`save` or from its ``capture.npz``."""
+        """Read a capture from a directory written by `save` or from its ``capture.npz``."""
         p = Path(path)
         file = p / "capture.npz" if p.is_dir() else p
         if not file.is_file():
@@ -125,7 +125,7 @@ def _base_meta(model, image_desc: str, prompt: str, settings, teacher_tokens, to
 
 
 def capture_pipeline(pipe, image, prompt: str, settings, teacher_tokens=None, image_desc: str = "") -> Capture:
-    """Capture one request on a :class:`~vlmrun.pipeline.Pipeline` (a layout)."""
+    """Capture one request on a `vlmrun.pipeline.Pipeline` (a layout)."""
     tensors = pipe.capture(image, prompt, settings, teacher_tokens=teacher_tokens)
     meta = _base_meta(pipe.model, image_desc, prompt, settings, teacher_tokens, tensors["tokens"])
     meta.update(source=f"layout {pipe.layout.name}", layout={s: pipe.layout.backend(s) for s in STAGES})
@@ -136,7 +136,7 @@ def capture_pipeline(pipe, image, prompt: str, settings, teacher_tokens=None, im
 
 
 def _prepare(model, image, prompt: str, system: str | None = None):
-    """pixel_values, input_ids, image_start exactly as :meth:`Pipeline.prepare` makes them."""
+    """pixel_values, input_ids, image_start exactly as `Pipeline.prepare` makes them."""
     from ..preprocess import load_image, preprocess_image, render_prompt, tokenize_prompt
 
     if isinstance(image, (str, os.PathLike)):
@@ -150,7 +150,7 @@ def _prepare(model, image, prompt: str, system: str | None = None):
 def capture_torch(model, image, prompt: str, settings, teacher_tokens=None, image_desc: str = "") -> Capture:
     """Capture the same boundary tensors from the torch eager model (transformers, float32).
 
-    vision, projector and embed are :mod:`vlmrun.torch_stages`; logits = a full forward on the spliced
+    vision, projector and embed are `vlmrun.torch_stages`; logits = a full forward on the spliced
     ``inputs_embeds`` plus the embedded teacher tokens; free-running tokens from greedy ``generate``.
     """
     import torch

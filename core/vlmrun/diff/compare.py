@@ -248,7 +248,7 @@ def _divergence(ref: Capture, dev: Capture) -> dict:
     """Was the free-running generation made by the logits the diff checked? At the first step where it leaves the
     reference, the context is the reference's on both sides, so the generating runtime's own teacher-forced row
     there (``runtime_logits`` when the device has a separate runtime, else ``logits``) must give the device's token
-    (greedy; a near-tie is explained, :func:`~.metrics.divergence_explained`). 1 when it does not: the tokens come
+    (greedy; a near-tie is explained, `.metrics.divergence_explained`). 1 when it does not: the tokens come
     from somewhere the teacher-forced checkpoints never measured (a runtime, a sampler, a KV cache)."""
     rt, dt = ref.tokens, dev.tokens
     p = common_prefix(rt, dt)

@@ -123,7 +123,7 @@ EXPLAINED_PROB_RATIO = 0.5
 
 def divergence_explained(row: np.ndarray, token: int) -> tuple[bool, dict]:
     """Whether a greedy runtime whose logits at this step are ``row`` could have chosen ``token``: its probability
-    is at least :data:`EXPLAINED_PROB_RATIO` of the top token's. Returns (explained, details)."""
+    is at least `EXPLAINED_PROB_RATIO` of the top token's. Returns (explained, details)."""
     row = np.asarray(row, np.float64).reshape(-1)
     lp = _log_softmax(row)
     top = int(row.argmax())
@@ -133,7 +133,7 @@ def divergence_explained(row: np.ndarray, token: int) -> tuple[bool, dict]:
 
 
 def per_step_sqnr(ref: np.ndarray, dev: np.ndarray) -> list[float]:
-    """SQNR (dB, capped) of each row of [1, K, V] ``dev`` against ``ref`` (:func:`tensor_metrics` per row)."""
+    """SQNR (dB, capped) of each row of [1, K, V] ``dev`` against ``ref`` (`tensor_metrics` per row)."""
     r = np.asarray(ref).reshape(-1, ref.shape[-1])
     d = np.asarray(dev).reshape(-1, dev.shape[-1])
     return [tensor_metrics(a, b)["sqnr_db"] for a, b in zip(r, d)]

@@ -115,7 +115,7 @@ def _runtime_lines(result: DiffResult) -> list[str]:
 
 
 def runtime_verdict(result: DiffResult) -> str:
-    """The verdict across the runtime boundary (:attr:`DiffResult.boundary`), '' when there is none to give: the
+    """The verdict across the runtime boundary (`DiffResult.boundary`), '' when there is none to give: the
     side that departs (the runtime, or vlmrun's engine), not the binary, from the first step where the two leave
     each other, with that step's figures and the other side's standing against the reference."""
     b = result.boundary

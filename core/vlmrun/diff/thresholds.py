@@ -139,7 +139,7 @@ def thresholds_for(
 
 def infer_precision(layout_options: Mapping[str, Mapping[str, object]] | None) -> str:
     """The most lenient precision of the device layout's stages: their ``precision`` options, else each
-    backend's own (:attr:`vlmrun.plugins.BackendInfo.precision`); ``fp32`` when none is known."""
+    backend's own (`vlmrun.plugins.BackendInfo.precision`); ``fp32`` when none is known."""
     aliases = {"a16w8": "int8", "a8w8": "int8"}  # the fixed form's a16w8 has measured int8 figures
     found = {aliases.get(str(o["precision"]), str(o["precision"]))
              for o in (layout_options or {}).values() if o.get("precision")}

@@ -6,7 +6,7 @@
 
 Every item is run on the reference layout (``reference`` unless told otherwise) and on each layout; the answers
 are scored by exact match after normalising case and punctuation (per question kind), and every stage boundary
-of each layout is compared with the reference's by :func:`vlmrun.diff.compare` (the decoder teacher-forced on
+of each layout is compared with the reference's by `vlmrun.diff.compare` (the decoder teacher-forced on
 the reference tokens). The report gives, per layout: accuracy per kind, the distribution over the items of
 cosine and SQNR per stage boundary and of teacher-forced top-1 agreement (median, 5th percentile), how many
 items pass the diff's thresholds, and the items where the layout departs the most.
@@ -15,8 +15,8 @@ A record may be a conversation (``"turns"``): it is asked turn by turn on each l
 answers in the history, and every turn's answer is scored (``conversations=True``: the generated held-out
 conversations); the report then adds the accuracy per turn.
 
-Modules: :mod:`.answers` (scoring), :mod:`.dataset` (JSONL records, bad records, the generated held-out sets),
-:mod:`.engine` (per-item runs, the result cache, worker processes, batched stages), :mod:`.report`
+Modules: `.answers` (scoring), `.dataset` (JSONL records, bad records, the generated held-out sets),
+`.engine` (per-item runs, the result cache, worker processes, batched stages), `.report`
 (aggregation, terminal table, JSON, HTML).
 """
 

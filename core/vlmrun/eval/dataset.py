@@ -8,7 +8,7 @@ of one turn is a one-turn record (the same key, the same results).
 
 A bad record (a line that is not a JSON object, no question, no answer, no image, an image that is missing or
 cannot be decoded; for a conversation also turns that are not a list, a turn without question or answer) is one
-:class:`Skipped` entry naming the file and line; it is counted in the report, or stops the run with ``strict``.
+`Skipped` entry naming the file and line; it is counted in the report, or stops the run with ``strict``.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def read_dataset(path: str | os.PathLike, *, strict: bool = False, limit: int | 
     """The usable records of a JSONL data set (at most ``limit``) and the skipped ones.
 
     ``on_skip(skipped)`` is called for each bad record as it is found. With ``strict`` the first bad record
-    raises :class:`~vlmrun.errors.InputError` naming the file and line instead."""
+    raises `vlmrun.errors.InputError` naming the file and line instead."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"data set {p} does not exist" if not p.exists() else f"data set {p} is not a file")
@@ -238,7 +238,7 @@ def read_dataset(path: str | os.PathLike, *, strict: bool = False, limit: int | 
 
 
 def heldout_dataset(store, n: int = HELDOUT_ITEMS, progress=None) -> Path:
-    """The generated held-out set (:data:`vlmrun.shapes.HELDOUT_SEED`, a different seed from training), written
+    """The generated held-out set (`vlmrun.shapes.HELDOUT_SEED`, a different seed from training), written
     once into the artifact store; returns its JSONL file."""
 
     def build(tmp: Path) -> dict:
@@ -252,8 +252,8 @@ def heldout_dataset(store, n: int = HELDOUT_ITEMS, progress=None) -> Path:
 
 
 def heldout_conversations(store, n: int = HELDOUT_CONVERSATIONS, progress=None) -> Path:
-    """The generated held-out conversations (:func:`vlmrun.shapes.conversations` of
-    :data:`vlmrun.shapes.HELDOUT_SEED`: 1-3 turns about a scene, some bringing a second picture), written once into
+    """The generated held-out conversations (`vlmrun.shapes.conversations` of
+    `vlmrun.shapes.HELDOUT_SEED`: 1-3 turns about a scene, some bringing a second picture), written once into
     the artifact store; returns its JSONL file."""
 
     def build(tmp: Path) -> dict:

@@ -1,14 +1,14 @@
 """Running layouts over a data set: per-item results cached in the store, worker processes, batched stages.
 
 For each item the reference layout is captured first (every stage-boundary tensor, as ``vlmrun diff`` does),
-then each other layout, teacher-forced on the reference tokens, and compared with :func:`vlmrun.diff.compare`.
+then each other layout, teacher-forced on the reference tokens, and compared with `vlmrun.diff.compare`.
 What is kept per (layout, item) is small: the answer text and tokens and the metrics of every checkpoint
 (``<store>/eval/<layout key>/<item key>.json``); the reference also keeps its capture
 (``<item key>.npz``) so a layout added later, or an interrupted run, never recomputes it. All results of an item
 are written once every layout has finished it, so a failed item leaves nothing behind and an interrupted run
 resumes at the first unfinished item.
 
-A conversation (a record with two or more turns) runs as one on every layout (:meth:`Pipeline.chat`): each turn's
+A conversation (a record with two or more turns) runs as one on every layout (`Pipeline.chat`): each turn's
 question is asked with that layout's own earlier answers in the history, as a user of a chat would ask it. What is
 kept per turn is its answer and tokens (``turns``); the answers are scored in the report, per turn. Conversations
 are not diffed against the reference (a layout's history is its own, so later turns are not the same request).
@@ -91,7 +91,7 @@ class LayoutSpec:
         return cls(label, None if is_file else base, base if is_file else None, overrides, options)
 
     def resolve(self, registry):
-        """The validated :class:`vlmrun.layouts.Layout`."""
+        """The validated `vlmrun.layouts.Layout`."""
         from .. import layouts
 
         layout = layouts.resolve(self.base, self.file, self.overrides, self.options)
@@ -115,7 +115,7 @@ def layout_key(layout, registry, model_hash: str, settings) -> str:
 
 
 def layout_options(pipe) -> dict:
-    """Each stage's options with its precision, as the diff records them (:meth:`Pipeline.layout_options`)."""
+    """Each stage's options with its precision, as the diff records them (`Pipeline.layout_options`)."""
     return pipe.layout_options()
 
 
@@ -185,7 +185,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def drift_metrics(result) -> dict:
-    """The per-checkpoint metrics of a :class:`vlmrun.diff.DiffResult`, keyed ``stage/tensor``."""
+    """The per-checkpoint metrics of a `vlmrun.diff.DiffResult`, keyed ``stage/tensor``."""
     out = {}
     for e in result.entries:
         if e.stage == "preprocess" and e.tensor == "input_ids":
@@ -236,7 +236,7 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
              run_id: str = "") -> dict[str, dict]:
     """Every layout's result for one item (from the cache when there), the new ones written once all succeeded.
 
-    Returns ``{layout key: result}``. Raises :class:`VlmrunError` for an item that cannot run (nothing written).
+    Returns ``{layout key: result}``. Raises `VlmrunError` for an item that cannot run (nothing written).
     """
     if record.turns:
         return run_conversation(record, ref, sides, cache, settings, run_id)
@@ -296,7 +296,7 @@ def converse(pipe, record: Record, settings) -> list[dict]:
 
 def run_conversation(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCache, settings,
                      run_id: str = "") -> dict[str, dict]:
-    """:func:`run_item` for a conversation: every layout answers it as a conversation of its own (no capture, no
+    """`run_item` for a conversation: every layout answers it as a conversation of its own (no capture, no
     diff); the result's ``turns`` hold each turn's answer."""
     results: dict[str, dict] = {}
     new: list[tuple[Side, dict]] = []
@@ -427,7 +427,7 @@ def run_items(records: Sequence[Record], sides: Sequence[Side], cache: ResultCac
               on_item: Callable[[Record, dict | None, str | None], None] | None = None) -> None:
     """Run ``records`` through ``sides`` (the reference first), in this process, in ``workers`` processes (each
     builds its own pipelines from ``config``; the artifacts are already in the store) or, with ``ray_address``, on
-    Ray actors (:func:`run_items_on_ray`). ``on_item(record, results, error)`` is called in
+    Ray actors (`run_items_on_ray`). ``on_item(record, results, error)`` is called in
     this process as each item finishes."""
     ref = next(s for s in sides if s.is_reference)
     if ray_address and config is not None and records:
@@ -473,7 +473,7 @@ class _EvalActor:
 
 def run_items_on_ray(address: str, records: Sequence[Record], config: WorkerConfig, workers: int, on_item) -> None:
     """``vlmrun eval --ray``: ``records`` over ``workers`` Ray actors (1: one per CPU of the cluster); each result is
-    handed to ``on_item(key, results, error)`` here as it finishes. Every node must see the store (:mod:`..cluster`)."""
+    handed to ``on_item(key, results, error)`` here as it finishes. Every node must see the store (`..cluster`)."""
     from ..cluster import connect, raise_task_error
 
     ray = connect(address, Path(config.store))

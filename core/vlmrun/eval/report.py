@@ -71,7 +71,7 @@ def _turns(record, item: dict, ref_item: dict) -> list[dict]:
 
 def aggregate(*, records, skipped, sides, results, labels, timing, dataset, model, settings, workers=1,
               batched=None) -> dict:
-    """The report as a JSON-able dict; see the module docstring of :mod:`vlmrun.eval`."""
+    """The report as a JSON-able dict; see the module docstring of `vlmrun.eval`."""
     ref = sides[0]
     ref_results = results[ref.key]
     conversations = any(r.turns for r in records)

@@ -11,19 +11,19 @@ precisions its backend offers above the stage's own (the optional ``layer_precis
 decoder layer to 8-bit weights, then to a16w16; an int8 or a16w8 vision layer to a16w16), written into the
 stage's ``layer_precision`` option.
 
-**Search** (:mod:`.search`). Sensitivity first: ``vlmrun diff --locate``'s own error per layer, measured on the
+**Search** (`.search`). Sensitivity first: ``vlmrun diff --locate``'s own error per layer, measured on the
 device on the first item of the data set (each layer's own quantization error carried by the reference's later
-layers to the stage output: the ``impact`` of :func:`vlmrun.diff.locate.locate`). It is measured on the compiled
+layers to the stage output: the ``impact`` of `vlmrun.diff.locate.locate`). It is measured on the compiled
 binary on the device backend, so it ranks what the device really does, needs no optional toolkit (AIMET's
 ``analyze_mixed_precision_sensitivity`` simulates, and is an extra), and is the figure users already read in
 ``--locate``. Then a greedy climb: from the base, each step raises one layer one rung, choosing among the
 ``beam`` most sensitive layers not yet at the top the one with the best gain (logits SQNR, then answers as the
 reference) per byte; it stops when a measured build meets the budget or after ``max_candidates`` builds.
-Every reported point is a layout really compiled and run by :func:`vlmrun.eval.evaluate` on the data set
+Every reported point is a layout really compiled and run by `vlmrun.eval.evaluate` on the data set
 (default: the generated held-out set): bytes on the device (the binaries' sizes), accuracy and its drop from the
 reference, the share of answers equal to the reference's, the median logits SQNR (teacher-forced).
 
-**Output** (:mod:`.front`): every point, the Pareto front over (bytes, logits SQNR, answers as the reference,
+**Output** (`.front`): every point, the Pareto front over (bytes, logits SQNR, answers as the reference,
 accuracy), the winner (the fewest bytes within the budget) as a layout TOML file for ``vlmrun``, ``vlmrun bundle``
 and ``vlmrun eval``; a table, JSON, and an HTML page with the plot.
 
@@ -31,7 +31,7 @@ and ``vlmrun eval``; a table, JSON, and an HTML page with the plot.
 set and the item count) and the compiled binaries and eval results are cached there too: an interrupted tune
 resumes, and a finished one run again builds nothing.
 
-**Ray** (:mod:`.executors`, :mod:`vlmrun.cluster`): ``ray_address`` runs the candidates of a step as Ray tasks (each declares one CPU and
+**Ray** (`.executors`, `vlmrun.cluster`): ``ray_address`` runs the candidates of a step as Ray tasks (each declares one CPU and
 the memory a compile of this model needs, so two full-size compiles do not land on one node). Every node must see
 the store at the same path (a shared filesystem): the tasks compile into it and write their eval results there;
 the driver checks that before the first task.

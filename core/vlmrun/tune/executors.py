@@ -1,5 +1,5 @@
 """Where ``vlmrun tune`` builds and measures candidates: in this process (the default) or as Ray tasks (``--ray
-ADDRESS``, :mod:`vlmrun.cluster`: every node sees the store at the same path)."""
+ADDRESS``, `vlmrun.cluster`: every node sees the store at the same path)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The search of :func:`tune`: budget, candidates, sensitivity, the greedy climb, the cache of measured points."""
+"""The search of `tune`: budget, candidates, sensitivity, the greedy climb, the cache of measured points."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Budget:
     """What a build must keep to count: accuracy at most ``max_accuracy_drop`` below the reference's, at least
     ``min_answers_as_reference`` of the answers equal to the reference's, a median logits SQNR of at least
     ``min_logits_sqnr`` dB (teacher-forced). Fractions are 0..1 (``"5%"`` is taken too); unset limits are not
-    checked. :meth:`of` gives the default, every answer as the reference's, when no limit is set."""
+    checked. `of` gives the default, every answer as the reference's, when no limit is set."""
 
     max_accuracy_drop: float | None = None
     min_answers_as_reference: float | None = None
@@ -189,7 +189,7 @@ class TuneResult:
 
 
 def candidate_spec(base, candidate: Candidate):
-    """The :class:`vlmrun.eval.LayoutSpec` of ``candidate`` on the ``base`` spec: its layers merged into each
+    """The `vlmrun.eval.LayoutSpec` of ``candidate`` on the ``base`` spec: its layers merged into each
     stage's ``layer_precision`` option."""
     from ..eval import LayoutSpec
 
@@ -242,7 +242,7 @@ class MeasureJob:
 
 
 def measure(job: MeasureJob, bar: Callable | None = None) -> dict:
-    """Build the candidate, run :func:`vlmrun.eval.evaluate` on it, return its figures (a :class:`Point`'s JSON).
+    """Build the candidate, run `vlmrun.eval.evaluate` on it, return its figures (a `Point`'s JSON).
     ``bar``: eval's progress bar factory (in this process; a Ray task shows none)."""
     from ..eval import evaluate
 
@@ -365,8 +365,8 @@ def tune(
     precisions at its precision); ``layers``: only these layers (probe names, e.g. ``decoder.layer1``);
     ``anchors``: more layouts to measure and place on the front (``vlmrun eval --layout`` specs, e.g. the uniform
     w8a16 build); ``on_point(point)`` sees each point as it is measured or read back; ``bar`` makes the progress
-    bars of the evals run in this process (as :func:`vlmrun.eval.evaluate` takes it).
-    Raises :class:`vlmrun.errors.UsageError` for a bad budget, stage or layer before anything is compiled.
+    bars of the evals run in this process (as `vlmrun.eval.evaluate` takes it).
+    Raises `vlmrun.errors.UsageError` for a bad budget, stage or layer before anything is compiled.
     """
     from .. import plugins as plugins_mod
     from ..eval import DEFAULT_MAX_NEW_TOKENS, LayoutSpec, heldout_dataset, read_dataset
