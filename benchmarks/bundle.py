@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def child_write(spec: dict) -> dict:
     from vlmrun import layouts
-    from vlmrun.cli_bundle import write
+    from vlmrun.bundle import write
     from vlmrun.model import FastVLMModel, default_model
     from vlmrun.store import ArtifactStore
 

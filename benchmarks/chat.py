@@ -146,7 +146,7 @@ def build(name: str, args, store):
             "model": "tiny default (256x256)", "layout": "all-npu"}
     out = Path(args.cache_dir) / "chat-bundle"
     if not (out / layouts.BUNDLE_MANIFEST).is_file():
-        from vlmrun.cli_bundle import write
+        from vlmrun.bundle import write
 
         with step(f"writing the all-npu bundle to {out} (once)"):
             write(layouts.resolve("all-npu"), out, model=model, store=store, progress=step)

@@ -227,21 +227,21 @@ def child_try_shared(spec) -> dict:
     from vlmrun.pipeline import export_artifact
     from vlmrun.stages import ExportForm
     from vlmrun_qnn_htp.genie_engine import libgenie_path
-    from vlmrun_qualcomm import genie
+    from vlmrun_qualcomm import genie_config, genie_worker
 
     store, model = _model(spec)
     lut = export_artifact(plugins.load(), store, model, ExportForm.of("embed", "embed/lut")).file("embed_lut_f32.npy")
     art = Path(spec["artifact"])
     m = json.loads((art / "manifest.json").read_text())
     d = m["decoder_parts"]
-    facts = genie.GenieModel.from_model(model)
+    facts = genie_config.GenieModel.from_model(model)
     bins = [str(art / b) for b in d["binaries_in_order"]]
-    cfg = genie.dialog_config(facts, "QnnHtp", tokenizer=model.path / "tokenizer.json", context_size=d["ctx"],
-                              ctx_bins=bins, max_new_tokens=2, eos=[facts.vocab - 1])
+    cfg = genie_config.dialog_config(facts, "QnnHtp", tokenizer=model.path / "tokenizer.json", context_size=d["ctx"],
+                                     ctx_bins=bins, max_new_tokens=2, eos=[facts.vocab - 1])
     ref = np.load(spec["ref_file"])
     out = {}
     try:
-        toks = list(genie.stream_tokens_worker(libgenie_path(), cfg, ref["emb"][:, :8], lut, timeout=600))
+        toks = list(genie_worker.stream_tokens_worker(libgenie_path(), cfg, ref["emb"][:, :8], lut, timeout=600))
         out.update(genie_load_ok=True, genie_tokens=toks)
     except Exception as exc:
         out.update(genie_load_ok=False, genie_error=str(exc)[:300])

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def measure(precision: str, items: int, cache_dir: str, work: Path) -> dict:
     from vlmrun import eval as ev
     from vlmrun import layouts
-    from vlmrun.cli_bundle import write
+    from vlmrun.bundle import write
     from vlmrun.model import default_model
     from vlmrun.store import ArtifactStore
 

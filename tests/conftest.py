@@ -83,9 +83,19 @@ def npu_pipe(tiny_model, store):
 def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
     """The all-npu bundle (``vlmrun bundle``), written once per session; tests that spoil it work on a copy."""
     from vlmrun import layouts
-    from vlmrun.cli_bundle import write
+    from vlmrun.bundle import write
 
     out = tmp_path_factory.mktemp("bundles") / "fastvlm"
     manifest = write(layouts.resolve("all-npu"), out, model=tiny_model, store=store)
     assert manifest["backend"] == "qnn_htp" and (out / "vlmrun-bundle.json").is_file()
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``, pyproject's default): a module's tests run on one worker, in
+    order (module fixtures such as a fake hub keep their state between them); the docs' pages, long and
+    independent, are spread one by one."""
+    for item in items:
+        if item.nodeid.startswith("tests/test_docs.py::test_examples_run["):
+            continue
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))

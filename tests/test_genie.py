@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vlmrun import GenerationSettings, Pipeline
-from vlmrun_qualcomm import genie
+from vlmrun_qualcomm import genie, genie_binding, genie_config, genie_t2t
 from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import Layout, StageAssignment
 from vlmrun.sampling import Sampler, SamplingSettings
@@ -47,7 +47,7 @@ def libgenie():
     pytest.importorskip("onnxruntime_qnn")
     from vlmrun_qnn_htp.genie_engine import libgenie_path
 
-    return genie.GenieLibrary(libgenie_path())
+    return genie_binding.GenieLibrary(libgenie_path())
 
 
 @pytest.fixture(scope="session")
@@ -57,8 +57,8 @@ def ref_gen(ref_pipe, image_path):
 
 # -- configs ----------------------------------------------------------------------------------------------------
 def _facts_list(tiny_model):
-    return [genie.GenieModel.from_model(tiny_model), genie.GenieModel.from_config(FULL_CONFIG),
-            genie.GenieModel.from_config(MID_CONFIG)]
+    return [genie_config.GenieModel.from_model(tiny_model), genie_config.GenieModel.from_config(FULL_CONFIG),
+            genie_config.GenieModel.from_config(MID_CONFIG)]
 
 
 def test_config_values_come_from_the_model(tiny_model):
@@ -71,18 +71,19 @@ def test_config_values_come_from_the_model(tiny_model):
     assert (full.vocab, full.hidden, full.layers, full.heads, full.kv_heads, full.head_dim) == (152000, 896, 24, 14, 2, 64)
     assert (full.bos, full.eos, full.rope_theta) == (151643, (151645,), 1e6)
     assert (mid.head_dim, mid.eos, mid.rope_theta) == (128, (128001, 128009), 500000.0)
-    cfg = genie.dialog_config(full, "QnnHtp", tokenizer="tokenizer.json", context_size=1024, ctx_bins=["a.bin"])
+    cfg = genie_config.dialog_config(full, "QnnHtp", tokenizer="tokenizer.json", context_size=1024, ctx_bins=["a.bin"])
     d = cfg["dialog"]
     assert d["context"]["n-vocab"] == 152000 and d["context"]["n-embd"] == 896
     assert d["engine"]["backend"]["QnnHtp"]["kv-dim"] == 64
     assert d["engine"]["model"]["positional-encoding"] == {"type": "rope", "rope-dim": 32, "rope-theta": 1e6}
-    cpu = genie.dialog_config(full, "QnnGenAiTransformer", tokenizer="t.json", context_size=512, model_bin="m.bin",
-                              sampling=SamplingSettings(temperature=0.7, top_k=40, top_p=0.9, seed=5))["dialog"]
+    cpu = genie_config.dialog_config(full, "QnnGenAiTransformer", tokenizer="t.json", context_size=512,
+                                     model_bin="m.bin",
+                                     sampling=SamplingSettings(temperature=0.7, top_k=40, top_p=0.9, seed=5))["dialog"]
     be = cpu["engine"]["backend"]["QnnGenAiTransformer"]
     assert (be["n-layer"], be["n-embd"], be["n-heads"], be["n-kv-heads"], be["model-input"]) == (24, 896, 14, 2, "embeddings")
     assert cpu["sampler"] == {"version": 1, "seed": 5, "temp": 0.7, "top-k": 40, "top-p": 0.9, "greedy": False}
     with pytest.raises(UsageError, match="context size"):
-        genie.dialog_config(full, "QnnHtp", tokenizer="t", context_size=10**6, ctx_bins=["a"])
+        genie_config.dialog_config(full, "QnnHtp", tokenizer="t", context_size=10**6, ctx_bins=["a"])
 
 
 def test_every_generated_config_is_accepted_by_libgenie(libgenie, tiny_model):
@@ -90,10 +91,10 @@ def test_every_generated_config_is_accepted_by_libgenie(libgenie, tiny_model):
     for facts in _facts_list(tiny_model):
         for sampling in (SamplingSettings(), SamplingSettings(temperature=0.8, top_k=20, top_p=0.95, seed=3)):
             for ctx in (128, 1024):
-                libgenie.validate_config(genie.dialog_config(
+                libgenie.validate_config(genie_config.dialog_config(
                     facts, "QnnHtp", tokenizer="tokenizer.json", context_size=ctx, sampling=sampling,
                     ctx_bins=["decoder_ar16_ctx_qnn.bin", "decoder_ar1_ctx_qnn.bin"]))
-                libgenie.validate_config(genie.dialog_config(
+                libgenie.validate_config(genie_config.dialog_config(
                     facts, "QnnGenAiTransformer", tokenizer="tokenizer.json", context_size=ctx, sampling=sampling,
                     model_bin="model.bin"))
                 n += 2
@@ -101,8 +102,8 @@ def test_every_generated_config_is_accepted_by_libgenie(libgenie, tiny_model):
 
 
 def test_broken_configs_are_rejected_by_libgenie(libgenie, tiny_model):
-    good = genie.dialog_config(genie.GenieModel.from_model(tiny_model), "QnnHtp", tokenizer="t.json",
-                               context_size=128, ctx_bins=["a.bin"])
+    good = genie_config.dialog_config(genie_config.GenieModel.from_model(tiny_model), "QnnHtp", tokenizer="t.json",
+                                      context_size=128, ctx_bins=["a.bin"])
     bad_type = copy.deepcopy(good)
     bad_type["dialog"]["context"]["size"] = "lots"
     no_engine = copy.deepcopy(good)
@@ -171,21 +172,22 @@ def fake_libs(d: Path, skip=()) -> Path:
 
 def test_t2t_flag_rules(tmp_path):
     with pytest.raises(UsageError, match="-t .* needs -e"):
-        genie.t2t_argv("g", "c.json", prompt="hi", lut="l.raw")
+        genie_t2t.t2t_argv("g", "c.json", prompt="hi", lut="l.raw")
     with pytest.raises(UsageError, match="excludes"):
-        genie.t2t_argv("g", "c.json", prompt="hi", embedding_file="e.raw")
+        genie_t2t.t2t_argv("g", "c.json", prompt="hi", embedding_file="e.raw")
     (tmp_path / "p.json").write_text("{}")
     with pytest.raises(UsageError, match="already exists"):
-        genie.t2t_argv("g", "c.json", embedding_file="e.raw", profile=str(tmp_path / "p.json"))
-    assert genie.t2t_argv("g", "c.json", embedding_file="e.raw", lut="l.raw", output_type="text",
-                          profile="x.json") == ["g", "-c", "c.json", "-e", "e.raw", "-t", "l.raw",
-                                                "--embedding_query_output_type", "text", "--profile", "x.json"]
+        genie_t2t.t2t_argv("g", "c.json", embedding_file="e.raw", profile=str(tmp_path / "p.json"))
+    assert genie_t2t.t2t_argv("g", "c.json", embedding_file="e.raw", lut="l.raw", output_type="text",
+                              profile="x.json") == ["g", "-c", "c.json", "-e", "e.raw", "-t", "l.raw",
+                                                    "--embedding_query_output_type", "text", "--profile", "x.json"]
 
 
 @pytest.fixture()
 def t2t_files(tmp_path, tiny_model):
-    facts = genie.GenieModel.from_model(tiny_model)
-    cfg = genie.dialog_config(facts, "QnnGenAiTransformer", tokenizer="t.json", context_size=128, model_bin="m.bin")
+    facts = genie_config.GenieModel.from_model(tiny_model)
+    cfg = genie_config.dialog_config(facts, "QnnGenAiTransformer", tokenizer="t.json", context_size=128,
+                                     model_bin="m.bin")
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     genie.write_embeddings(tmp_path / "e.raw", np.ones((1, 3, facts.hidden), np.float32))
     genie.write_lut(tmp_path / "l.raw", np.zeros((facts.vocab, facts.hidden), np.float32))
@@ -194,13 +196,13 @@ def t2t_files(tmp_path, tiny_model):
 
 
 def _argv(d: Path):
-    return genie.t2t_argv(str(STANDINS / "genie-t2t-run"), str(d / "c.json"), embedding_file=str(d / "e.raw"),
-                          lut=str(d / "l.raw"), output_type="text", profile=str(d / "prof.json"))
+    return genie_t2t.t2t_argv(str(STANDINS / "genie-t2t-run"), str(d / "c.json"), embedding_file=str(d / "e.raw"),
+                              lut=str(d / "l.raw"), output_type="text", profile=str(d / "prof.json"))
 
 
 def _run(d: Path, argv=None, **kw):
     kw.setdefault("timeout", 30)
-    return genie.run_t2t(argv or _argv(d), env={"LD_LIBRARY_PATH": str(d / "lib")}, **kw)
+    return genie_t2t.run_t2t(argv or _argv(d), env={"LD_LIBRARY_PATH": str(d / "lib")}, **kw)
 
 
 def test_t2t_parses_text_and_profile(t2t_files, monkeypatch):
@@ -245,21 +247,21 @@ def test_generated_text_that_looks_like_an_error_is_text(t2t_files, monkeypatch,
     monkeypatch.setenv("STANDIN_GENIE_TEXT", text)
     assert _run(t2t_files).text == text
     out = f"Using libGenie.so version 1.21.0\n\n[BEGIN]: {text}[END]\n\n"
-    assert genie.parse_t2t_output(out, "", 0) == text
+    assert genie_t2t.parse_t2t_output(out, "", 0) == text
     with pytest.raises(BackendError, match=r"exited with status 1: Failed to create the dialog\.$"):
-        genie.parse_t2t_output(out, "Failed to create the dialog.\n", 1)
-    assert genie.parse_t2t_output(out, "Failed to free the dialog.\n", 0) == text  # clean-up noise is not a fault
+        genie_t2t.parse_t2t_output(out, "Failed to create the dialog.\n", 1)
+    assert genie_t2t.parse_t2t_output(out, "Failed to free the dialog.\n", 0) == text  # clean-up noise is not a fault
 
 
 def test_t2t_missing_genie_cpu_library_fails_like_the_real_tool(t2t_files):
     for missing in ("libQnnGenAiTransformerModel.so", "libQnnGenAiTransformerCpuOpPkg.so"):
         fake_libs(t2t_files / f"lib-{missing}", skip=(missing,))
         with pytest.raises(BackendError, match=r"exited with status 1: Failed to create the dialog\.$"):
-            genie.run_t2t(_argv(t2t_files), timeout=30, env={"LD_LIBRARY_PATH": str(t2t_files / f"lib-{missing}")})
+            genie_t2t.run_t2t(_argv(t2t_files), timeout=30, env={"LD_LIBRARY_PATH": str(t2t_files / f"lib-{missing}")})
     # on a phone genie-t2t-run and libGenie.so also link the NDK's libc++_shared.so
     with pytest.raises(BackendError, match=r'CANNOT LINK EXECUTABLE .*"libc\+\+_shared\.so" not found'):
-        genie.run_t2t(_argv(t2t_files), timeout=30, env={"LD_LIBRARY_PATH": str(t2t_files / "lib"),
-                                                         "STANDIN_ON_DEVICE": "1"})
+        genie_t2t.run_t2t(_argv(t2t_files), timeout=30, env={"LD_LIBRARY_PATH": str(t2t_files / "lib"),
+                                                             "STANDIN_ON_DEVICE": "1"})
 
 
 def test_context_limit_is_checked_first_and_its_exit_is_one_line(t2t_files, tiny_model, monkeypatch):
@@ -269,7 +271,7 @@ def test_context_limit_is_checked_first_and_its_exit_is_one_line(t2t_files, tiny
                               " lower --max-new-tokens to 8 or raise the decoder's context_length")
     genie.check_context(120, 8, 128)
     # the real tool: prompt 126 rows, context 128: token 3 needs 126 + 2 positions > 128 -> exit 1
-    facts = genie.GenieModel.from_model(tiny_model)
+    facts = genie_config.GenieModel.from_model(tiny_model)
     genie.write_embeddings(t2t_files / "e.raw", np.ones((1, 126, facts.hidden), np.float32))
     monkeypatch.setenv("STANDIN_GENIE_TEXT", "one two three four")
     with pytest.raises(genie.ContextLimitError) as err:
@@ -279,7 +281,7 @@ def test_context_limit_is_checked_first_and_its_exit_is_one_line(t2t_files, tiny
     assert _run(t2t_files).text == "one two"
     # libGenie reports the same condition as a status; both paths raise ContextLimitError
     with pytest.raises(genie.ContextLimitError, match="GENIE_STATUS_WARNING_CONTEXT_EXCEEDED"):
-        genie.check_query_status(None, 3, "GenieDialog_embeddingTokenQuery")
+        genie_binding.check_query_status(None, 3, "GenieDialog_embeddingTokenQuery")
 
 
 # -- genie_cpu ---------------------------------------------------------------------------------------------------

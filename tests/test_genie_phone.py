@@ -20,7 +20,7 @@ from vlmrun.errors import BackendError, UsageError  # noqa: E402
 from vlmrun.layouts import Layout, StageAssignment  # noqa: E402
 from vlmrun.sampling import Sampler  # noqa: E402
 from vlmrun.stages import STAGES, DecodeRequest  # noqa: E402
-from vlmrun_qualcomm import genie  # noqa: E402
+from vlmrun_qualcomm import genie, genie_config, genie_t2t  # noqa: E402
 
 STANDINS = Path(__file__).parent / "standins"
 PROMPT = "What is in the picture?"
@@ -247,9 +247,9 @@ def test_generated_error_text_is_text_and_context_is_checked_first(phone, decode
 # -- the genie-t2t-run stand-in's QnnHtp contract --------------------------------------------------------------
 @pytest.fixture
 def htp_files(tmp_path, tiny_model):
-    facts = genie.GenieModel.from_model(tiny_model)
-    cfg = genie.dialog_config(facts, "QnnHtp", tokenizer="t.json", context_size=128,
-                              ctx_bins=["m/a_qnn.bin", "m/b_qnn.bin"])
+    facts = genie_config.GenieModel.from_model(tiny_model)
+    cfg = genie_config.dialog_config(facts, "QnnHtp", tokenizer="t.json", context_size=128,
+                                     ctx_bins=["m/a_qnn.bin", "m/b_qnn.bin"])
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     genie.write_embeddings(tmp_path / "e.raw", np.ones((1, 3, facts.hidden), np.float32))
     genie.write_lut(tmp_path / "l.raw", np.zeros((facts.vocab, facts.hidden), np.float32))
@@ -261,10 +261,10 @@ def htp_files(tmp_path, tiny_model):
 
 
 def _t2t(d: Path, **env):
-    argv = genie.t2t_argv(str(STANDINS / "genie-t2t-run"), "c.json", embedding_file="e.raw", lut="l.raw",
-                          output_type="text")
+    argv = genie_t2t.t2t_argv(str(STANDINS / "genie-t2t-run"), "c.json", embedding_file="e.raw", lut="l.raw",
+                              output_type="text")
     base = {"LD_LIBRARY_PATH": str(d / "lib"), "ADSP_LIBRARY_PATH": str(d / "lib"), "STANDIN_ON_DEVICE": "1"}
-    return genie.run_t2t(argv, timeout=30, cwd=d, env={**base, **env})
+    return genie_t2t.run_t2t(argv, timeout=30, cwd=d, env={**base, **env})
 
 
 def test_standin_enforces_the_htp_runtime(htp_files, monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmrun.handles import DecoderHandle
-from vlmrun_qualcomm import genie
+from vlmrun_qualcomm import genie, genie_config, genie_t2t, genie_worker
 from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.stages import ExportForm
 
@@ -69,7 +69,7 @@ class GenieCpuDecoder(DecoderHandle):
     def __init__(self, model, artifact, opts: dict, tools: dict, adb=None):
         self.model, self.artifact, self.opts, self.tools, self.adb = model, artifact, opts, tools, adb
         self.artifacts = (artifact,)
-        self.facts = genie.GenieModel.from_model(model)
+        self.facts = genie_config.GenieModel.from_model(model)
         self.ctx = int(opts["context_length"])
         self.load_s = 0.0
         self.last_timings: dict = {}
@@ -88,7 +88,7 @@ class GenieCpuDecoder(DecoderHandle):
 
     def config(self, request, model_bin: str, tokenizer: str) -> dict:
         stops = sorted(request.stop_ids) or list(self.facts.eos)
-        return genie.dialog_config(
+        return genie_config.dialog_config(
             self.facts, "QnnGenAiTransformer", tokenizer=tokenizer, model_bin=model_bin, context_size=self.ctx,
             sampling=getattr(request.sampler, "settings", None), max_new_tokens=request.max_new_tokens, eos=stops,
         )
@@ -113,10 +113,10 @@ class GenieCpuDecoder(DecoderHandle):
             lib_dir = str(self.tools["libQnnGenAiTransformer.so"].parent)
             env = {"LD_LIBRARY_PATH": lib_dir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
             cfg = self.config(request, str(self.artifact.file("model.bin")), str(self.artifact.file("tokenizer.json")))
-            yield from genie.stream_tokens_worker(self.tools["libGenie.so"], cfg, request.inputs_embeds,
-                                                  self.artifact.file("embed_lut_f32.npy"),
-                                                  timeout=self.opts["timeout"], profile_out=self.last_timings,
-                                                  env=env, **genie.tap_arguments(request, self.model))
+            yield from genie_worker.stream_tokens_worker(self.tools["libGenie.so"], cfg, request.inputs_embeds,
+                                                         self.artifact.file("embed_lut_f32.npy"),
+                                                         timeout=self.opts["timeout"], profile_out=self.last_timings,
+                                                         env=env, **genie_worker.tap_arguments(request, self.model))
             return
         result = self._run_adb(request) if self.mode == "adb" else self._run_local(request)
         self.last_text, self.last_timings = result.text, result.timings
@@ -124,7 +124,7 @@ class GenieCpuDecoder(DecoderHandle):
         for tid in self.model.tokenizer.encode(result.text, add_special_tokens=False).ids:
             yield int(tid)
 
-    def _run_local(self, request) -> genie.T2TResult:
+    def _run_local(self, request) -> genie_t2t.T2TResult:
         exe = self.tools["genie-t2t-run"]
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-t2t-"))
         try:
@@ -132,16 +132,17 @@ class GenieCpuDecoder(DecoderHandle):
             (tmp / "genie_config.json").write_text(json.dumps(cfg, indent=1))
             genie.write_embeddings(tmp / "embeddings.raw", request.inputs_embeds)
             profile = tmp / "profile.json"
-            argv = genie.t2t_argv(str(exe), str(tmp / "genie_config.json"), embedding_file=str(tmp / "embeddings.raw"),
-                                  lut=str(self.artifact.file("embed_lut_f32.raw")), output_type="text",
-                                  profile=str(profile))
+            argv = genie_t2t.t2t_argv(str(exe), str(tmp / "genie_config.json"),
+                                      embedding_file=str(tmp / "embeddings.raw"),
+                                      lut=str(self.artifact.file("embed_lut_f32.raw")), output_type="text",
+                                      profile=str(profile))
             lib_dir = exe.parent.parent.parent / "lib" / exe.parent.name
             env = {"LD_LIBRARY_PATH": f"{lib_dir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
-            return genie.run_t2t(argv, timeout=self.opts["timeout"], cwd=tmp, env=env, profile=profile)
+            return genie_t2t.run_t2t(argv, timeout=self.opts["timeout"], cwd=tmp, env=env, profile=profile)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _run_adb(self, request) -> genie.T2TResult:
+    def _run_adb(self, request) -> genie_t2t.T2TResult:
         adb, rd, t = self.adb, self.opts["remote_dir"], self.opts["timeout"]
         missing = [n for n in DEVICE_FILES if n not in self.tools]
         if missing:  # preflight names them first; never start a phone run without them
@@ -159,9 +160,9 @@ class GenieCpuDecoder(DecoderHandle):
             adb.push(tmp / "genie_config.json", f"{rd}/genie_config.json", timeout=t, skip_same=False)
             adb.push(tmp / "embeddings.raw", f"{rd}/embeddings.raw", timeout=t, skip_same=False)
             adb.shell(["rm", "-f", f"{rd}/profile.json"], what="adb shell rm")
-            argv = genie.t2t_argv("./genie-t2t-run", "genie_config.json", embedding_file="embeddings.raw",
-                                  lut="embed_lut_f32.raw", output_type="text", profile="profile.json",
-                                  check_profile_path=False)
+            argv = genie_t2t.t2t_argv("./genie-t2t-run", "genie_config.json", embedding_file="embeddings.raw",
+                                      lut="embed_lut_f32.raw", output_type="text", profile="profile.json",
+                                      check_profile_path=False)
             adb.shell(["chmod", "755", f"{rd}/genie-t2t-run"], what="adb shell chmod")
             t0 = time.perf_counter()
             res = adb.shell(argv, cwd=rd, env={"LD_LIBRARY_PATH": rd, "ADSP_LIBRARY_PATH": rd}, timeout=t,
@@ -173,7 +174,7 @@ class GenieCpuDecoder(DecoderHandle):
                     adb.pull(f"{rd}/profile.json", local_prof, timeout=t)
                 except BackendError:
                     pass
-            return genie.finish_t2t(res.stdout, res.stderr, res.returncode,
-                                    local_prof if res.returncode == 0 else None, seconds, "genie-t2t-run (adb)")
+            return genie_t2t.finish_t2t(res.stdout, res.stderr, res.returncode,
+                                        local_prof if res.returncode == 0 else None, seconds, "genie-t2t-run (adb)")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -134,12 +134,12 @@ def text_generator_config(model, ctx: int, ctx_bins: list[str], target: str, max
                           sampling=None, eos=None, lut: dict | None = None) -> dict:
     """The generator node's config: the dialog body under ``text-generator`` plus the ``embedding`` LUT block
     (without it Genie stops after one token and says nothing)."""
-    from vlmrun_qualcomm import genie
+    from vlmrun_qualcomm import genie_config
 
-    facts = genie.GenieModel.from_model(model)
+    facts = genie_config.GenieModel.from_model(model)
     kwargs = {"sampling": sampling} if sampling is not None else {}
-    cfg = genie.dialog_config(facts, "QnnHtp", tokenizer="tokenizer.json", context_size=ctx,
-                              max_new_tokens=max_new_tokens, ctx_bins=ctx_bins, eos=eos, **kwargs)["dialog"]
+    cfg = genie_config.dialog_config(facts, "QnnHtp", tokenizer="tokenizer.json", context_size=ctx,
+                                     max_new_tokens=max_new_tokens, ctx_bins=ctx_bins, eos=eos, **kwargs)["dialog"]
     cfg["embedding"] = {"version": 1, "type": "lut", "lut-path": LUT, "size": facts.hidden, **lut_block(lut)}
     if target == "android":
         cfg["engine"]["backend"]["extensions"] = EXT_CONFIG

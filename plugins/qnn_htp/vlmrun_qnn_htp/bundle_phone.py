@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun.errors import BackendError
-from vlmrun_qualcomm import genie
+from vlmrun_qualcomm import genie_t2t
 from vlmrun_qualcomm.adb import Adb
 from vlmrun_qualcomm.sdk import ANDROID, Sdk, newer_than
 
@@ -172,7 +172,7 @@ class BundlePhone:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         what = f"genie-app on {self.adb.serial}"
-        text, _, state = genie.split_t2t_stdout(stdout)
+        text, _, state = genie_t2t.split_t2t_stdout(stdout)
         if text is None or state != "end":
             raise BackendError(f"{what} printed no answer ([BEGIN]: ... [END]) and no error; check the bundle with"
                                " vlmrun bundle --verify")

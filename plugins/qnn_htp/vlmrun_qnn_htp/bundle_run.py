@@ -90,7 +90,7 @@ class BundleRuntime:
         """The bundle's text-generator config with this request's sampler, length and stop tokens; ``tap``: the
         custom sampler that hands every step's logits to the host and forces the teacher's tokens
         (:mod:`vlmrun_qualcomm.genie_sampler`)."""
-        from vlmrun_qualcomm import genie
+        from vlmrun_qualcomm import genie_config
         from vlmrun_qualcomm.genie_sampler import custom_sampler_block
 
         cfg = json.loads((self.path / NODES["textGenerator"]).read_text())
@@ -99,7 +99,7 @@ class BundleRuntime:
         if tap:
             body["sampler"] = custom_sampler_block()
         elif sampling is not None:
-            body["sampler"] = genie.sampler_config(sampling, body["context"]["n-vocab"])
+            body["sampler"] = genie_config.sampler_config(sampling, body["context"]["n-vocab"])
         if stop_ids is not None:
             stops = sorted(stop_ids) or [body["context"]["n-vocab"] - 1]
             body["context"]["eos-token"] = stops[0] if len(stops) == 1 else stops

@@ -227,7 +227,7 @@ class CpuGraph:
 
 def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context) -> tuple[dict, str]:
     """{(part index, "prompt"|"token"): [feeds]} recorded from the float part graphs on the CPU, and a label."""
-    from vlmrun_qualcomm.genie import GenieModel
+    from vlmrun_qualcomm.genie_config import GenieModel
 
     from .genie_engine import GenieLayoutDecoder
 

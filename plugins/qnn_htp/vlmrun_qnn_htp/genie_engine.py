@@ -2,9 +2,9 @@
 
 The decoder is exported in Genie's I/O layout (``decoder/genie``: AR-N and AR-1 graphs taking
 ``inputs_embeds``), compiled by this plugin into context binaries (the EP's ``*_ctx_qnn.bin``), and handed to
-Genie through a dialog config generated from the model (:func:`vlmrun_qualcomm.genie.dialog_config`). Genie runs in a
-worker process (:func:`vlmrun_qualcomm.genie.stream_tokens_worker`): in one process with onnxruntime-qnn's EP it gave
-corrupt tokens.
+Genie through a dialog config generated from the model (:func:`vlmrun_qualcomm.genie_config.dialog_config`). Genie
+runs in a worker process (:func:`vlmrun_qualcomm.genie_worker.stream_tokens_worker`): in one process with
+onnxruntime-qnn's EP it gave corrupt tokens.
 ``GenieDialog_embeddingTokenQuery`` gets the spliced prompt embeddings and a token-to-embedding callback over the
 host LUT; token ids stream back as Genie produces them.
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from vlmrun.errors import BackendError, InputError
 from vlmrun.handles import DecoderHandle
-from vlmrun_qualcomm import genie
+from vlmrun_qualcomm import genie_binding, genie_config, genie_worker
 
 from . import ep
 from .decoder import MASK_MIN, FixedKVDecoder
@@ -41,7 +41,7 @@ def libgenie_path() -> Path:
     return path
 
 
-def rope_tables(facts: genie.GenieModel, ctx: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(facts: genie_config.GenieModel, ctx: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [ctx, head_dim/2] as Genie computes them (rope-dim = head_dim/2, HF's default rope)."""
     d = facts.head_dim
     inv = 1.0 / (facts.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
@@ -55,7 +55,7 @@ class GenieLayoutDecoder(FixedKVDecoder):
     cos/sin rows of the positions, keys [KV,1,D,C-AR] and values [KV,1,C-AR,D]. Only the state layout and the
     graph I/O (``reset``, ``_step``) differ."""
 
-    def __init__(self, graphs: dict[int, object], ctx: int, facts: genie.GenieModel, min_chunk: int = 2):
+    def __init__(self, graphs: dict[int, object], ctx: int, facts: genie_config.GenieModel, min_chunk: int = 2):
         self.graphs = dict(sorted(graphs.items()))
         if 1 not in self.graphs:
             raise ValueError("the Genie-layout decoder needs an AR-1 graph")
@@ -106,7 +106,7 @@ class GenieHtpHandle(DecoderHandle):
         self.artifacts = [a for _, a in graphs]
         self.ctx = int(ctx)
         self.soc = soc
-        self.facts = genie.GenieModel.from_model(model)
+        self.facts = genie_config.GenieModel.from_model(model)
         self.ctx_bins = []
         for _, art in graphs:
             bins = [f for f in art.manifest.get("binary_bytes", {})] or [
@@ -114,11 +114,11 @@ class GenieHtpHandle(DecoderHandle):
             self.ctx_bins += [str(art.path / b) for b in bins]
         self.graph_arts = dict(graphs)
         self.tokenizer = self.model.path / "tokenizer.json"
-        self.lib = genie.GenieLibrary(libgenie_path())
+        self.lib = genie_binding.GenieLibrary(libgenie_path())
         self._host: GenieLayoutDecoder | None = None
         self.load_s = 0.0
         self.last_timings: dict = {}
-        self.runtime_name = genie.RUNTIME_NAME
+        self.runtime_name = genie_worker.RUNTIME_NAME
 
     @property
     def context_length(self) -> int:
@@ -139,7 +139,7 @@ class GenieHtpHandle(DecoderHandle):
 
     def config(self, request) -> dict:
         stops = sorted(request.stop_ids) if request.stop_ids else [self._never_token()]
-        return genie.dialog_config(
+        return genie_config.dialog_config(
             self.facts, "QnnHtp", tokenizer=self.tokenizer, context_size=self.ctx,
             sampling=getattr(request.sampler, "settings", None), max_new_tokens=request.max_new_tokens,
             ctx_bins=self.ctx_bins, eos=stops,
@@ -160,6 +160,6 @@ class GenieHtpHandle(DecoderHandle):
             raise InputError(f"the prompt is {request.inputs_embeds.shape[1]} tokens but the compiled decoder"
                              f" context holds {limit}; compile the decoder with a larger context_length")
         self.last_timings = {}
-        yield from genie.stream_tokens_worker(self.lib.path, self.config(request), request.inputs_embeds,
-                                              self.lut_npy, timeout=self.timeout, profile_out=self.last_timings,
-                                              **genie.tap_arguments(request, self.model))
+        yield from genie_worker.stream_tokens_worker(self.lib.path, self.config(request), request.inputs_embeds,
+                                                     self.lut_npy, timeout=self.timeout, profile_out=self.last_timings,
+                                                     **genie_worker.tap_arguments(request, self.model))

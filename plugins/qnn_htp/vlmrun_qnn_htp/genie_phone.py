@@ -48,7 +48,7 @@ import numpy as np
 from vlmrun import procs
 from vlmrun.errors import BackendError, InputError
 from vlmrun.stages import ExportForm
-from vlmrun_qualcomm import genie
+from vlmrun_qualcomm import genie, genie_t2t
 from vlmrun_qualcomm.adb import Adb
 from vlmrun_qualcomm.sdk import Sdk
 
@@ -244,8 +244,8 @@ class GeniePhone:
 
     # -- running ------------------------------------------------------------------------------------------------
     def argv(self) -> list[str]:
-        return genie.t2t_argv(f"./{EXE}", CONFIG, embedding_file=EMBEDDINGS, lut=LUT_NAME, output_type="text",
-                              profile=PROFILE, check_profile_path=False)
+        return genie_t2t.t2t_argv(f"./{EXE}", CONFIG, embedding_file=EMBEDDINGS, lut=LUT_NAME, output_type="text",
+                                  profile=PROFILE, check_profile_path=False)
 
     def env(self) -> dict[str, str]:
         return {"LD_LIBRARY_PATH": self.rd, "ADSP_LIBRARY_PATH": self.rd}
@@ -294,7 +294,7 @@ class GeniePhone:
             reader.start()
             for chunk in iter(lambda: w.proc.stdout.read1(4096), b""):
                 out.append(decoder.decode(chunk))
-                text, _, _ = genie.split_t2t_stdout("".join(out))
+                text, _, _ = genie_t2t.split_t2t_stdout("".join(out))
                 if text:
                     yield from retok.stable(text)
             w.proc.wait()
@@ -315,7 +315,7 @@ class GeniePhone:
             except BackendError:
                 pass  # finish_t2t names the missing profile
         try:
-            result = genie.finish_t2t(stdout, stderr, rc, profile, seconds, what)
+            result = genie_t2t.finish_t2t(stdout, stderr, rc, profile, seconds, what)
         except genie.ContextLimitError:
             raise
         except BackendError as exc:

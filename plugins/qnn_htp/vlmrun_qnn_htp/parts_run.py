@@ -109,13 +109,13 @@ class PartsHandle(DecoderHandle):
     load, happen without opening them."""
 
     def __init__(self, model, artifact, soc):
-        from vlmrun_qualcomm import genie as genie_mod
+        from vlmrun_qualcomm import genie_config
 
         self.model, self.artifact, self.soc = model, artifact, soc
         self.artifacts = [artifact]
         self.parts = artifact.manifest["decoder_parts"]
         self.ctx = int(self.parts["ctx"])
-        self.facts = genie_mod.GenieModel.from_model(model)
+        self.facts = genie_config.GenieModel.from_model(model)
         self.ctx_bins = [str(artifact.path / b) for b in self.parts["binaries_in_order"]]
         self._host = None
         self.load_s = 0.0
@@ -140,27 +140,27 @@ class GeniePartsHandle(PartsHandle):
     part order; ``decoder`` (teacher forcing, diffs) stays the host engine over the same binaries."""
 
     def __init__(self, model, artifact, soc, lut_npy: Path, timeout: float = 600.0):
-        from vlmrun_qualcomm import genie as genie_mod
+        from vlmrun_qualcomm import genie_binding, genie_worker
 
         from .genie_engine import libgenie_path
 
         super().__init__(model, artifact, soc)
         self.lut_npy = Path(lut_npy)
         self.timeout = float(timeout)
-        self.lib = genie_mod.GenieLibrary(libgenie_path())
-        self.runtime_name = genie_mod.RUNTIME_NAME
+        self.lib = genie_binding.GenieLibrary(libgenie_path())
+        self.runtime_name = genie_worker.RUNTIME_NAME
 
     def engine_decode(self, request):
         """The host engine over the same part binaries, step by step as Genie runs them (for diffs)."""
         return self.decoder.generate(request)
 
     def config(self, request) -> dict:
-        from vlmrun_qualcomm import genie as genie_mod
+        from vlmrun_qualcomm import genie_config
 
         from .genie_engine import GenieHtpHandle
 
         stops = sorted(request.stop_ids) if request.stop_ids else [GenieHtpHandle._never_token(self)]
-        return genie_mod.dialog_config(
+        return genie_config.dialog_config(
             self.facts, "QnnHtp", tokenizer=self.model.path / "tokenizer.json", context_size=self.ctx,
             sampling=getattr(request.sampler, "settings", None), max_new_tokens=request.max_new_tokens,
             ctx_bins=self.ctx_bins, eos=stops)
@@ -172,7 +172,7 @@ class GeniePartsHandle(PartsHandle):
 
     def genie_generate(self, request):
         from vlmrun.errors import InputError
-        from vlmrun_qualcomm import genie as genie_mod
+        from vlmrun_qualcomm import genie_worker
 
         check_loadable(self.artifact.manifest, "decoder (Genie)")
         limit = min(int(request.context_length or self.ctx), self.ctx)
@@ -180,9 +180,9 @@ class GeniePartsHandle(PartsHandle):
             raise InputError(f"the prompt is {request.inputs_embeds.shape[1]} tokens but the compiled decoder"
                              f" context holds {limit}; compile the decoder with a larger context_length")
         self.last_timings = {}
-        yield from genie_mod.stream_tokens_worker(self.lib.path, self.config(request), request.inputs_embeds,
-                                                  self.lut_npy, timeout=self.timeout, profile_out=self.last_timings,
-                                                  **genie_mod.tap_arguments(request, self.model))
+        yield from genie_worker.stream_tokens_worker(self.lib.path, self.config(request), request.inputs_embeds,
+                                                     self.lut_npy, timeout=self.timeout, profile_out=self.last_timings,
+                                                     **genie_worker.tap_arguments(request, self.model))
 
 
 def load_parts(ctx, opts: dict, soc, artifact) -> PartsHandle:

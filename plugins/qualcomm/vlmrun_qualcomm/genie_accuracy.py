@@ -57,8 +57,10 @@ from typing import Mapping, Sequence
 
 from vlmrun.errors import BackendError
 
-from .genie import AllocCB, WorkerLines, _last_error_line, alloc_callback, capture_fd, status_name
+from .genie import _last_error_line
+from .genie_binding import AllocCB, alloc_callback, capture_fd, status_name
 from .genie_pipeline import LOG_LEVEL_WARN, PipelineLibrary
+from .genie_worker import WorkerLines
 
 ACCURACY_SIG = {
     "GenieAccuracyConfig_createFromJson": ([ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int32),

@@ -12,7 +12,7 @@ libGenie reports most failures through its log, not its status codes, and some n
 without its LUT block stops after one token with status 0. So the worker here checks what it can see: the image
 encoder's embeddings must come out of the node (its embedding callback), the run must produce text.
 
-As for dialogs (:mod:`.genie`), libGenie runs in a worker process (``python -m vlmrun_qualcomm.genie_pipeline``)
+As for dialogs (`genie_worker`), libGenie runs in a worker process (``python -m vlmrun_qualcomm.genie_pipeline``)
 that never loads onnxruntime; text pieces stream back one per line on a pipe.
 """
 
@@ -33,9 +33,11 @@ import numpy as np
 
 from vlmrun.errors import BackendError
 
-from .genie import WorkerLines, _last_error_line, capture_fd, status_name
+from .genie import _last_error_line
+from .genie_binding import capture_fd, status_name
 from .genie_sampler import LogitsRows, LogitsTap
 from .genie_session import WorkerSession
+from .genie_worker import WorkerLines
 
 # GenieNode_IOName_t
 TEXT_GENERATOR_TEXT_INPUT, TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 0, 1, 2

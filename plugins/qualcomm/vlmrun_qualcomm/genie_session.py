@@ -32,7 +32,8 @@ from vlmrun import procs
 from vlmrun.errors import BackendError
 from vlmrun.handles import DecoderState
 
-from .genie import ContextLimitError, GenieLibrary, _last_error_line, write_embeddings
+from .genie import ContextLimitError, _last_error_line, write_embeddings
+from .genie_binding import GenieLibrary
 
 
 class WorkerSession:

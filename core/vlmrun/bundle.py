@@ -1,0 +1,100 @@
+"""Bundles: a layout's deployable folder, written and verified by the one backend all its stages are on (the Python
+API of ``vlmrun bundle``; `vlmrun.cli_bundle` is its command).
+
+The core only resolves the layout, finds the one backend all its stages are on and hands it a
+`vlmrun.stages.BundleRequest` (``write_bundle`` hook) or the folder (``verify_bundle`` hook); what a bundle
+holds is the backend's business. The folder appears only when the bundle is complete: it is written into a
+temporary directory beside ``OUT`` and renamed. Run one with ``Pipeline.build(layout="bundle:DIR")``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import atomic, plugins
+from . import layouts as layouts_mod
+from .errors import BackendError, UsageError
+from .model import open_model
+from .pipeline import StageContext
+from .progress import no_progress
+from .stages import STAGES, BundleRequest
+from .store import ArtifactStore
+
+
+def bundle_backend(layout) -> str:
+    """The backend every stage of ``layout`` is on (a bundle is one runtime), or one UsageError line."""
+    backends = {layout.backend(s) for s in STAGES}
+    if len(backends) != 1:
+        raise UsageError(f"a bundle is one runtime: every stage must be on the same backend (this layout has"
+                         f" {layout.describe()}); use --layout all-npu or a layout file with one backend")
+    return backends.pop()
+
+
+VERIFY_ITEMS = 4  # held-out items a local bundle is run on before it is handed out (its manifest's "verified")
+
+
+def write(layout, out: Path, *, model=None, store=None, target: str = "local", image_size=None, progress=None,
+          reg=None, verify_items: int = VERIFY_ITEMS) -> dict:
+    """Write the bundle of ``layout`` to ``out`` (the Python API of ``vlmrun bundle``); its manifest.
+
+    A bundle for this machine (``target = "local"``) is then run as written, through its own runtime, on
+    ``verify_items`` held-out items by ``vlmrun eval`` (against the reference layout); the accuracy and drift it
+    showed go into its manifest (``verified``). A phone's bundle does not run here: ``verified`` says so."""
+    progress = progress or no_progress
+    reg = reg or plugins.load()
+    layout = layouts_mod.validate(layout, reg)
+    backend = bundle_backend(layout)
+    out = Path(out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"{out} exists and is not empty; give a new folder (a bundle is written whole)")
+    store = store if isinstance(store, ArtifactStore) else ArtifactStore(store)
+    fvlm = open_model(model, store, image_size, progress)
+    for stage in STAGES:
+        reg.hook.preflight(backend=backend, stage=stage, model=fvlm, options=dict(layout.stages[stage].options))
+
+    def context(stage: str, options=None) -> StageContext:
+        opts = dict(layout.stages[stage].options if options is None else options)
+        return StageContext(backend, stage, fvlm, opts, store, reg, False, progress)
+
+    with atomic.atomic_directory(out) as tmp:  # the folder appears only when the bundle is complete
+        request = BundleRequest(model=fvlm, layout=layout, out_dir=tmp, target=target, context=context,
+                                progress=progress)
+        manifest = reg.hook.write_bundle(backend=backend, request=request)
+        if manifest is None:
+            raise BackendError(f"backend '{backend}' does not write bundles (no installed plugin implements"
+                               " write_bundle for it)")
+        manifest["verified"] = verified(tmp, fvlm, store, reg, target, verify_items, progress)
+        (tmp / layouts_mod.BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def verified(folder: Path, model, store, reg, target: str, items: int, progress) -> dict:
+    """The figures the bundle in ``folder`` was verified with: ``vlmrun eval`` of the bundle as written."""
+    if target != "local":
+        return {"items": 0, "why": f"a {target} bundle does not run on this machine; run vlmrun eval -L"
+                                   f" bundle:DIR on the device"}
+    if items < 1:
+        return {"items": 0, "why": "not run (verify_items = 0)"}
+    from . import eval as ev
+
+    with progress(f"verifying the bundle on {items} held-out items (vlmrun eval)"):
+        run = ev.evaluate([f"bundle:{folder}"], model=model, store=store, registry=reg, limit=items)
+    lay = next(x for x in run.report["layouts"] if not x["is_reference"])
+    logits = lay.get("drift", {}).get("decoder/logits", {})
+    return {"items": lay["items"], "dataset": "held-out generated shapes (vlmrun eval's default)",
+            "accuracy": lay["accuracy"]["all"]["accuracy"],
+            "reference_accuracy": run.report["layouts"][0]["accuracy"]["all"]["accuracy"],
+            "same_answer_as_reference": lay["same_answer_as_reference"], "diff_pass_rate": lay["diff_pass_rate"],
+            "logits_sqnr_db": logits.get("sqnr_db"), "top1_agreement": logits.get("top1_agreement"),
+            "image_embeds_sqnr_db": lay.get("drift", {}).get("projector/image_embeds", {}).get("sqnr_db")}
+
+
+def verify(folder: Path, options: dict | None = None, reg=None) -> list[str]:
+    """``vlmrun bundle --verify``: what was checked (one line each), or one VlmrunError line."""
+    reg = reg or plugins.load()
+    m = layouts_mod.bundle_manifest(folder)
+    checked = reg.hook.verify_bundle(backend=m["backend"], path=Path(folder), options=dict(options or {}))
+    if checked is None:
+        raise BackendError(f"no installed plugin verifies bundles of backend '{m['backend']}'")
+    return checked

@@ -1,0 +1,182 @@
+"""The SDK's `genie-t2t-run` (QAIRT): its command line, checked against the tool's own flag rules, and its output
+read into the generated text, an error or the context limit. The tool runs on this host (`run_t2t`) or over adb
+(the caller runs it and hands its output to `finish_t2t`); the caller names the executable.
+
+The contract: `-c CFG (-p P | --prompt_file F | -e EMB[,T,S,O] [-t LUT] | -tok F)
+[--embedding_query_output_type text|token] [--profile FILE] [--log LEVEL]`; `-t` needs `-e`, `-e` excludes
+`-p`/`--prompt_file`/`-tok`, the `--profile` file must not exist. It prints `[BEGIN]: <text>...[END]` on stdout,
+its exceptions on stderr ("Failed to create the dialog.", ...) and exits 1 on failure. Errors are read from stderr
+and the exit status only, never from the generated text. At the dialog's context it prints "Context Size was
+exceeded." and "Failed to query with embedding." (exit 1): a `ContextLimitError` (module `genie`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import attrs
+
+from vlmrun import procs
+from vlmrun.errors import BackendError, UsageError
+
+from .genie import ContextLimitError, _last_error_line, parse_profile
+
+
+# -- genie-t2t-run ------------------------------------------------------------------------------------------
+@attrs.define
+class T2TResult:
+    """One run of `genie-t2t-run`: the generated text, what the tool printed and its exit status, the profile it
+    wrote and the timings read from it, the run's wall time."""
+
+    text: str
+    stdout: str
+    stderr: str
+    returncode: int
+    profile: dict | None = None
+    timings: dict = attrs.field(factory=dict)
+    seconds: float = 0.0
+
+
+def t2t_argv(
+    exe: str,
+    config: str,
+    *,
+    prompt: str | None = None,
+    prompt_file: str | None = None,
+    embedding_file: str | None = None,
+    lut: str | None = None,
+    tokens_file: str | None = None,
+    output_type: str | None = None,
+    profile: str | None = None,
+    log: str | None = None,
+    check_profile_path: bool = True,
+) -> list[str]:
+    """The `genie-t2t-run` command line, checked against the tool's own flag rules (UsageError if broken)."""
+    if lut and not embedding_file:
+        raise UsageError("genie-t2t-run: -t (embedding table) needs -e (embedding file)")
+    if embedding_file and (prompt is not None or prompt_file or tokens_file):
+        raise UsageError("genie-t2t-run: -e (embedding file) excludes -p/--prompt_file/-tok")
+    if not embedding_file and not tokens_file and (prompt is None) == (not prompt_file):
+        raise UsageError("genie-t2t-run: give exactly one of -p, --prompt_file, -e or -tok")
+    if output_type and output_type not in ("text", "token"):
+        raise UsageError(f"genie-t2t-run: --embedding_query_output_type {output_type} is not text or token")
+    if log and log not in ("error", "warn", "info", "verbose"):
+        raise UsageError(f"genie-t2t-run: --log {log} is not one of error, warn, info, verbose")
+    if profile and check_profile_path and Path(profile).exists():
+        raise UsageError(f"genie-t2t-run: the --profile file {profile} already exists (the tool refuses it)")
+    argv = [str(exe), "-c", str(config)]
+    if prompt is not None:
+        argv += ["-p", prompt]
+    if prompt_file:
+        argv += ["--prompt_file", str(prompt_file)]
+    if embedding_file:
+        argv += ["-e", str(embedding_file)]
+    if lut:
+        argv += ["-t", str(lut)]
+    if tokens_file:
+        argv += ["-tok", str(tokens_file)]
+    if output_type:
+        argv += ["--embedding_query_output_type", output_type]
+    if profile:
+        argv += ["--profile", str(profile)]
+    if log:
+        argv += ["--log", log]
+    return argv
+
+
+#: an error line of genie-t2t-run or Genie on stderr (errors are never read from the generated text)
+ERROR_LINE = re.compile(r"^\s*(ERROR\b|Error\b|error:|Failed to|Unknown option|CANNOT LINK|.*doesn't exists"
+                        r"|.*Exception|.*error while loading shared libraries)", re.M)
+#: Genie's own log line for the cause of a failure (`[ERROR] "Failed to create device: 1008"`), printed before
+#: genie-t2t-run's summary ("Failed to create the dialog."); only read when the tool failed
+GENIE_ERROR = re.compile(r'^[ \t]*\[ERROR\][ \t]*"?(?P<msg>.*?)"?[ \t]*$', re.M)
+#: messages genie-t2t-run prints on stderr when it cleans up (not failures of the query)
+BENIGN_LINE = re.compile(r"^\s*Failed to free\b")
+#: Genie's ContextLimitException (qualla dialogs and the CPU engine): "Context Size was exceeded."
+CONTEXT_LIMIT = re.compile(r"Context Size was exceeded|context size exceeded|Context limit exceeded", re.I)
+
+
+def split_t2t_stdout(stdout: str) -> tuple[str | None, str, str]:
+    """genie-t2t-run's stdout as (generated text or None, what it printed outside the generation, state).
+
+    The text is what stands between `[BEGIN]: ` and the last `[END]`; state is `end`, `abort` (an
+    `[ABORT]` after the text), `cut` (no `[END]`) or `none` (no `[BEGIN]:`)."""
+    stdout = stdout or ""
+    start = stdout.find("[BEGIN]:")
+    if start < 0:
+        return None, stdout, "none"
+    body = stdout[start + len("[BEGIN]:"):]
+    end = body.rfind("[END]")
+    if end >= 0:
+        text, outside, state = body[:end], stdout[:start] + body[end + len("[END]"):], "end"
+    else:
+        ab = body.rfind("[ABORT]")
+        text, outside, state = (body[:ab], stdout[:start], "abort") if ab >= 0 else (body, stdout[:start], "cut")
+    return (text[1:] if text.startswith(" ") else text), outside, state
+
+
+def _error_line(text: str) -> str | None:
+    for m in ERROR_LINE.finditer(text or ""):
+        line = (text[m.start():].splitlines() or [""])[0].strip()
+        if line and not BENIGN_LINE.match(line):
+            return line[:300]
+    return None
+
+
+def parse_t2t_output(stdout: str, stderr: str, returncode: int, what: str = "genie-t2t-run") -> str:
+    """The generated text between `[BEGIN]:` and `[END]`.
+
+    Errors come from the exit status and stderr (genie-t2t-run prints its exceptions there), never from the
+    generated text: a model may well write "Error: ..." or "Failed to ...". A non-zero exit, an error line on
+    stderr, an `[ABORT]` or a missing `[END]` is a BackendError; the context limit is a
+    `ContextLimitError`."""
+    text, outside, state = split_t2t_stdout(stdout)
+    err_line = _error_line(stderr)
+    if CONTEXT_LIMIT.search(stderr or ""):
+        raise ContextLimitError(f"{what} stopped at the Genie context limit (\"Context Size was exceeded.\");"
+                                " raise the decoder's context_length or lower --max-new-tokens")
+    if returncode != 0:
+        detail = (err_line or _last_error_line(stderr or "") or _error_line(outside)
+                  or _last_error_line(outside) or "no message")
+        cause = next((m.group("msg") for text in (stderr or "", outside) for m in GENIE_ERROR.finditer(text)
+                      if m.group("msg")), None)
+        if cause and cause not in detail:  # Genie's first [ERROR] names what failed (device, file, config)
+            detail = f'{detail} (Genie: "{cause[:200]}")'
+        raise BackendError(f"{what} exited with status {returncode}: {detail}")
+    if err_line:
+        raise BackendError(f"{what} reported an error: {err_line}")
+    if state == "abort":
+        raise BackendError(f"{what} aborted the query")
+    if state == "none":
+        raise BackendError(f"{what} printed no [BEGIN]: (no generation in its output)")
+    if state == "cut":
+        raise BackendError(f"{what} output ended without [END] (the generation was cut off)")
+    return text
+
+
+def run_t2t(argv: Sequence[str], *, timeout: float = 600.0, cwd: str | os.PathLike | None = None,
+            env: Mapping[str, str] | None = None, profile: str | os.PathLike | None = None,
+            on_output: Callable[[str], None] | None = None) -> T2TResult:
+    """Run `genie-t2t-run` on this host with a timeout (the process group is killed on a hang)."""
+    t0 = time.perf_counter()
+    res = procs.run(argv, timeout=timeout, what="genie-t2t-run", cwd=cwd, env=dict(os.environ, **(env or {})),
+                    on_stdout=on_output, hint="raise the decoder's timeout option if the model is large")
+    return finish_t2t(res.stdout, res.stderr, res.returncode, profile, time.perf_counter() - t0)
+
+
+def finish_t2t(stdout: str, stderr: str, returncode: int, profile: str | os.PathLike | None,
+               seconds: float, what: str = "genie-t2t-run") -> T2TResult:
+    text = parse_t2t_output(stdout, stderr, returncode, what)
+    result = T2TResult(text, stdout, stderr, returncode, seconds=seconds)
+    if profile:
+        p = Path(profile)
+        if not p.is_file():
+            raise BackendError(f"{what} wrote no profile file {p}")
+        result.profile = json.loads(p.read_text() or "{}")
+        result.timings = parse_profile(result.profile)
+    return result
