@@ -3,17 +3,17 @@
 
     nice -n 5 .venv/bin/python scripts/train_tiny.py [--out core/vlmrun/models/shapes-tiny]
 
-The model is built by :func:`vlmrun.tiny.build_model` (timm ``fastvit_mci3`` tower, ``mlp2x_gelu`` projector,
+The model is built by `vlmrun.tiny.build_model` (timm ``fastvit_mci3`` tower, ``mlp2x_gelu`` projector,
 Qwen2 decoder of hidden size 128, the project's tokenizer and chat template) and trained on CPU on pictures
-:mod:`vlmrun.shapes` draws (seed 0), fresh ones at every step; each picture is asked every question it can
-answer. The inputs are made exactly as vlmrun's pipeline makes them: :mod:`vlmrun.preprocess` (pad to square,
+`vlmrun.shapes` draws (seed 0), fresh ones at every step; each picture is asked every question it can
+answer. The inputs are made exactly as vlmrun's pipeline makes them: `vlmrun.preprocess` (pad to square,
 the checkpoint's CLIP preprocessing; the chat template rendered and tokenized with ``tokenizer.json``, the
 ``<image>`` placeholder expanded where the image embeddings are spliced), and the forward pass is
-:mod:`vlmrun.torch_stages` (vision, projector, embed) + splice + the Qwen2 decoder.
+`vlmrun.torch_stages` (vision, projector, embed) + splice + the Qwen2 decoder.
 
 Recipe (what made it learn in minutes rather than hours):
 - phase 1, the vision tower alone: every image token (the tower's output) predicts the whole scene through an
-  auxiliary linear head (:class:`SceneHead`: background colour, number of shapes, each shape's kind and colour;
+  auxiliary linear head (`SceneHead`: background colour, number of shapes, each shape's kind and colour;
   dropped after training), 32 pictures per step, until the head reads every attribute of the validation
   pictures (seed 2) at ``--tower-target``. Behind the decoder's loss alone the tower takes hours to tell a
   star from a square; on its own it takes minutes;
@@ -31,7 +31,7 @@ Deterministic from ``--seed`` for a given torch build and ``--threads`` (torch's
 fixed thread count, a seeded data stream). At the end the weights are saved as float16 safetensors in
 transformers' native FastVLM layout, reloaded as float32, and answer accuracy (exact match after normalising
 case and punctuation; greedy, stopping at ``<|im_end|>``) is measured per question kind on the held-out set
-(:data:`vlmrun.shapes.HELDOUT_SEED`, whose first 400 items are the set ``vlmrun eval`` uses by default) and
+(`vlmrun.shapes.HELDOUT_SEED`, whose first 400 items are the set ``vlmrun eval`` uses by default) and
 written with the wall time to ``training.json`` next to the weights.
 """
 
@@ -102,7 +102,7 @@ def parse_args(argv=None):
 
 
 class Batcher:
-    """Token ids and pixel values exactly as :class:`vlmrun.pipeline.Pipeline` prepares them."""
+    """Token ids and pixel values exactly as `vlmrun.pipeline.Pipeline` prepares them."""
 
     def __init__(self, fvlm):
         from vlmrun.preprocess import render_prompt, tokenize_prompt
@@ -129,7 +129,7 @@ class Batcher:
 
     @staticmethod
     def messages(turns, answers) -> list[dict]:
-        """The conversation's messages as :class:`vlmrun.conversation.Chat` renders them: a turn's picture first,
+        """The conversation's messages as `vlmrun.conversation.Chat` renders them: a turn's picture first,
         then its question; each answered turn followed by the assistant's answer."""
         out = []
         for i, turn in enumerate(turns):
@@ -282,9 +282,9 @@ def accuracy(model, batcher, items):
 
 
 def conversation_accuracy(model, batcher, conversations, max_new_tokens=48):
-    """Greedy answers of every turn of ``conversations`` (tuples of :class:`vlmrun.shapes.Turn`), each turn asked
+    """Greedy answers of every turn of ``conversations`` (tuples of `vlmrun.shapes.Turn`), each turn asked
     with the model's own earlier answers in the history (as ``vlmrun eval --conversations`` asks them), scored per
-    turn number like :func:`accuracy`."""
+    turn number like `accuracy`."""
     import numpy as np
     import torch
 
@@ -453,7 +453,7 @@ def scene_head_accuracy(model, batcher, head, scenes) -> dict:
 
 
 def train_tower(model, batcher, head, args, rng) -> list[dict]:
-    """Phase 1: the vision tower alone, every image token predicting the scene (:class:`SceneHead`), until the
+    """Phase 1: the vision tower alone, every image token predicting the scene (`SceneHead`), until the
     head reads every attribute of the validation pictures at ``--tower-target`` (or ``--tower-steps``). The
     tower learns the shapes here in a fraction of the time it takes behind the decoder's loss."""
     import numpy as np
@@ -518,7 +518,7 @@ def finetune(args) -> int:
     """Phase 3 (``--from``): the trained model learns conversations. The vision tower is frozen (its features
     already tell every shape apart); the projector and the decoder train on each step's single-turn questions
     (every question of ``--images-per-step`` fresh pictures, so one-turn answers are kept) and ``--conversations``
-    conversations of one to three turns (:func:`vlmrun.shapes.conversations`: later turns ask about the same
+    conversations of one to three turns (`vlmrun.shapes.conversations`: later turns ask about the same
     picture, or bring a new one with "And this one?"), cross-entropy on every answer of every turn. Warm-up,
     constant, cool-down once the validation questions (seed 2) of every kind and the validation conversations'
     turns reach ``--target``. Held-out accuracy is measured again, one-turn and per turn of the held-out

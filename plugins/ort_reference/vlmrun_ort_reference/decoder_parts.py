@@ -3,7 +3,7 @@
 
 Params: ``ar`` (N, the prompt graph's rows), ``ctx`` (C, the fixed context), ``layers`` (layers per part, comma
 separated, e.g. ``"16,8"``: part ``k`` holds the next ``layers[k]`` decoder layers, the last part also the final
-norm and the lm_head) and ``rmsnorm`` (see :func:`vlmrun_ort_reference.onnx_export.rms_norm_of`).
+norm and the lm_head) and ``rmsnorm`` (see `vlmrun_ort_reference.onnx_export.rms_norm_of`).
 
 One export writes every graph of every part into the artifact directory, ``part{k}_of_{P}_{prompt|token}.onnx``
 (``k`` from 1; weights in a ``.data`` file beside a large graph), and ``parts.json`` describing them. The I/O of
@@ -90,7 +90,7 @@ def _part_module(model, fvlm, form, lo: int, hi: int, last: bool, probe: bool = 
 
     ``probe``: the outputs also hold the residual stream after each layer but the part's last (whose stream is
     ``residual_{hi}`` already), and in the last part after its last layer and the final norm too
-    (:func:`export_part_probe`)."""
+    (`export_part_probe`)."""
     torch, _ = _torch()
 
     nn = torch.nn
@@ -222,7 +222,7 @@ def export_part_probe(model, form, out_dir: Path) -> dict:
     """The probe of one part (``decoder/parts`` with ``probe`` and ``part = k``, from 1): every graph of the
     normal form (the calibration of a quantized part runs the float graphs of all parts in order), with part
     ``k``'s prompt graph replaced by the same graph plus the residual stream after each of its layers
-    (:func:`probe_part_outputs`; only outputs are added, so its inputs, nodes and main outputs are the normal
+    (`probe_part_outputs`; only outputs are added, so its inputs, nodes and main outputs are the normal
     graph's). ``parts.json`` says which part is probed (``probe_part``) and the manifest lists
     ``probe_outputs`` and ``probe_nodes`` as every probe form does."""
     from vlmrun.errors import UsageError

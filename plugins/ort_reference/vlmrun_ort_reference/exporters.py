@@ -1,9 +1,9 @@
 """Which exporter writes which export form: the one entry point the plugin's ``export`` hook calls.
 
-* ``embed/lut``: the embedding table as a LUT file (:func:`.onnx_export.export_lut`);
-* a probe form (``probe = true``): the stage's graph plus its layer outputs (:mod:`.probes`, ``vlmrun diff --locate``);
-* ``decoder/parts``: the decoder's parts x (prompt, token) graphs in one artifact (:mod:`.decoder_parts`);
-* everything else: one stage graph traced from its torch wrapper (:mod:`.onnx_export`).
+* ``embed/lut``: the embedding table as a LUT file (`.onnx_export.export_lut`);
+* a probe form (``probe = true``): the stage's graph plus its layer outputs (`.probes`, ``vlmrun diff --locate``);
+* ``decoder/parts``: the decoder's parts x (prompt, token) graphs in one artifact (`.decoder_parts`);
+* everything else: one stage graph traced from its torch wrapper (`.onnx_export`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Graph forms (``ExportForm.kind``):
                   past_value_i_in [KV,1,C-N,D] -> logits [1,N,V], past_key_i_out [KV,1,D,N], past_value_i_out
                   [KV,1,N,D]
 ``decoder/parts`` Qualcomm's shipping form: the decoder split into parts of layers, each a prompt (AR-N) and a
-                  token (AR-1) graph in the ``decoder/genie`` layout, all in one artifact (:mod:`.decoder_parts`)
+                  token (AR-1) graph in the ``decoder/genie`` layout, all in one artifact (`.decoder_parts`)
 
 The decoder is written out explicitly over the checkpoint's own Qwen2 modules (same weights, same math as
 transformers' eager attention) with a precomputed rotary cos/sin table looked up by position, which keeps the
@@ -28,7 +28,7 @@ RMSNorm (param ``rmsnorm``; default ``safe`` for ``decoder/fixed`` and ``decoder
 ``decoder/kv``): ``plain`` is transformers' Qwen2RMSNorm, ``x * rsqrt(mean(x^2) + eps)`` with fp32 casts. NPUs
 run those casts in fp16, where ``x^2`` overflows once |x| > 256 (65504 is fp16's largest value), and real Qwen2
 checkpoints carry "massive activations" (single residual channels in the hundreds to thousands on the first token
-and on delimiters). ``safe`` divides each row by its largest |x| before squaring (:func:`safe_rms_norm`): the
+and on delimiters). ``safe`` divides each row by its largest |x| before squaring (`safe_rms_norm`): the
 same result in fp32 (to rounding), no overflow in fp16.
 """
 

@@ -1,5 +1,5 @@
 """The names of probe points in the exported graphs: each stage's final layer, the graph output of a probe and the
-input an ``inject`` form adds to it (what :mod:`.probes` exports and the exporters name)."""
+input an ``inject`` form adds to it (what `.probes` exports and the exporters name)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ outputs are ``probe_<name with _ for .>``, the last layer's is the stage's own o
 name -> the name of the graph node producing it). Node names are the same in the normal form's graph (the
 exporter names nodes by module scope and order, and the extra outputs add no node), so a layer's nodes in the
 normal graph are those between its producer node and the previous layer's: how a compiler keeps one layer out
-of quantization (qnn_htp's ``keep_fp``, :func:`vlmrun_qnn_htp.probe.excluded_nodes`).
+of quantization (qnn_htp's ``keep_fp``, `vlmrun_qnn_htp.probe.excluded_nodes`).
 
-Param ``inject`` (:func:`inject_form`, the reference side only): one more input per probe point but the last,
+Param ``inject`` (`inject_form`, the reference side only): one more input per probe point but the last,
 ``inject_<name>``, added to that layer's output before anything reads it. ``vlmrun diff --locate`` feeds the
 device's error at layer k-1 there and reads layer k: the reference layer k on the device's input, so the device
 layer's own error is told apart from the error it was handed.
@@ -158,7 +158,7 @@ class ProbeSession:
     """A probe graph on ONNX Runtime (CPU): ``run(inputs)`` gives the contract outputs and every probe.
 
     Inputs ``inject:<probe name>`` (arrays shaped like that layer's output) are added to that layer's output
-    inside the graph, so its probe output and every later layer see them: the graph of :func:`inject_form`,
+    inside the graph, so its probe output and every later layer see them: the graph of `inject_form`,
     loaded on first use (``export(form)`` gives its artifact)."""
 
     def __init__(self, artifact, model, stage: str, export=None, form=None):

@@ -1,6 +1,6 @@
 """What every exporter of this plugin shares: the ONNX opset, when weights go to external data, the fixed-KV
 mask value, torch (imported on first use: the core never needs it) and the decoder's RMSNorm forms
-(:func:`safe_rms_norm`, see :mod:`.onnx_export` for why)."""
+(`safe_rms_norm`, see `.onnx_export` for why)."""
 
 from __future__ import annotations
 

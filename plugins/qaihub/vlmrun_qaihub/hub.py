@@ -325,9 +325,9 @@ class Hub:
     def call(self, what: str, fn: Callable, *args, idempotent: bool = True, **kwargs):
         """``fn(*args, **kwargs)`` as one operation with one network budget; errors become one line.
 
-        Raises :class:`HubUnreachable` when the hub gave no answer for ``network_timeout`` seconds,
-        :class:`HubAuthError` when it rejected the token, :class:`HubNotFound` when it does not know the object,
-        :class:`BackendError` otherwise. ``idempotent=False`` (a job submission): an error the client raises after
+        Raises `HubUnreachable` when the hub gave no answer for ``network_timeout`` seconds,
+        `HubAuthError` when it rejected the token, `HubNotFound` when it does not know the object,
+        `BackendError` otherwise. ``idempotent=False`` (a job submission): an error the client raises after
         the request may have reached the hub is not retried here.
         """
         import requests
@@ -399,8 +399,8 @@ class Hub:
     def wait(self, job, kind: str, *, rerun: str = "rerun the same command to re-attach to it"):
         """Poll ``job`` until it finishes, showing its state; return the final status.
 
-        A FAILED job raises :class:`HubJobFailed` with the hub's reason; a timeout (:class:`HubJobTimeout`), a
-        lost hub (:class:`HubUnreachable`) or Ctrl-C says which job is still running and where (``rerun``
+        A FAILED job raises `HubJobFailed` with the hub's reason; a timeout (`HubJobTimeout`), a
+        lost hub (`HubUnreachable`) or Ctrl-C says which job is still running and where (``rerun``
         says what a rerun does), without cancelling it.
         """
         url = redact(job.url)

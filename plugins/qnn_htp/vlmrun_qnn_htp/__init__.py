@@ -1,33 +1,33 @@
 """vlmrun plugin ``qnn_htp``: FastVLM stages as QNN context binaries on the Qualcomm HTP.
 
 Compile: ONNX -> QNN context binary with onnxruntime-qnn (EPContext, embed mode 0, CPU fallback disabled,
-static shapes, ``soc_model`` from :mod:`vlmrun_qualcomm.socs`), fp16 by default or quantized by the stage's recipe
-(:mod:`.recipe`, :mod:`.quantizer`; calibration data: :mod:`.calibration`).
-Where things are: options (:mod:`.options`), the onnxruntime-qnn session and EP checks (:mod:`.ep`), the fixed
-forms' handles (:mod:`.handles`), the parts form (:mod:`.parts_compile`, :mod:`.parts_run`, Genie naming in
-:mod:`.genie_names`), Genie engines (:mod:`.genie_engine`, :mod:`.genie_phone`), probes and per-layer precision
-(:mod:`.probe`, :mod:`.layers`), the phone (:mod:`.netrun`), the SDK's own tools (:mod:`.sdk_compile`).
+static shapes, ``soc_model`` from `vlmrun_qualcomm.socs`), fp16 by default or quantized by the stage's recipe
+(`.recipe`, `.quantizer`; calibration data: `.calibration`).
+Where things are: options (`.options`), the onnxruntime-qnn session and EP checks (`.ep`), the fixed
+forms' handles (`.handles`), the parts form (`.parts_compile`, `.parts_run`, Genie naming in
+`.genie_names`), Genie engines (`.genie_engine`, `.genie_phone`), probes and per-layer precision
+(`.probe`, `.layers`), the phone (`.netrun`), the SDK's own tools (`.sdk_compile`).
 Run: locally on the HTP backend of onnxruntime-qnn (the v79 emulator on x86_64, the NPU on a Snapdragon
-host), or with ``target = "android"`` on a phone through the SDK's ``qnn-net-run`` over adb (:mod:`.netrun`).
-Decode: a host-driven fixed-KV loop over an AR-N prefill graph and an AR-1 graph (:mod:`.decoder`).
+host), or with ``target = "android"`` on a phone through the SDK's ``qnn-net-run`` over adb (`.netrun`).
+Decode: a host-driven fixed-KV loop over an AR-N prefill graph and an AR-1 graph (`.decoder`).
 
 Per-stage options (layout TOML or ``vlmrun compile`` flags):
 
 =================== ====================================================================================
 ``precision``       ``fp16`` (default), ``int8`` (a8w8, 16-bit Softmax) or ``a16w8``: every stage (decoder:
                     host engine only)
-``soc``             ``SM8750`` (default), ``SM8650``, ``SM8550``, ... (see :data:`vlmrun_qualcomm.socs.SOCS`)
+``soc``             ``SM8750`` (default), ``SM8650``, ``SM8550``, ... (see `vlmrun_qualcomm.socs.SOCS`)
 ``calibration_images`` folder of images for int8 (default: random data for vision/projector, labelled so in
                     the manifest; the demo image for the decoder; embed calibrates on token ids)
 ``context_length``  decoder context the graphs are compiled for (default 512)
 ``prefill_ar``      decoder prefill chunk (AR-N) (default 64)
 ``engine``          decoder engine: ``host`` (this loop) or ``genie`` (Genie on QnnHtp via libGenie from
-                    onnxruntime-qnn, graphs in Genie's I/O layout, see :mod:`.genie_engine`)
+                    onnxruntime-qnn, graphs in Genie's I/O layout, see `.genie_engine`)
 ``rmsnorm``         decoder RMSNorm as exported: ``safe`` (default: each row scaled by its max |x| before
                     squaring, so fp16 does not overflow on massive activations) or ``plain`` (transformers' form;
                     overflows in fp16 once |x| > 256, kept to show the failure)
 ``decoder_form``    ``parts`` (default; int8 picks ``fixed``) or ``fixed`` (one fp16/int8 graph per binary, AR-N + AR-1). ``parts``: Qualcomm's
-                    shipping form (:mod:`.parts_compile`): P parts, each a prompt (AR-N) and a token (AR-1) graph in Genie's
+                    shipping form (`.parts_compile`): P parts, each a prompt (AR-N) and a token (AR-1) graph in Genie's
                     I/O layout, ``fp16``/``w8a16``/``w4a16``, both graphs of a part in one weight-shared binary
 ``parts``           parts: number of parts (0 = the fewest whose binaries stay under ``part_limit_mb``, default
                     1000 MB); ``weight_sharing``: ``auto`` (shared except on the x86_64 emulator, which cannot load
@@ -36,19 +36,19 @@ Per-stage options (layout TOML or ``vlmrun compile`` flags):
 ``keep_fp``         int8/a16w8/w8a16/w4a16: layers kept out of quantization (run in fp16), comma-separated: layer
                     names as ``vlmrun diff --locate`` prints them (``vision.stage2``, ``decoder.layer1``) or node-name
                     prefixes starting with ``/`` (not in the parts form); in the parts form the layer's nodes in
-                    its part's prompt and token graphs (:mod:`.probe`)
+                    its part's prompt and token graphs (`.probe`)
 ``keep_a16w16``     int8/a16w8/w8a16/w4a16: layers quantized with 16-bit activations and weights (the rest stays
                     at the stage's precision), the same entries as ``keep_fp``
-``layer_precision`` per-layer map ``LAYER=fp16|a16w16|w8|w4`` (:mod:`.layers`)
+``layer_precision`` per-layer map ``LAYER=fp16|a16w16|w8|w4`` (`.layers`)
 ``quantizer``       quantized precisions: ``onnxruntime`` (default) or ``aimet`` (AIMET-ONNX, the ``aimet`` extra);
                     with ``weight_scheme`` (``per_channel``, ``lpbq``: AIMET w4a16's default), ``block_size`` (64),
                     ``algorithm`` (``minmax``, ``seq_mse``, ``adaround``), ``seq_mse_candidates``,
-                    ``adaround_iterations``: the recipe (:mod:`.recipe`, applied by :mod:`.quantizer`)
+                    ``adaround_iterations``: the recipe (`.recipe`, applied by `.quantizer`)
 ``target``          ``local`` (default) or ``android``; with ``device``, ``adb``, ``sdk_root``,
                     ``native_outputs``, ``timeout``; the decoder on a phone needs engine ``genie`` (the SDK's
-                    genie-t2t-run on the phone's HTP, :mod:`.genie_phone`; ``ndk_root`` for libc++_shared.so)
+                    genie-t2t-run on the phone's HTP, `.genie_phone`; ``ndk_root`` for libc++_shared.so)
 ``toolchain``       ``onnxruntime`` (default: onnxruntime-qnn, QNN 2.51) or ``sdk``: the QAIRT SDK's own
-                    converter, model-lib generator and context-binary generator (:mod:`.sdk_compile`), for
+                    converter, model-lib generator and context-binary generator (`.sdk_compile`), for
                     binaries that carry the SDK's QNN version (a phone running an older QAIRT)
 =================== ====================================================================================
 """
@@ -412,7 +412,7 @@ def layer_precisions(backend, stage, options):
 
 @hookimpl
 def run_request(backend, handles, request):
-    """A bundle's whole request through Genie's pipeline (:mod:`.bundle`); other layouts go stage by stage."""
+    """A bundle's whole request through Genie's pipeline (`.bundle`); other layouts go stage by stage."""
     if not mine(backend, NAME) or not hasattr(handles.get("decoder"), "runtime"):
         return None
     from .bundle_run import run_request as run
@@ -422,7 +422,7 @@ def run_request(backend, handles, request):
 
 @hookimpl
 def request_state(backend, handles):
-    """A bundle's conversation kept in Genie's pipeline between turns (:class:`.bundle_run.BundleConversation`)."""
+    """A bundle's conversation kept in Genie's pipeline between turns (`.bundle_run.BundleConversation`)."""
     if not mine(backend, NAME):
         return None
     return bundle_run.request_state(handles)
@@ -455,7 +455,7 @@ def verify_bundle(backend, path, options):
 
 @hookimpl
 def load_probe(backend, stage, ctx):
-    """The stage's probe form compiled like the stage (:mod:`.probe`), for ``vlmrun diff --locate``."""
+    """The stage's probe form compiled like the stage (`.probe`), for ``vlmrun diff --locate``."""
     if not mine(backend, NAME):
         return None
     from .probe import load_probe as load
@@ -486,7 +486,7 @@ def decode(backend, handle, request):
 @hookimpl
 def decoder_state(backend, handle):
     """A conversation's state kept between turns: the host engine's KV buffers (fixed and parts forms); with engine
-    ``genie``, Genie's dialog alive in its worker (:class:`vlmrun_qualcomm.genie_session.DialogState`). Each turn
+    ``genie``, Genie's dialog alive in its worker (`vlmrun_qualcomm.genie_session.DialogState`). Each turn
     feeds its new rows only. A phone's genie-t2t-run answers each turn from the start (``None``); a bundle keeps its
     conversation through ``request_state``."""
     if not mine(backend, NAME) or getattr(handle, "phone", None) is not None or hasattr(handle, "runtime"):

@@ -1,4 +1,4 @@
-"""The AIMET engine of :func:`vlmrun_qnn_htp.quantizer.quantize` (``quantizer = "aimet"``).
+"""The AIMET engine of `vlmrun_qnn_htp.quantizer.quantize` (``quantizer = "aimet"``).
 
 AIMET-ONNX (``aimet-onnx``, the optional extra ``vlmrun-qnn-htp[aimet]``) is the toolkit Qualcomm quantizes its
 HTP LLMs and VLMs with. This engine:

@@ -1,6 +1,6 @@
 """The artifact people ship: a folder Genie's VLM pipeline (libGenie's pipeline API, or the SDK's ``genie-app``)
-loads, in Qualcomm AI Hub's VLM export layout, written (:func:`write_bundle`), checked (:func:`verify_bundle`) and
-run (:class:`.bundle_run.BundleRuntime`) by qnn_htp.
+loads, in Qualcomm AI Hub's VLM export layout, written (`write_bundle`), checked (`verify_bundle`) and
+run (`.bundle_run.BundleRuntime`) by qnn_htp.
 
 Files (``vlmrun bundle OUT``)::
 
@@ -187,7 +187,7 @@ def app_script(prefix_file: str, pixels_file: str, suffix_file: str) -> str:
 
 
 def write_bundle(request) -> dict:
-    """Compile (through the store) and write the bundle of ``request`` (a :class:`vlmrun.stages.BundleRequest`)
+    """Compile (through the store) and write the bundle of ``request`` (a `vlmrun.stages.BundleRequest`)
     into ``request.out_dir``; return the manifest."""
     from vlmrun.demo_image import demo_image
     from vlmrun.preprocess import preprocess_image

@@ -2,7 +2,7 @@
 pipeline script on the phone's HTP, over adb.
 
 What goes to the phone, into ``/data/local/tmp/vlmrun/bundles/<bundle name>`` (each file pushed once and skipped
-when the remote sha256 matches, :meth:`vlmrun_qualcomm.adb.Adb.push`):
+when the remote sha256 matches, `vlmrun_qualcomm.adb.Adb.push`):
 
 * every file of the bundle (its manifest's list), as written;
 * from the QAIRT SDK, for the phone's HTP arch NN: ``bin/aarch64-android/genie-app``,
@@ -11,7 +11,7 @@ when the remote sha256 matches, :meth:`vlmrun_qualcomm.adb.Adb.push`):
 * per query, under ``query/``: the prompt's text before and after the image (``prompt_prefix.txt``,
   ``prompt_suffix.txt``), the preprocessed pixels (``pixel_values.raw``, float32: genie-app hands the file's bytes
   to ``GenieNode_setData``, which quantizes them to the encoder's uint8 input), the generator's config with this
-  query's sampler and length (``text-generator.json``) and the script (``script.txt``, :func:`.bundle.app_script`).
+  query's sampler and length (``text-generator.json``) and the script (``script.txt``, `.bundle.app_script`).
 
 Then ``cd <dir> && env LD_LIBRARY_PATH=<dir> ADSP_LIBRARY_PATH=<dir> ./genie-app -s query/script.txt``. genie-app
 prints the answer as ``[BEGIN]: ... [END]`` on stdout. A failing script line is printed on stderr and the script
@@ -58,7 +58,7 @@ def device_files(sdk: Sdk, arch: str, ndk_root=None) -> dict[str, Path]:
 
 
 class BundlePhone:
-    """A bundle placed on a phone; :meth:`generate` runs one query through genie-app."""
+    """A bundle placed on a phone; `generate` runs one query through genie-app."""
 
     def __init__(self, runtime, options: dict):
         from .bundle import verify_bundle

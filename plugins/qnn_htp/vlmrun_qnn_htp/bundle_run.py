@@ -1,8 +1,8 @@
-"""Running a bundle (``bundle:DIR`` layouts): libGenie's pipeline API over the folder :mod:`.bundle` wrote, in a
+"""Running a bundle (``bundle:DIR`` layouts): libGenie's pipeline API over the folder `.bundle` wrote, in a
 worker process whose working directory is the bundle (its configs name their files relative to it, as genie-app
-runs them on a phone); on a phone, genie-app over adb (:mod:`.bundle_phone`).
+runs them on a phone); on a phone, genie-app over adb (`.bundle_phone`).
 
-:class:`BundleRuntime` runs whole requests (the ``run_request`` hook); :class:`BundleStage` is what ``load_stage``
+`BundleRuntime` runs whole requests (the ``run_request`` hook); `BundleStage` is what ``load_stage``
 returns for each stage of the layout.
 """
 
@@ -89,7 +89,7 @@ class BundleRuntime:
     def generator_config(self, sampling, max_new_tokens: int, stop_ids, tap: bool = False) -> dict:
         """The bundle's text-generator config with this request's sampler, length and stop tokens; ``tap``: the
         custom sampler that hands every step's logits to the host and forces the teacher's tokens
-        (:mod:`vlmrun_qualcomm.genie_sampler`)."""
+        (`vlmrun_qualcomm.genie_sampler`)."""
         from vlmrun_qualcomm import genie_config
         from vlmrun_qualcomm.genie_sampler import custom_sampler_block
 
@@ -120,7 +120,7 @@ class BundleRuntime:
                 embeddings_out: Path, tap: dict | None = None) -> dict:
         """The worker's request: the nodes' configs (the bundle's; the generator's for this request), the
         connections, and the inputs in splice order; ``tap`` (``rows``, ``forced``, ``vocab_limit``): the logits
-        tap of :mod:`vlmrun_qualcomm.genie_sampler`."""
+        tap of `vlmrun_qualcomm.genie_sampler`."""
         nodes = {node: (json.dumps(self.generator_config(sampling, max_new_tokens, stop_ids, tap is not None))
                         if node == "textGenerator" else (self.path / name).read_text())
                  for node, name in NODES.items()}
@@ -133,7 +133,7 @@ class BundleRuntime:
         return req
 
     def generate(self, req) -> Iterator[int]:
-        """Run one whole request (``req``: a :class:`vlmrun.stages.RequestRun`); yield token ids.
+        """Run one whole request (``req``: a `vlmrun.stages.RequestRun`); yield token ids.
 
         As it ships (the bundle's own sampler), Genie hands out text: each piece is tokenized back (the text is
         exact; the ids are those of the text, which may differ from the ones Genie sampled where two tokenizations
@@ -179,7 +179,7 @@ class BundleRuntime:
     def _pieces(self, req, before: str, after: str, rows=None, need_text: bool = True) -> Iterator[str]:
         """The answer's text pieces from the pipeline on this machine; the boundary tensors into ``req.tensors``
         before the first; a run whose image never reached the generator, or with no text, is an error. ``rows``
-        (a :class:`~vlmrun_qualcomm.genie_sampler.LogitsRows`): tap the logits, force ``req.teacher_tokens``."""
+        (a `vlmrun_qualcomm.genie_sampler.LogitsRows`): tap the logits, force ``req.teacher_tokens``."""
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-run-"))
         try:
             pixels = tmp / "pixel_values.raw"
@@ -244,7 +244,7 @@ class BundleRuntime:
 # -- a conversation kept in Genie's pipeline ----------------------------------------------------------------------
 class BundleConversation(RequestState):
     """A conversation kept in Genie's pipeline (``request_state``): the pipeline stays alive in its worker between
-    turns (:class:`vlmrun_qualcomm.genie_pipeline.PipelineSession`) and each turn executes again without reset, fed
+    turns (`vlmrun_qualcomm.genie_pipeline.PipelineSession`) and each turn executes again without reset, fed
     only the text (and picture) the conversation added since; the generator continues from its KV cache. What the
     pipeline holds is tracked as text: the rendered prompt and the answer (the end token Genie stopped at is sampled,
     not fed: the next turn's new text starts with it). A turn that does not extend it (an undo, an edit, other sampling settings, another picture) starts
@@ -459,5 +459,5 @@ def load_bundle_stage(stage: str, ctx) -> BundleStage:
 
 def run_request(handles: dict, request) -> Iterator[int]:
     """The ``run_request`` hook: the whole request through the bundle's Genie pipeline
-    (:meth:`BundleRuntime.generate`)."""
+    (`BundleRuntime.generate`)."""
     return handles["decoder"].runtime.generate(request)

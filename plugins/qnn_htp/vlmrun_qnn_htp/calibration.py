@@ -3,13 +3,13 @@
 * vision / projector: images from a folder (preprocessed like real inputs; the projector's through the reference
   fp32 vision stage) or, when none is given, seeded random data that the manifest labels ``"random"``;
 * embed: token ids (templated prompts, a vocabulary sweep and the table's extreme rows);
-* the fixed decoder (AR-N / AR-1): feeds recorded from the host loop (:class:`.decoder.FixedKVDecoder`) driven by the
+* the fixed decoder (AR-N / AR-1): feeds recorded from the host loop (`.decoder.FixedKVDecoder`) driven by the
   float graph on the CPU over the reference pipeline's prompt embeddings of the calibration images (the demo image
   when none are given), prefill then greedy decode;
-* the parts decoder: the same host loop over the float part graphs (:func:`parts_calibration_feeds`), once with
-  the prompt graphs and once with the token graphs, the attention mask clipped at :data:`MASK_CLIP`.
+* the parts decoder: the same host loop over the float part graphs (`parts_calibration_feeds`), once with
+  the prompt graphs and once with the token graphs, the attention mask clipped at `MASK_CLIP`.
 
-:class:`Reader` hands feeds to onnxruntime's calibrators; :func:`spill_feeds` / :func:`load_feeds` keep a graph's
+`Reader` hands feeds to onnxruntime's calibrators; `spill_feeds` / `load_feeds` keep a graph's
 feeds on disk until that graph is quantized.
 """
 
@@ -69,7 +69,7 @@ def calibration_samples(stage: str, model, folder, seed: int = 0, source=None,
     """Input feeds for calibrating ``stage`` and a label saying where they came from.
 
     ``source`` (the exported ONNX artifact being quantized) is needed for ``embed`` and ``decoder``;
-    ``context`` (the compile request's :class:`vlmrun.stages.CompileContext`) gives the reference activations
+    ``context`` (the compile request's `vlmrun.stages.CompileContext`) gives the reference activations
     the projector (with images) and the decoder calibrate on.
     """
     files = calibration_files(folder)
@@ -160,7 +160,7 @@ class _Recorder:
 
 
 def _decoder_samples(model, source, files, context) -> tuple[list[dict], str]:
-    """Realistic feeds for one fixed-KV graph: the host loop (:class:`.decoder.FixedKVDecoder`) driven over the
+    """Realistic feeds for one fixed-KV graph: the host loop (`.decoder.FixedKVDecoder`) driven over the
     reference prompt embeddings with the float graph on the onnxruntime CPU, prefill then greedy decode;
     every call's feeds (mask, positions, past KV from the real prefill) are recorded."""
     from .decoder import FixedKVDecoder

@@ -24,7 +24,7 @@ MASK_MIN = np.float32(-65504.0)
 
 class FixedKVDecoder:
     def __init__(self, graphs: dict[int, object], ctx: int, model, min_chunk: int = 2):
-        """:param graphs: AR -> a runner with ``run(feeds) -> dict`` (an :class:`HtpSession`)."""
+        """:param graphs: AR -> a runner with ``run(feeds) -> dict`` (an `HtpSession`)."""
         self.graphs = dict(sorted(graphs.items()))
         self.ctx = int(ctx)
         self.layers, self.kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
@@ -103,7 +103,7 @@ class FixedKVDecoder:
 
     def resume(self, request) -> Iterator[int]:
         """Decode ``request`` on top of the positions the KV buffers hold (``n_past``): prefill its rows, then
-        generate (a conversation's next turn, :class:`FixedKVState`)."""
+        generate (a conversation's next turn, `FixedKVState`)."""
         limit = min(int(request.context_length or self.ctx), self.ctx)
         if self.n_past + request.inputs_embeds.shape[1] >= limit:
             raise InputError(
@@ -125,7 +125,7 @@ class FixedKVDecoder:
 
 
 class FixedKVState(DecoderState):
-    """A conversation's KV buffers over a :class:`FixedKVDecoder` (or its Genie-layout subclass), kept between turns:
+    """A conversation's KV buffers over a `FixedKVDecoder` (or its Genie-layout subclass), kept between turns:
     swapped into the decoder for a turn, the slots past ``length`` masked and overwritten (so cutting is free)."""
 
     def __init__(self, decoder: FixedKVDecoder):

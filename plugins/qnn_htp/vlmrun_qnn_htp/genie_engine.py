@@ -2,16 +2,16 @@
 
 The decoder is exported in Genie's I/O layout (``decoder/genie``: AR-N and AR-1 graphs taking
 ``inputs_embeds``), compiled by this plugin into context binaries (the EP's ``*_ctx_qnn.bin``), and handed to
-Genie through a dialog config generated from the model (:func:`vlmrun_qualcomm.genie_config.dialog_config`). Genie
-runs in a worker process (:func:`vlmrun_qualcomm.genie_worker.stream_tokens_worker`): in one process with
+Genie through a dialog config generated from the model (`vlmrun_qualcomm.genie_config.dialog_config`). Genie
+runs in a worker process (`vlmrun_qualcomm.genie_worker.stream_tokens_worker`): in one process with
 onnxruntime-qnn's EP it gave corrupt tokens.
 ``GenieDialog_embeddingTokenQuery`` gets the spliced prompt embeddings and a token-to-embedding callback over the
 host LUT; token ids stream back as Genie produces them.
 
 On a phone (``target = "android"``) the same dialog config, its paths made remote, runs through the SDK's
-``genie-t2t-run`` on the phone's HTP over adb (:mod:`.genie_phone`, ``handle.phone``).
+``genie-t2t-run`` on the phone's HTP over adb (`.genie_phone`, ``handle.phone``).
 
-The same compiled graphs also run under a host-driven loop (:class:`GenieLayoutDecoder`), used for teacher
+The same compiled graphs also run under a host-driven loop (`GenieLayoutDecoder`), used for teacher
 forcing (``run_stage``) and to check Genie against this plugin's own arithmetic.
 """
 
@@ -50,7 +50,7 @@ def rope_tables(facts: genie_config.GenieModel, ctx: int) -> tuple[np.ndarray, n
 
 
 class GenieLayoutDecoder(FixedKVDecoder):
-    """The host loop of :class:`FixedKVDecoder` over the Genie-layout graphs, feeding them exactly what Genie
+    """The host loop of `FixedKVDecoder` over the Genie-layout graphs, feeding them exactly what Genie
     feeds: an additive mask whose first C-AR columns are the past slots and last AR columns this call's rows,
     cos/sin rows of the positions, keys [KV,1,D,C-AR] and values [KV,1,C-AR,D]. Only the state layout and the
     graph I/O (``reset``, ``_step``) differ."""

@@ -2,8 +2,8 @@
 
 onnxruntime-qnn names graphs after its fused nodes (``QNNExecutionProvider_QNNExecutionProvider_<hash>_<id>_0``;
 ``ep.context_node_name_prefix`` does not change them) and Genie orders the parts of one (AR, CL) by a
-``_<k>_of_<P>`` suffix, so the names are rewritten in the binary (:func:`rename_graph`, same length:
-:func:`genie_name`) and in the EPContext wrapper that points at it (:func:`rewrite_wrapper`).
+``_<k>_of_<P>`` suffix, so the names are rewritten in the binary (`rename_graph`, same length:
+`genie_name`) and in the EPContext wrapper that points at it (`rewrite_wrapper`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def rename_graph(binary: Path, old: str, new: str) -> int:
     onnxruntime-qnn names graphs after its fused nodes (``QNNExecutionProvider_QNNExecutionProvider_<hash>_<id>_0``,
     ``ep.context_node_name_prefix`` does not change them) and Genie orders the parts of a model by a
     ``_<k>_of_<P>`` suffix, so the names are rewritten. The binary stores each name as a length-prefixed string;
-    ``new`` must have the same length (see :func:`genie_name`)."""
+    ``new`` must have the same length (see `genie_name`)."""
     if len(new) != len(old):
         raise ValueError(f"graph name {new!r} must have the length of {old!r}")
     data = binary.read_bytes()

@@ -1,12 +1,12 @@
 """Decoder engine ``genie`` on a phone (``--decoder-engine genie --target android``): the SDK's ``genie-t2t-run`` on
 the phone's HTP (Genie's QnnHtp backend) over adb, decoding over the decoder's context binaries.
 
-Vision, projector and embed keep running through ``qnn-net-run`` (:mod:`.netrun`); only the decoder comes here.
+Vision, projector and embed keep running through ``qnn-net-run`` (`.netrun`); only the decoder comes here.
 
-What goes to the phone, into one directory (:data:`REMOTE_DIR`), each file pushed once and skipped when the remote
-sha256 matches (:meth:`vlmrun_qualcomm.adb.Adb.push`):
+What goes to the phone, into one directory (`REMOTE_DIR`), each file pushed once and skipped when the remote
+sha256 matches (`vlmrun_qualcomm.adb.Adb.push`):
 
-* from the QAIRT SDK (:meth:`vlmrun_qualcomm.sdk.Sdk.require_genie_htp`, NN = the SoC table's HTP arch):
+* from the QAIRT SDK (`vlmrun_qualcomm.sdk.Sdk.require_genie_htp`, NN = the SoC table's HTP arch):
   ``bin/aarch64-android/genie-t2t-run``, ``lib/aarch64-android/{libGenie.so, libQnnHtp.so, libQnnHtpV<NN>Stub.so,
   libQnnSystem.so, libQnnHtpNetRunExtensions.so}``, ``lib/hexagon-v<NN>/unsigned/libQnnHtpV<NN>Skel.so`` and
   ``libc++_shared.so`` (the SDK's, else the NDK's: genie-t2t-run links it, as on the Genie CPU path);
@@ -27,7 +27,7 @@ The text streams back as genie-t2t-run prints it and becomes token ids (the tool
 as its tokenization can no longer change. Errors come from genie-t2t-run's stderr and exit status only, never from
 the generated text; a device error keeps Genie's own text and says what to check. Genie's profile (pulled after the
 run) becomes the handle's ``last_timings``. A binary newer than the phone's QNN (the SDK's) is refused before any
-push (:func:`.netrun.check_runtime`).
+push (`.netrun.check_runtime`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def lut_raw(ctx) -> Path:
 
 def attach(handle, ctx, opts: dict, soc):
     """``handle`` (a Genie-engine decoder handle: ``ctx_bins``, ``config(request)``, ``artifacts``, ``model``) as
-    loaded for ``opts["target"]``: unchanged locally; on a phone it gets ``handle.phone`` (a :class:`GeniePhone`,
+    loaded for ``opts["target"]``: unchanged locally; on a phone it gets ``handle.phone`` (a `GeniePhone`,
     which the ``decode`` hook uses) after the QNN-version check and the pushes."""
     if opts.get("target") != "android":
         return handle
@@ -123,7 +123,7 @@ DEVICE_HINTS = (
 
 
 def explain(message: str, soc: str, arch: str, remote_dir: str) -> str:
-    """A device failure line plus what to check, for the first :data:`DEVICE_HINTS` pattern it matches."""
+    """A device failure line plus what to check, for the first `DEVICE_HINTS` pattern it matches."""
     nn = arch.lstrip("v")
     for pattern, hint in DEVICE_HINTS:
         if pattern.search(message):
@@ -134,8 +134,8 @@ def explain(message: str, soc: str, arch: str, remote_dir: str) -> str:
 
 class Retokenizer:
     """genie-t2t-run's streamed text -> token ids. Ids are given out only for text whose tokenization can no longer
-    change: everything before the last :attr:`HOLD` pre-tokenizer pieces (BPE never merges across pieces); the rest
-    comes with :meth:`final`."""
+    change: everything before the last `HOLD` pre-tokenizer pieces (BPE never merges across pieces); the rest
+    comes with `final`."""
 
     HOLD = 2
 

@@ -1,5 +1,5 @@
 """qnn_htp's stage handles for the fixed forms: a compiled stage on the local HTP, the static-shape embed graph
-over any length, and the fixed decoder's host loop (the parts form's handles are :mod:`.parts_run`)."""
+over any length, and the fixed decoder's host loop (the parts form's handles are `.parts_run`)."""
 
 from __future__ import annotations
 

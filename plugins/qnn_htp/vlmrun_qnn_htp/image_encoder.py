@@ -7,7 +7,7 @@ vision tower and projector as one graph. The image input must be a quantized ten
 ("Unsupported input tensor pixel_values dtype QNN_DATATYPE_FLOAT_32"); an fp16 one is silently ignored (the answer
 is made without the image). onnxruntime-qnn keeps float32 graph I/O even for QDQ models, so this form's input is
 made quantized by hand: the graph input becomes ``uint8`` (or ``uint16``) followed by a ``DequantizeLinear``
-whose scale and offset come from the checkpoint's image processor (:func:`pixel_encoding`), and the EP compiles
+whose scale and offset come from the checkpoint's image processor (`pixel_encoding`), and the EP compiles
 that into a quantized input tensor.
 
 * A processor that only rescales (FastVLM: ``rescale_factor`` 1/255, mean 0, std 1) is represented exactly by
@@ -64,7 +64,7 @@ def dequantize_values(q: np.ndarray, enc: dict) -> np.ndarray:
 def with_quantized_input(src: Path, dst: Path, enc: dict, name: str = INPUT) -> None:
     """Write ``src`` with its float input ``name`` replaced by an integer one (``enc``) and a DequantizeLinear:
     the EP compiles that into a quantized input tensor (the image encoder's pixels; the decoder's embeddings in a
-    bundle, :func:`embeds_encoding`)."""
+    bundle, `embeds_encoding`)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 

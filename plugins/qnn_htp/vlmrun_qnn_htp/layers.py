@@ -3,17 +3,17 @@
 The option ``keep_fp`` (comma-separated) keeps layers out of quantization: probe names (``vision.stage2``,
 ``projector.linear_1``, ``decoder.layer1``, ``decoder.lm_head``) or node-name prefixes of the exported graph
 (starting with ``/``, e.g. ``/tower/stages.2/``). A layer is every node between its probe point and the previous
-one (:func:`excluded_nodes`, resolved on the quantizer's preprocessed graph); those nodes are left in float
+one (`excluded_nodes`, resolved on the quantizer's preprocessed graph); those nodes are left in float
 (``nodes_to_exclude``), so the HTP runs them in fp16 between a dequantize and a quantize. The resolved layer
 boundaries key the binary.
 
 ``keep_a16w16`` takes the same entries and quantizes those nodes at 16 bits (activations and weights) instead;
-``layer_precision`` (:func:`vlmrun_qnn_htp.recipe.parse_layer_precision`) maps layers to ``fp16``, ``a16w16``,
+``layer_precision`` (`vlmrun_qnn_htp.recipe.parse_layer_precision`) maps layers to ``fp16``, ``a16w16``,
 ``w8`` or ``w4`` and is resolved into the same per-option entries (``keep_w8``, ``keep_w4``: those layers'
-weights at 8 / 4 bits). :mod:`vlmrun_qnn_htp.quantizer` applies them.
+weights at 8 / 4 bits). `vlmrun_qnn_htp.quantizer` applies them.
 
 **In the parts form** (w8a16/w4a16): ``decoder.layer{l}``, ``decoder.norm`` and ``decoder.lm_head`` name the nodes
-of that layer in its part's prompt AND token graphs (:func:`parts_keep_key`: the boundaries from the part's probe
+of that layer in its part's prompt AND token graphs (`parts_keep_key`: the boundaries from the part's probe
 export, the same node names in both graphs, which are traced from one module); both graphs of the part are
 quantized with them, so the weight-shared binary still holds one recipe per layer. Node-name prefixes are refused
 there (every part graph has the same node names).
@@ -92,7 +92,7 @@ def parts_keep_key(ctx, form: ExportForm, names: tuple[str, ...], option: str = 
     part's probe form): per layer, ``{"layer", "part", "prompt": [previous boundary, boundary], "token": [...]}``,
     the part holding the layer and its boundary tensors in that part's prompt and token graphs of ``form``.
 
-    The boundaries come from the part's probe form (``probe_nodes``, :func:`part_probe_form`), named by the node
+    The boundaries come from the part's probe form (``probe_nodes``, `part_probe_form`), named by the node
     that produces them: the part's prompt and token graphs are traced from the same module and share node names.
     A part's first layer starts at the part's input (no previous boundary). Node-name prefixes are refused: every
     part graph uses the same node names, so a prefix would not say which part."""
@@ -145,13 +145,13 @@ def parts_keep_key(ctx, form: ExportForm, names: tuple[str, ...], option: str = 
 
 
 def part_keep(key, k: int, kind: str) -> list[list] | None:
-    """The entries of a :func:`parts_keep_key` value for part ``k``'s ``kind`` graph, as :func:`excluded_nodes`
+    """The entries of a `parts_keep_key` value for part ``k``'s ``kind`` graph, as `excluded_nodes`
     takes them (None when the part keeps no layer)."""
     return [[e["layer"], *e[kind]] for e in key or () if int(e["part"]) == int(k)] or None
 
 
 def excluded_nodes(proto, keep_fp: list[list], option: str = "keep_fp") -> list[str]:
-    """Node names of ``proto`` (the graph being quantized) that ``keep_fp`` (:func:`keep_fp_key`) keeps in float:
+    """Node names of ``proto`` (the graph being quantized) that ``keep_fp`` (`keep_fp_key`) keeps in float:
     per layer, the nodes its output tensor depends on that the previous layer's output does not."""
     names = [n.name for n in proto.graph.node]
     producers = {o: n for n in proto.graph.node for o in n.output}

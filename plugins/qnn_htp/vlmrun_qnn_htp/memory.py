@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def peak_rss_mb() -> int | None:
     """The peak resident memory so far, in MB, of this process or of any child it waited for (a graph quantized in
-    a child: :func:`in_child`), whichever is larger (None where the OS does not say)."""
+    a child: `in_child`), whichever is larger (None where the OS does not say)."""
     try:
         import resource
 

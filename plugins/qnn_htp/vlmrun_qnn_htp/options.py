@@ -1,7 +1,7 @@
-"""qnn_htp's per-stage options: normalised and checked (:func:`stage_options`), what keys a binary
-(:func:`compile_key`), and the export forms a stage compiles (:func:`forms`).
+"""qnn_htp's per-stage options: normalised and checked (`stage_options`), what keys a binary
+(`compile_key`), and the export forms a stage compiles (`forms`).
 
-The options themselves are declared, with their help, in :func:`vlmrun_qnn_htp.register_options`.
+The options themselves are declared, with their help, in `vlmrun_qnn_htp.register_options`.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ RECIPE_KEYS = ("quantizer", "weight_scheme", "block_size", "algorithm", "seq_mse
 
 
 def layer_options(stage: str, o: dict, precision: str) -> dict:
-    """The per-layer precision options (:mod:`.layers`): ``keep_fp``, ``keep_a16w16`` and ``layer_precision``
-    folded into ``{option: layer names}`` for :data:`.layers.LAYER_OPTIONS`; a layer named twice is refused."""
+    """The per-layer precision options (`.layers`): ``keep_fp``, ``keep_a16w16`` and ``layer_precision``
+    folded into ``{option: layer names}`` for `.layers.LAYER_OPTIONS`; a layer named twice is refused."""
     out: dict[str, tuple] = {}
     for option in ("keep_fp", "keep_a16w16"):
         names = parse_keep_fp(o.get(option))
@@ -234,8 +234,8 @@ AIMET_GRAPH_LIMIT = 1_600_000_000
 
 
 def parts_plan(model, opts: dict) -> dict:
-    """:func:`vlmrun_qualcomm.parts.plan` (the parts, AR and context of the export), except that with the AIMET
-    engine and ``parts = 0`` each part's float graph also stays under :data:`AIMET_GRAPH_LIMIT`."""
+    """`vlmrun_qualcomm.parts.plan` (the parts, AR and context of the export), except that with the AIMET
+    engine and ``parts = 0`` each part's float graph also stays under `AIMET_GRAPH_LIMIT`."""
     import math
 
     from vlmrun_qualcomm.parts import plan, weight_counts

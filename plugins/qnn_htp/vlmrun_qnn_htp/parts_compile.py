@@ -1,6 +1,6 @@
 """Compiling the decoder in the form Qualcomm ships LLMs to the HTP (``decoder_form = "parts"``).
 
-Form (export ``decoder/parts``, :mod:`vlmrun_ort_reference.decoder_parts`; plan: :mod:`vlmrun_qualcomm.parts`):
+Form (export ``decoder/parts``, `vlmrun_ort_reference.decoder_parts`; plan: `vlmrun_qualcomm.parts`):
 
 * the decoder split into P parts of consecutive layers, the last part with the final norm and the lm_head;
 * each part as two graphs in Genie's I/O layout: "prompt" (AR-N rows, default 128, capped at the hidden size
@@ -9,17 +9,17 @@ Form (export ``decoder/parts``, :mod:`vlmrun_ort_reference.decoder_parts`; plan:
   part), ``attention_mask`` [1,T,C], ``position_ids_cos``/``_sin``, the part's past keys (transposed,
   [KV,1,D,C-T]) and values; outputs only the NEW keys/values of the part's layers, plus ``residual_{hi}`` or,
   from the last part, ``logits``;
-* graph names ``{prompt|token}_ar{T}_cl{C}_..._{k}_of_{P}`` (:mod:`.genie_names`): Genie orders the parts of one
+* graph names ``{prompt|token}_ar{T}_cl{C}_..._{k}_of_{P}`` (`.genie_names`): Genie orders the parts of one
   (AR, CL) by that suffix;
 * precision ``fp16``, ``w8a16`` or ``w4a16``: 16-bit activations with int8 or int4 weights, quantized by the stage's
-  recipe (:mod:`.quantizer`: onnxruntime per-channel, or AIMET with LPBQ / Sequential MSE / AdaRound).
-  Calibration (:func:`.calibration.parts_calibration_feeds`): the host loop over the float part graphs on the CPU;
+  recipe (`.quantizer`: onnxruntime per-channel, or AIMET with LPBQ / Sequential MSE / AdaRound).
+  Calibration (`.calibration.parts_calibration_feeds`): the host loop over the float part graphs on the CPU;
 * ``weight_sharing``: ``on`` puts each part's prompt and token graphs in ONE context binary that holds the
   weights once (onnxruntime-qnn ``ep.share_ep_contexts``: one ``.bin`` per part, two ``_ctx.onnx`` wrappers);
   ``off`` compiles each graph into its own binary (the same graphs, the weights twice). ``auto`` (default) is
-  ``on`` except on the x86_64 HTP emulator, which cannot load weight-shared binaries (:mod:`.parts_run`).
+  ``on`` except on the x86_64 HTP emulator, which cannot load weight-shared binaries (`.parts_run`).
 
-Every compiled part is checked against the part limit. :func:`compile_part_probe` compiles one part's probe graph
+Every compiled part is checked against the part limit. `compile_part_probe` compiles one part's probe graph
 (``vlmrun diff --locate``) with the same recipe and calibration feeds.
 """
 
@@ -180,7 +180,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
 
 
 def _compile(src: Path, wrapper: Path, soc, share: bool, stop: bool, what: str) -> None:
-    """:func:`.ep.compile_session`, its failure as one line naming the ops the HTP refuses."""
+    """`.ep.compile_session`, its failure as one line naming the ops the HTP refuses."""
     try:
         ep.compile_session(src, wrapper, soc, share, stop)
     except BackendError as exc:
@@ -194,7 +194,7 @@ def _compile(src: Path, wrapper: Path, soc, share: bool, stop: bool, what: str) 
 def compile_part_probe(model, source, options: dict, out_dir, context=None) -> dict:
     """Compile the probe graph of one part (the ``decoder/parts`` probe export ``source``, ``parts.json`` with
     ``probe_part``) into ``out_dir``: the part's prompt graph with its layer outputs, quantized exactly as
-    :func:`compile_parts` quantizes that part (the same calibration feeds, recorded from the float graphs of every
+    `compile_parts` quantizes that part (the same calibration feeds, recorded from the float graphs of every
     part; the same recipe), one binary, not weight-shared; the manifest."""
     soc = socs.soc(options.get("soc"))
     precision = options["precision"]

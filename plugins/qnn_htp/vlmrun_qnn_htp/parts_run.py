@@ -1,8 +1,8 @@
 """Running the decoder's parts form: the host engine and the Genie engine over the part binaries of one artifact.
 
-* :class:`PartsHandle`: vlmrun's host loop (:class:`.genie_engine.GenieLayoutDecoder`) over every part's graphs,
-  the parts of one AR chained as one graph (:class:`Chain`); what diffs and teacher forcing use;
-* :class:`GeniePartsHandle` (engine ``genie``): libGenie in its worker process decodes over the part binaries,
+* `PartsHandle`: vlmrun's host loop (`.genie_engine.GenieLayoutDecoder`) over every part's graphs,
+  the parts of one AR chained as one graph (`Chain`); what diffs and teacher forcing use;
+* `GeniePartsHandle` (engine ``genie``): libGenie in its worker process decodes over the part binaries,
   ``ctx-bins`` in part order.
 
 Weight-shared binaries on this machine: the HTP emulator inside onnxruntime-qnn 2.7.0 (QNN 2.51, libQnnHtp.so
@@ -11,7 +11,7 @@ platform" / "Fail to create context from binary with err 1000" (QNN_COMMON_ERROR
 NULL function pointer while cleaning up the half-made context: a segfault, through onnxruntime and through
 libGenie alike. ``QnnContext_createFromBinaryListAsync`` (``htp_share_resource_optimization``) is not supported
 by that backend either. So vlmrun never opens a weight-shared binary on the emulator: it says so in one line
-(:func:`check_loadable`).
+(`check_loadable`).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class GeniePartsHandle(PartsHandle):
             ctx_bins=self.ctx_bins, eos=stops)
 
     def dialog_config(self, request) -> dict:
-        """:meth:`config` for a dialog about to run here: the binaries must load on this machine."""
+        """`config` for a dialog about to run here: the binaries must load on this machine."""
         check_loadable(self.artifact.manifest, "decoder (Genie)")
         return self.config(request)
 

@@ -1,24 +1,24 @@
 """Probes and per-layer precision on qnn_htp (``vlmrun diff --locate`` / ``--what-if``).
 
 **Probe forms.** ``load_probe`` compiles the stage's probe form (the normal form plus its layer outputs,
-:mod:`vlmrun_ort_reference.probes`) exactly like the normal form: the same options, the same compile key (so the
+`vlmrun_ort_reference.probes`) exactly like the normal form: the same options, the same compile key (so the
 same calibration data: vision/projector's seeded random or image feeds, the decoder's host-loop feeds recorded
 from the float graph, whose inputs the probe shares) and the same quantization recipe. MinMax calibration gives
 each tensor its range from the values it takes on those feeds, and the probe graph computes every tensor of the
 normal graph under the same name: the extra outputs only expose tensors that are quantized anyway, so the main
 path's scales and offsets are the normal graph's (``tests/test_locate.py`` compares them, and the outputs).
 The decoder's probe is the prefill (AR-N) graph; a teacher-forced sequence runs through it in AR-N chunks from
-an empty cache, the host keeping the KV slots as :class:`.decoder.FixedKVDecoder` does.
+an empty cache, the host keeping the KV slots as `.decoder.FixedKVDecoder` does.
 
 **The parts form** (``decoder_form = "parts"``) is probed at its part boundaries first, with no extra compile:
 the stage's own part binaries run the sequence in prompt-graph chunks and the residual stream each part hands to
 the next (``residual_{l}``) is the reference's ``decoder.layer{l-1}``; the last part's logits are
-``decoder.lm_head``. Then the layers inside one part (the core picks the worst, :func:`vlmrun.diff.locate.locate`):
-:meth:`PartsProbe.inside` compiles that part's probe graph (export ``decoder/parts`` with ``probe`` and
+``decoder.lm_head``. Then the layers inside one part (the core picks the worst, `vlmrun.diff.locate.locate`):
+`PartsProbe.inside` compiles that part's probe graph (export ``decoder/parts`` with ``probe`` and
 ``part = k``: the part's prompt graph plus the residual stream after each of its layers, named
-``decoder.layer{l}`` with the global layer index) by :func:`.parts_compile.compile_part_probe`, with the stage's precision, options
+``decoder.layer{l}`` with the global layer index) by `.parts_compile.compile_part_probe`, with the stage's precision, options
 and compile key, and the same quantization recipe and calibration feeds as the part itself
-(:func:`.calibration.parts_calibration_feeds` over the float graphs of every part, then :func:`.quantizer.quantize`), cached in
+(`.calibration.parts_calibration_feeds` over the float graphs of every part, then `.quantizer.quantize`), cached in
 the store like any artifact; the sequence then runs through the stage's part binaries with that part's prompt
 binary swapped for the probe binary. Its main outputs are the part's (``tests/test_locate.py`` compares them).
 
@@ -26,7 +26,7 @@ The probe handle's contract for the core (read by ``getattr``): ``parts``, the l
 the parts (global indices, ``hi`` exclusive), and ``inside(k)``, a probe handle (for ``run_probe``) that also
 reports the layers of part ``k`` (from 1).
 
-Per-layer precision (``keep_fp``, ``keep_a16w16``, ``layer_precision``) is :mod:`.layers`.
+Per-layer precision (``keep_fp``, ``keep_a16w16``, ``layer_precision``) is `.layers`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def load_probe(ctx, stage: str, opts: dict, soc, compiled, stage_handle=None) ->
 
 class PartsProbe(StageHandle):
     """The parts form's boundaries: the stage's part binaries over a teacher-forced sequence, every part's output
-    kept; with ``part`` (:meth:`inside`), that part's prompt binary swapped for its probe binary, whose layer
+    kept; with ``part`` (`inside`), that part's prompt binary swapped for its probe binary, whose layer
     outputs are kept too (see the module docstring)."""
 
     def __init__(self, handle, form: ExportForm | None = None, compiled=None, exported=None, soc=None,

@@ -1,23 +1,23 @@
-"""One quantizer for every graph qnn_htp compiles: :func:`quantize` applies a :class:`~.recipe.Recipe`.
+"""One quantizer for every graph qnn_htp compiles: `quantize` applies a `.recipe.Recipe`.
 
 Every form (vision, projector, embed, the fixed decoder's AR-N / AR-1 graphs, the parts decoder's prompt and token
-graphs, and their probes) goes through :func:`quantize`: the float ONNX graph and calibration feeds in, a QDQ ONNX
+graphs, and their probes) goes through `quantize`: the float ONNX graph and calibration feeds in, a QDQ ONNX
 model that onnxruntime-qnn compiles out, plus the facts the manifest records. The steps:
 
 1. ``qnn_preprocess_model(fuse_layernorm=True)``: Erf sequences fused into Gelu (the HTP refuses Erf in QDQ);
-2. per-layer node sets (:mod:`.layers`): ``keep_fp`` left in float, ``keep_a16w16`` at 16 bits, ``keep_w8`` /
+2. per-layer node sets (`.layers`): ``keep_fp`` left in float, ``keep_a16w16`` at 16 bits, ``keep_w8`` /
    ``keep_w4`` weights at 8 / 4 bits;
-3. Softmax input ranges of graphs with an additive attention mask (:func:`softmax_ranges`);
+3. Softmax input ranges of graphs with an additive attention mask (`softmax_ranges`);
 4. the engine:
 
    * ``onnxruntime`` (default): ``get_qnn_qdq_config`` + ``quantize`` with MinMax calibration; per-channel
      symmetric weights (int8; the parts form's MatMul weights int4/int8 on the output axis), LayerNorm gamma as
      asymmetric uint8 (the only form the HTP accepted), 16-bit Softmax at int8, per-layer overrides as
      ``TensorQuantOverrides``;
-   * ``aimet``: :mod:`.aimet_engine` (AIMET-ONNX's QuantizationSimModel with the v79 HTP config, LPBQ,
+   * ``aimet``: `.aimet_engine` (AIMET-ONNX's QuantizationSimModel with the v79 HTP config, LPBQ,
      Sequential MSE, AdaRound).
 
-5. what the QDQ model really stores (:func:`stored_dtypes`) and the graph I/O encodings (:func:`io_quant`).
+5. what the QDQ model really stores (`stored_dtypes`) and the graph I/O encodings (`io_quant`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def quantize(src: Path, dst: Path, feeds: list[dict] | Path, recipe: Recipe, wor
              layers: dict | None = None) -> dict:
     """Write the QDQ model of ``src`` under ``recipe`` to ``dst``; return the quantization facts for the manifest.
 
-    ``feeds``: calibration inputs (or the ``.npz`` :func:`.calibration.spill_feeds` wrote them to); ``layers``:
-    ``{option: entries}`` for the per-layer options of :data:`.layers.LAYER_OPTIONS` (entries as
-    :func:`.layers.excluded_nodes` takes them: this graph's). A big graph (a full-size decoder part) is quantized in
-    a child process (:func:`.memory.in_child`): its peak is the child's alone and none of it outlives the step."""
+    ``feeds``: calibration inputs (or the ``.npz`` `.calibration.spill_feeds` wrote them to); ``layers``:
+    ``{option: entries}`` for the per-layer options of `.layers.LAYER_OPTIONS` (entries as
+    `.layers.excluded_nodes` takes them: this graph's). A big graph (a full-size decoder part) is quantized in
+    a child process (`.memory.in_child`): its peak is the child's alone and none of it outlives the step."""
     from .calibration import load_feeds, spill_feeds
 
     if not is_big(src):
@@ -67,7 +67,7 @@ def _quantize_from_file(src: Path, dst: Path, feeds: Path, recipe: Recipe, work:
 
 
 def _quantize(src: Path, dst: Path, feeds: list[dict], recipe: Recipe, work: Path, layers: dict | None) -> dict:
-    """:func:`quantize` in this process."""
+    """`quantize` in this process."""
     import onnx
     from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
 
@@ -208,9 +208,9 @@ RECIPE_INPUTS = {"LayerNormalization": (1,)}
 def a16w16_overrides(proto, nodes, overrides: dict) -> dict:
     """Add 16-bit tensor overrides (onnxruntime's ``TensorQuantOverrides``) for the nodes named ``nodes`` of
     ``proto`` to ``overrides``, in place: every float output as QUInt16 (ranges already set stay), every float
-    weight input (:data:`WEIGHT_INPUTS`) as symmetric QInt16 (per-channel where the stage's recipe is), other float
+    weight input (`WEIGHT_INPUTS`) as symmetric QInt16 (per-channel where the stage's recipe is), other float
     constant inputs (elementwise constants) as QUInt16; biases are int32 from their input scales; LayerNorm gamma
-    keeps the stage's QUInt8 (:data:`RECIPE_INPUTS`, counted as ``kept_8bit``).
+    keeps the stage's QUInt8 (`RECIPE_INPUTS`, counted as ``kept_8bit``).
     ``get_qnn_qdq_config`` then converts 8 <-> 16 bits where the layer meets the rest of the graph. Returns the
     counts for the manifest."""
     import onnx
@@ -363,7 +363,7 @@ def _external(init) -> bool:
     return init.data_location == onnx.TensorProto.EXTERNAL
 
 
-#: tensor classes of :func:`stored_dtypes`
+#: tensor classes of `stored_dtypes`
 WEIGHT_OPS = {"MatMul": 1, "Gemm": 1, "Conv": 1, "ConvTranspose": 1}
 
 

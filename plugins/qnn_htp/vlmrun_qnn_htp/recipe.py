@@ -1,6 +1,6 @@
-"""The quantization recipe: what :func:`vlmrun_qnn_htp.quantizer.quantize` does to a graph, in one value.
+"""The quantization recipe: what `vlmrun_qnn_htp.quantizer.quantize` does to a graph, in one value.
 
-A :class:`Recipe` is built from a stage's options (:func:`from_options`) and applies alike to every form qnn_htp
+A `Recipe` is built from a stage's options (`from_options`) and applies alike to every form qnn_htp
 compiles (vision, projector, embed, the fixed and parts decoders, and their probes: a probe keeps its stage's
 recipe). Its fields:
 
@@ -11,11 +11,11 @@ recipe). Its fields:
   ``block_size`` along the input channel, the block scales expanded from a per-channel scale; AIMET, w4a16);
 * ``algorithm``: how the weights' encodings are chosen: ``minmax``, ``seq_mse`` (Sequential MSE,
   ``seq_mse_candidates`` per weight) or ``adaround`` (``adaround_iterations`` per layer); the last two AIMET only;
-* per-layer overrides (:data:`LAYER_PRECISIONS`): ``keep_fp`` (left in float), ``keep_a16w16`` (16-bit
+* per-layer overrides (`LAYER_PRECISIONS`): ``keep_fp`` (left in float), ``keep_a16w16`` (16-bit
   activations and weights), and ``layer_precision``, a map ``layer=fp16|a16w16|w8|w4`` that a search can write
   (``w8`` / ``w4``: that layer's weights at 8 / 4 bits, per channel, activations as the stage's).
 
-:meth:`Recipe.key` is what keys the binary (with the layers' resolved boundaries); the default recipe keys
+`Recipe.key` is what keys the binary (with the layers' resolved boundaries); the default recipe keys
 nothing new, so binaries built before recipes existed are still found.
 """
 
@@ -196,7 +196,7 @@ def parse_layer_precision(value, stage: str) -> dict[str, str]:
 
 
 def from_key(options: dict) -> Recipe | None:
-    """The recipe a compile request's options (the compile key, :meth:`Recipe.key`) name; None at fp16."""
+    """The recipe a compile request's options (the compile key, `Recipe.key`) name; None at fp16."""
     precision = str(options.get("precision") or "fp16")
     if precision == "fp16":
         return None

@@ -1,9 +1,9 @@
 """Compile a stage with the QAIRT SDK's own tools (qnn_htp option ``toolchain = "sdk"``), so that the context
 binary carries the SDK's QNN version and loads on a phone that runs that SDK's ``libQnnHtp.so``.
 
-Never the default: onnxruntime-qnn (:mod:`.ep`) compiles unless ``toolchain = "sdk"`` is asked for. The SDK is
+Never the default: onnxruntime-qnn (`.ep`) compiles unless ``toolchain = "sdk"`` is asked for. The SDK is
 the one of the ``sdk_root`` option / ``$QAIRT_SDK_ROOT`` (the same that ``--target android`` pushes), its tools
-run in the environment its ``bin/envsetup.sh`` sets (:meth:`vlmrun_qualcomm.sdk.Sdk.env`)::
+run in the environment its ``bin/envsetup.sh`` sets (`vlmrun_qualcomm.sdk.Sdk.env`)::
 
     qnn-onnx-converter --input_network stage.onnx -o work/NAME.cpp --preserve_io [--float_bitwidth 16]
         [--input_list calib.txt --act_bitwidth 8|16 --weights_bitwidth 8 --bias_bitwidth 32
@@ -121,7 +121,7 @@ def compile_onnx_sdk(src: Path, out_dir: Path, name: str, soc: Soc, precision: s
                      calibration: list[dict] | None = None, what: str = "") -> dict:
     """Compile ``src`` with the SDK's tools into ``out_dir/<name>_ctx_qnn.bin`` + its EPContext wrapper.
 
-    :return: the manifest fields (as :func:`vlmrun_qnn_htp.ep.compile_onnx`), ``qnn_version`` = the SDK's.
+    :return: the manifest fields (as `vlmrun_qnn_htp.ep.compile_onnx`), ``qnn_version`` = the SDK's.
     """
     what = what or name
     tools = sdk.require_compile_tools()

@@ -1,7 +1,7 @@
 """A small adb transport shared by plugins that run on an Android device (qnn_htp's qnn-net-run, Genie).
 
 Every call takes an argument list (never a shell string built by hand), quotes remote paths with
-:func:`shlex.quote` inside ``adb shell`` command lines, and has a timeout. Device selection gives one clear
+`shlex.quote` inside ``adb shell`` command lines, and has a timeout. Device selection gives one clear
 line for: adb missing, no device, several devices without ``--device``, an unauthorized or offline device.
 
 >>> adb = Adb.connect(serial=None)                # exactly one authorized device, else BackendError
@@ -67,7 +67,7 @@ def list_devices(adb: str | None = None, timeout: float = 10.0) -> list[tuple[st
 
 
 class Adb:
-    """One selected device. Build with :meth:`connect`."""
+    """One selected device. Build with `connect`."""
 
     def __init__(self, exe: str, serial: str, timeout: float = DEFAULT_TIMEOUT):
         self.exe = exe

@@ -12,7 +12,7 @@ stores the pointer; Genie copies the NUL-terminated result JSON ``{"perplexity":
 is ``{"dataset": PATH, "type": "perplexity"}`` (optionally ``"engine": {"convert-to-basic": true, "role": R}``;
 any other key is refused). genie-app drives the same API with ``accuracy config create NAME FILE``, ``accuracy
 create NAME CONFIG node NODE``, ``accuracy compute NAME OUT.json``, ``accuracy free NAME``, ``accuracy config free
-NAME`` (:func:`accuracy_script`).
+NAME`` (`accuracy_script`).
 
 How Genie computes it (its sources, Accuracy.cpp): the whole dataset file is tokenized by the generator's tokenizer
 (no BOS is added by it), cut into ``tokens // context-size`` windows (the tail is dropped); each window starts on a
@@ -31,7 +31,7 @@ tiny default model's all-npu bundle: fp16 parts decoder, AR 128, context 512, ui
 * a key outside the schema: ``GenieAccuracyConfig_createFromJson`` -> GENIE_STATUS_ERROR_JSON_SCHEMA (-8), the
   reason on stderr as a bare line ("Unknown config key: bogus");
 * a text shorter than the context: ``GenieAccuracy_compute`` -> GENIE_STATUS_ERROR_GENERAL (-1) with nothing in
-  the log (so :func:`perplexity` counts the tokens itself to say why); an unreadable dataset file: status 1
+  the log (so `perplexity` counts the tokens itself to say why); an unreadable dataset file: status 1
   (EXIT_FAILURE, read as GENIE_STATUS_WARNING_ABORTED), also silent;
 * deterministic (the same figure run to run); ~13 s per run for 2 windows of 512 tokens, node creation included;
 * its figure is NOT the reference decoder's over the same windows to the last digit: chat-turn text of 1101

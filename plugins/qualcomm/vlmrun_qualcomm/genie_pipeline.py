@@ -100,7 +100,7 @@ class PipelineLibrary:
             fn.argtypes, fn.restype = args, res
 
     def check(self, status: int, what: str, log: list[str]) -> None:
-        """A failed call as a BackendError; the log's reason is added by :func:`_with_reason` once the log is
+        """A failed call as a BackendError; the log's reason is added by `_with_reason` once the log is
         read (native output is captured until the block ends)."""
         if int(status) == 0:
             return
@@ -120,8 +120,8 @@ class PipelineLibrary:
 
 class PipelineRun:
     """A pipeline's nodes created and connected (``{node name: config JSON}``, ``connections``), ready to take inputs
-    and execute; :meth:`close` frees them. The generator keeps its KV cache between executions until :meth:`reset`:
-    a conversation's next turn is its new inputs and another :meth:`execute` (``genie-vlm-pipeline.md``,
+    and execute; `close` frees them. The generator keeps its KV cache between executions until `reset`:
+    a conversation's next turn is its new inputs and another `execute` (``genie-vlm-pipeline.md``,
     "Conversations").
 
     ``on_text(text, sentence_code)`` gets the generator's text, ``on_embedding(raw, dims)`` the image encoder's
@@ -239,7 +239,7 @@ class PipelineRun:
 
 def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Sequence[Sequence[str]],
                  inputs: Sequence[Sequence[str]], on_text, on_embedding) -> None:
-    """One request: create the nodes (:class:`PipelineRun`), set the ``inputs`` in order, execute, free; native
+    """One request: create the nodes (`PipelineRun`), set the ``inputs`` in order, execute, free; native
     output captured once around the whole request."""
     log: list[str] = []
     with _with_reason(log), capture_fd(2, log, 2), capture_fd(1, log, None):  # Genie's logger and QNN's banner
@@ -317,7 +317,7 @@ def _worker(argv: Sequence[str] | None = None) -> int:
 
 
 def _session(lib_path: str, req: dict, out, embeds: list, flush_embeddings, on_text, on_embedding) -> int:
-    """The worker of a :class:`PipelineSession`: one pipeline for a whole conversation. ``READY`` once it is made;
+    """The worker of a `PipelineSession`: one pipeline for a whole conversation. ``READY`` once it is made;
     then per stdin line ``TURN {"inputs": [...], "embeddings_out": PATH}`` (those inputs, execute: the generator
     continues from its KV cache) or ``RESET``; each answered by ``DONE`` or ``ERROR reason``; EOF ends it."""
     try:
@@ -350,9 +350,9 @@ def _session(lib_path: str, req: dict, out, embeds: list, flush_embeddings, on_t
 
 class PipelineSession(WorkerSession):
     """A Genie pipeline kept alive in its worker for a whole conversation (``--session``; the protocol of
-    :mod:`.genie_session`): each :meth:`turn` sets that turn's inputs and executes, the generator continuing from the
-    KV cache the earlier turns left; :meth:`reset` forgets them. A turn past ``timeout`` kills the worker (the
-    conversation is then gone: :attr:`alive` is False)."""
+    `.genie_session`): each `turn` sets that turn's inputs and executes, the generator continuing from the
+    KV cache the earlier turns left; `reset` forgets them. A turn past ``timeout`` kills the worker (the
+    conversation is then gone: `alive` is False)."""
 
     what = "the Genie pipeline worker"
 
@@ -365,7 +365,7 @@ class PipelineSession(WorkerSession):
 
     def turn(self, inputs: Sequence[Sequence[str]], embeddings_out: str | None, result: dict) -> Iterator[str]:
         """This turn's inputs, executed on top of the kept state: its text pieces; ``result`` as
-        :func:`stream_pipeline`'s."""
+        `stream_pipeline`'s."""
         self.send("TURN " + json.dumps({"inputs": [list(i) for i in inputs], "embeddings_out": embeddings_out}))
         for word, rest in self.events():
             if word == "TEXT":
@@ -378,7 +378,7 @@ class PipelineSession(WorkerSession):
 
 def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float = 600.0,
                     result: dict | None = None, logits: LogitsRows | None = None) -> Iterator[str]:
-    """Run ``request`` (see :func:`_worker`) in a worker process whose working directory is ``cwd`` (the bundle:
+    """Run ``request`` (see `_worker`) in a worker process whose working directory is ``cwd`` (the bundle:
     its configs name their files relative to it, as genie-app runs them on a phone); yield the generator's text
     pieces. ``result`` gets ``embeddings_dims`` when the image encoder's callback fired, and ``tokens``, the ids
     the custom sampler wrote, when ``request["logits"]`` taps the logits (each row to ``logits``)."""

@@ -14,10 +14,10 @@ node fails schema validation). ``logitsSize`` is in BYTES; the logits arrive as 
 ``tokens[0..numTokens)`` itself (nothing is chosen for it; an id past the vocabulary gives "T2E conversion
 overflow"). Checked on this machine with libGenie 1.21 (../shared/reference/genie-vlm-pipeline.md).
 
-:class:`LogitsTap` is the worker's side (it runs inside the process that loaded libGenie): each row is appended to
+`LogitsTap` is the worker's side (it runs inside the process that loaded libGenie): each row is appended to
 a float32 file and announced by one ``LOGITS k V TOKEN`` line of the worker protocol; the token written back is the
 teacher's token ``k`` while there are teacher tokens, else the argmax below the vocabulary limit (greedy).
-:class:`LogitsRows` is the host's side: it reads row ``k`` when the line arrives and hands it to ``on_logits``.
+`LogitsRows` is the host's side: it reads row ``k`` when the line arrives and hands it to ``on_logits``.
 """
 
 from __future__ import annotations

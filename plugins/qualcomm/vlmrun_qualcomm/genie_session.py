@@ -1,5 +1,5 @@
 """Genie kept alive between the turns of a conversation: a worker process that holds one dialog (or one pipeline,
-:class:`vlmrun_qualcomm.genie_pipeline.PipelineSession`) and answers commands on its stdin, so that the dialog's KV
+`vlmrun_qualcomm.genie_pipeline.PipelineSession`) and answers commands on its stdin, so that the dialog's KV
 cache survives from one query to the next (Genie keeps a dialog's state across queries until ``GenieDialog_reset``).
 
 The line protocol: the worker says ``READY`` once it is made; then for each command line on its stdin it writes its
@@ -38,7 +38,7 @@ from .genie_binding import GenieLibrary
 
 class WorkerSession:
     """A worker process of the session protocol (module docstring), started with ``argv`` in ``cwd``. A command past
-    ``timeout`` kills it; so does an ``ERROR`` (the state it held is unknown): :attr:`alive` is then False."""
+    ``timeout`` kills it; so does an ``ERROR`` (the state it held is unknown): `alive` is then False."""
 
     what = "the Genie worker"
 
@@ -125,7 +125,7 @@ class WorkerSession:
 
 
 class DialogSession(WorkerSession):
-    """One Genie dialog kept in its worker: each :meth:`query` feeds embeddings rows on top of what the dialog holds
+    """One Genie dialog kept in its worker: each `query` feeds embeddings rows on top of what the dialog holds
     and streams the tokens Genie generates (it feeds each back through the LUT but the last)."""
 
     what = "the Genie dialog worker"
@@ -151,7 +151,7 @@ class DialogState(DecoderState):
     """A conversation kept in a Genie dialog (``decoder_state`` of a decoder Genie generates for): the dialog alive
     in its worker between turns, each turn's new rows fed on top of its KV cache. The host keeps the rows the dialog
     holds (prompt rows, and each generated token's row but the last), so what Genie cannot do in place it does by
-    replay: a :meth:`truncate` to fewer positions, other sampling settings or a lost worker start a new dialog fed
+    replay: a `truncate` to fewer positions, other sampling settings or a lost worker start a new dialog fed
     the kept rows and the new ones in one query (the positions from the divergence on are computed again, as a
     recompute from scratch would).
 

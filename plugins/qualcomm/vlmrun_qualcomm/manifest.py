@@ -5,10 +5,10 @@ A compiled stage is a directory in vlmrun's artifact store holding
 * ``<name>_ctx.onnx``: an EP-context ONNX wrapper, one ``com.microsoft:EPContext`` node per graph (embed mode 0,
   ``ep_cache_context`` = the binary next to it), which is how onnxruntime-qnn loads a context binary;
 * ``<name>_ctx_qnn.bin``: the QNN context binary itself (what ``qnn-net-run --retrieve_context`` and Genie load);
-* ``manifest.json`` with the fields of :class:`ContextManifest`.
+* ``manifest.json`` with the fields of `ContextManifest`.
 
 ``qnn_htp`` writes it when it compiles locally (onnxruntime-qnn writes the wrapper), ``qaihub`` when it
-downloads a binary from AI Hub (:func:`write_ctx_onnx` writes the wrapper), and ``qnn_htp`` reads it to run the
+downloads a binary from AI Hub (`write_ctx_onnx` writes the wrapper), and ``qnn_htp`` reads it to run the
 stage, whoever compiled it.
 """
 

@@ -3,10 +3,10 @@
 What every plugin that compiles the parts form shares (qnn_htp compiles it locally, qaihub on AI Hub): the plan
 (how many parts, which layers each holds, the AR and context), the size arithmetic (estimated bytes per part,
 one copy of the weights), the part-limit check of compiled binaries and the digest of the graphs a binary was
-compiled from. The form itself is described in :mod:`vlmrun_qnn_htp.parts_compile`.
+compiled from. The form itself is described in `vlmrun_qnn_htp.parts_compile`.
 
 The number of parts (option ``parts``, 0 = auto) is the fewest whose estimated part binary stays under
-``part_limit_mb`` (default :data:`DEFAULT_PART_LIMIT_MB` MB = 1 GB: the HTP is a 32-bit co-processor and one
+``part_limit_mb`` (default `DEFAULT_PART_LIMIT_MB` MB = 1 GB: the HTP is a 32-bit co-processor and one
 context must map into its address space; qai-hub-models ships ~1 GB parts). Layers are spread so the parts'
 weights are balanced, the lm_head counting toward the last part.
 """

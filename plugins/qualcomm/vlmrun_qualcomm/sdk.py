@@ -218,14 +218,14 @@ class Sdk:
 
     def genie_htp_files(self, arch: str, ndk_root: str | os.PathLike | None = None) -> dict[str, Path | None]:
         """genie-t2t-run on a phone's HTP (arch e.g. ``v79``): ``{name on the phone: SDK file or None}`` in push
-        order (:func:`genie_htp_layout`), then ``libc++_shared.so`` (the SDK's own copy, else the NDK's)."""
+        order (`genie_htp_layout`), then ``libc++_shared.so`` (the SDK's own copy, else the NDK's)."""
         out: dict[str, Path | None] = {n: self._file(*rel.split("/")) for n, rel in genie_htp_layout(arch).items()}
         out[LIBCXX] = self._file("lib", ANDROID, LIBCXX) or ndk_libcxx(ndk_root)[0]
         return out
 
     def require_genie_htp(self, arch: str, ndk_root: str | os.PathLike | None = None,
                           why: str = "for Genie on the phone's HTP") -> dict[str, Path]:
-        """:meth:`genie_htp_files`, or one BackendError line naming every missing file (SDK-relative) and where
+        """`genie_htp_files`, or one BackendError line naming every missing file (SDK-relative) and where
         vlmrun looked."""
         self.require_root(why)
         files = self.genie_htp_files(arch, ndk_root)
