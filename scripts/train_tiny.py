@@ -29,7 +29,7 @@ Recipe (what made it learn in minutes rather than hours):
 
 Deterministic from ``--seed`` for a given torch build and ``--threads`` (torch's deterministic algorithms,
 fixed thread count, a seeded data stream). At the end the weights are saved as float16 safetensors in
-transformers' native FastVLM layout, reloaded as float32, and answer accuracy (exact match after normalising
+transformers' native FastVLM format, reloaded as float32, and answer accuracy (exact match after normalising
 case and punctuation; greedy, stopping at ``<|im_end|>``) is measured per question kind on the held-out set
 (`vlmrun.shapes.HELDOUT_SEED`, whose first 400 items are the set ``vlmrun eval`` uses by default) and
 written with the wall time to ``training.json`` next to the weights.
@@ -760,7 +760,7 @@ def main(argv=None) -> int:
                           f" for {args.cooldown} steps", flush=True)
         train_s = time.perf_counter() - t_train
 
-        # save as float16 in the native layout, then measure what was saved (reloaded as float32)
+        # save as float16 in the native format, then measure what was saved (reloaded as float32)
         out = args.out
         tmp_out = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp_out, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Apple <-> native FastVLM checkpoint layouts (vlmrun.checkpoints)."""
+"""Apple <-> native FastVLM checkpoint formats (vlmrun.checkpoints)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ NP = "model.vision_tower.timm_model."  # native vision tower prefix
 
 
 # --------------------------------------------------------------------------------------------------------------
-# fixtures: a tiny native checkpoint, its Apple-layout copy and the converted-back native copy
+# fixtures: a tiny native checkpoint, its Apple-format copy and the converted-back native copy
 
 
 def _build_native_fallback(out):
@@ -134,13 +134,14 @@ def _keys(path):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# detect_layout
+# detect_format
 
 
-def test_detect_layout_native_and_apple(native_dir, apple_dir, roundtrip_dir):
-    assert checkpoints.detect_layout(native_dir) == NATIVE == "fast_vlm"
-    assert checkpoints.detect_layout(str(apple_dir)) == APPLE == "llava_qwen2"
-    assert checkpoints.detect_layout(roundtrip_dir) == NATIVE
+def test_detect_format_native_and_apple(native_dir, apple_dir, roundtrip_dir):
+    assert checkpoints.detect_format(native_dir) == NATIVE == "fast_vlm"
+    assert checkpoints.detect_format(str(apple_dir)) == APPLE == "llava_qwen2"
+    assert checkpoints.detect_format(roundtrip_dir) == NATIVE
+    assert checkpoints.detect_layout is checkpoints.detect_format  # the former name, still importable
 
 
 @pytest.mark.parametrize(
@@ -151,33 +152,33 @@ def test_detect_layout_native_and_apple(native_dir, apple_dir, roundtrip_dir):
         ({"architectures": ["Qwen2ForCausalLM"]}, "None"),
     ],
 )
-def test_detect_layout_rejects_other_models(tmp_path, config, found):
+def test_detect_format_rejects_other_models(tmp_path, config, found):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError) as err:
-        checkpoints.detect_layout(tmp_path)
+        checkpoints.detect_format(tmp_path)
     msg = str(err.value)
     assert "\n" not in msg
     assert found in msg and "not FastVLM" in msg
     assert "'fast_vlm'" in msg and "'llava_qwen2'" in msg  # what is expected
 
 
-def test_detect_layout_rejects_llava_qwen2_without_mobileclip(tmp_path):
+def test_detect_format_rejects_llava_qwen2_without_mobileclip(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "llava_qwen2", "mm_vision_tower": "openai/clip-vit-large-patch14-336"})
     )
     with pytest.raises(InputError, match=r"clip-vit-large.*not FastVLM's MobileCLIP.*mobileclip_l"):
-        checkpoints.detect_layout(tmp_path)
+        checkpoints.detect_format(tmp_path)
 
 
-def test_detect_layout_missing_dir_and_config(tmp_path):
+def test_detect_format_missing_dir_and_config(tmp_path):
     with pytest.raises(InputError) as err:
-        checkpoints.detect_layout(tmp_path / "nope")
+        checkpoints.detect_format(tmp_path / "nope")
     assert "does not exist" in str(err.value) and "nope" in str(err.value) and "expected" in str(err.value)
     with pytest.raises(InputError, match="has no config.json; expected"):
-        checkpoints.detect_layout(tmp_path)
+        checkpoints.detect_format(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(InputError, match="cannot read"):
-        checkpoints.detect_layout(tmp_path)
+        checkpoints.detect_format(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def test_unknown_native_key_is_refused():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the Apple layout
+# the Apple format
 
 
 def test_apple_dir_looks_like_apple(native_dir, apple_dir):
@@ -836,6 +837,7 @@ def test_vocab_limit_is_apples_vocab_size(native_dir, apple_dir, tmp_path):
     v_apple = _config(apple_dir)["vocab_size"]
     assert converted.vocab_limit == v_apple == 403 and converted.vocab_size == 448
     info = json.loads((converted.path / checkpoints.CONVERSION_FILE).read_text())
+    # "source_layout": the stored key keeps its name (the source's format), so converted checkpoints keep their bytes
     assert info == {"source_layout": "llava_qwen2", "source_vocab_size": 403, "vocab_size": 448,
                     "image_token_id": 403}
     assert FastVLMModel.open(native_dir).vocab_limit is None  # a native checkpoint: every row is the model's

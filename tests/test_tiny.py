@@ -52,7 +52,7 @@ def test_module_import_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_layout_and_config(ckpt, loaded):
+def test_format_and_config(ckpt, loaded):
     model, tokenizer, processor = loaded
     assert ckpt.is_absolute() and ckpt.name == "model"
     assert (ckpt / "model.safetensors").is_file()

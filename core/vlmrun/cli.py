@@ -199,7 +199,7 @@ def plugins(show_options, as_json, debug):
                    " first token and on delimiters): what makes fp16 NPU decoders overflow.")
 @click.option("--debug", is_flag=True, hidden=True)
 def make_tiny(out_dir, image_size, full_size, seed, massive_activations, debug):
-    """Build a random-weight FastVLM checkpoint with the real architecture (native transformers layout)."""
+    """Build a random-weight FastVLM checkpoint with the real architecture (native transformers format)."""
     from .errors import UsageError
     from .progress import step
     from .tiny import make_tiny as build

@@ -18,7 +18,7 @@ def model_options(f):
                      help="Image size of the default model (ignored with --model). [default: its own, 256; other"
                           " sizes run the same weights, trained at 256 only]")(f)
     f = click.option("--model", "model_dir", type=click.Path(path_type=Path),
-                     help="FastVLM checkpoint directory (transformers-native or Apple llava_qwen2 layout)."
+                     help="FastVLM checkpoint directory (transformers-native or Apple llava_qwen2 format)."
                           " Default: the tiny trained shapes model shipped with vlmrun.")(f)
     return f
 

@@ -1,7 +1,7 @@
 """FastVLM checkpoints on disk, read without torch.
 
-`FastVLMModel` reads a local checkpoint directory offline: transformers' native layout
-(``model_type: fast_vlm``) directly, Apple's original ``llava_qwen2`` layout through a one-time conversion
+`FastVLMModel` reads a local checkpoint directory offline: transformers' native format
+(``model_type: fast_vlm``) directly, Apple's original ``llava_qwen2`` format through a one-time conversion
 into the artifact store (see `vlmrun.checkpoints`). Only `FastVLMModel.load_torch` imports torch.
 """
 
@@ -34,11 +34,11 @@ def _int_ids(value) -> set[int]:
 
 @attrs.define(slots=False)
 class FastVLMModel:
-    """A native-layout FastVLM checkpoint directory and what the pipeline needs to know about it."""
+    """A native-format FastVLM checkpoint directory and what the pipeline needs to know about it."""
 
     path: Path
     source: Path
-    source_layout: str
+    source_layout: str  # the checkpoint format it was read from: fast_vlm or llava_qwen2
 
     @classmethod
     def open(cls, model_dir: str | os.PathLike, store: ArtifactStore | None = None,
@@ -46,10 +46,10 @@ class FastVLMModel:
         from . import checkpoints
 
         src = Path(model_dir).expanduser()
-        layout = checkpoints.detect_layout(src)
+        fmt = checkpoints.detect_format(src)
         checkpoints.check_shards(src)
-        if layout == checkpoints.NATIVE:
-            return cls(src, src, layout)
+        if fmt == checkpoints.NATIVE:
+            return cls(src, src, fmt)
         store = store or ArtifactStore()
         # keyed by every file that shapes the conversion (weights, configs, tokenizer files, templates)
         digest = checkpoints.conversion_digest(src, store.root)
@@ -60,7 +60,7 @@ class FastVLMModel:
 
         key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 2}
         art = store.get_or_build(key, convert, rebuild=rebuild)
-        return cls(art.path, src, layout)
+        return cls(art.path, src, fmt)
 
     # -- configuration -------------------------------------------------------------------------------
     @cached_property
@@ -316,7 +316,7 @@ def open_model(model, store: ArtifactStore, image_size: int | None = None, progr
     """A FastVLMModel from an instance, a checkpoint directory, or ``None`` (the default model, at
     ``image_size`` or its own).
 
-    ``rebuild``: convert an Apple-layout checkpoint again even when the store holds its conversion."""
+    ``rebuild``: convert an Apple-format checkpoint again even when the store holds its conversion."""
     if isinstance(model, FastVLMModel):
         return model
     if model is None:

@@ -1,9 +1,10 @@
-"""Build a random-weight FastVLM checkpoint with the real architecture (transformers' native ``fast_vlm`` layout).
+"""Build a random-weight FastVLM checkpoint with the real architecture (transformers' native ``fast_vlm`` format).
 
 No model hub is reachable on the machines this project runs on, so the loading and export code is tested on a
 checkpoint built here: timm ``fastvit_mci3`` (FastViTHD) wrapped in ``TimmWrapperModel``, the ``mlp2x_gelu``
 projector, a Qwen2 decoder, a byte-level BPE tokenizer trained locally on a small embedded corpus, and a
-``LlavaProcessor`` with the FastVLM image preprocessing and chat template.
+``LlavaProcessor`` with the FastVLM image preprocessing and chat template (`vlmrun.fastvlm_files`, which the
+conversion of Apple's checkpoints writes too).
 
 ``make_tiny(dir)`` gives a ~0.5M-parameter model in a few seconds; ``make_tiny(dir, full_size=True)`` gives the
 FastVLM-0.5B dimensions (random weights, ~2 GB of float32).
@@ -28,39 +29,20 @@ from typing import Any
 
 from vlmrun.atomic import atomic_directory
 from vlmrun.errors import BackendError, UsageError
+from vlmrun.fastvlm_files import (
+    CHAT_TEMPLATE,
+    IMAGE_TOKEN,
+    PATCH_SIZE,
+    SYSTEM_PROMPT,
+    fastvlm_config,
+    fastvlm_processor,
+)
 
 __all__ = ["make_tiny", "build_model", "SPECIAL_TOKENS", "SYSTEM_PROMPT", "CHAT_TEMPLATE", "PATCH_SIZE"]
 
-#: Total stride of FastViTHD: one image token per 64 x 64 pixels.
-PATCH_SIZE = 64
-
 #: Qwen2 special tokens in Qwen's order (appended after the BPE vocabulary, like ids 151643.. of the real model),
 #: plus the ``<image>`` placeholder the native conversion adds.
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>")
-
-SYSTEM_PROMPT = "You are a helpful assistant."
-
-#: Renders Apple's ``qwen_2`` conversation template. Image items become ``<image>\n``; a leading system message
-#: replaces the default one.
-CHAT_TEMPLATE = (
-    "{%- macro render(content) -%}"
-    "{%- if content is string -%}{{- content -}}"
-    "{%- else -%}{%- for item in content -%}"
-    "{%- if item['type'] == 'image' -%}{{- '<image>\\n' -}}"
-    "{%- elif item['type'] == 'text' -%}{{- item['text'] -}}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set system_content = messages[0]['content'] -%}{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set system_content = '" + SYSTEM_PROMPT + "' -%}{%- set loop_messages = messages -%}"
-    "{%- endif -%}"
-    "{{- '<|im_start|>system\\n' -}}{{- render(system_content) -}}{{- '<|im_end|>\\n' -}}"
-    "{%- for message in loop_messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}{{- render(message['content']) -}}{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_TOKEN)
 
 # Qwen2's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX). The tokenizer is
 # trained with exactly Qwen2Tokenizer's pipeline because Qwen2Tokenizer rebuilds that pipeline on load and only
@@ -114,7 +96,7 @@ def make_tiny(
     seed: int = 0,
     massive_activations: bool = False,
 ) -> pathlib.Path:
-    """Build a random-weight FastVLM checkpoint with the real architecture in transformers' native layout.
+    """Build a random-weight FastVLM checkpoint with the real architecture in transformers' native format.
 
     The directory loads offline with ``FastVlmForConditionalGeneration``, ``AutoTokenizer`` and
     ``AutoProcessor`` (``LlavaProcessor``, ``CLIPImageProcessor``, patch size 64). ``image_size`` (a multiple of
@@ -415,8 +397,9 @@ def plant_massive_activations(model, tokenizer, seed: int = 0) -> dict[str, Any]
     the final norm ignores them, so they do not leak into the tied lm_head). One layer-0 MLP neuron per class
     reads its marker (silu(g z) * g z) and writes the planted values through down_proj. ``g`` is calibrated on a
     chat prompt so the median marker row reaches the nominal values (the others land within a factor of ~2).
-    Deterministic from ``seed`` (the layout comes from its own generator; the calibration gain is rounded to a
-    1/16-octave grid). The fp32 model stays sane: these rows act as attention sinks, as in real models.
+    Deterministic from ``seed`` (which channels, markers and neurons come from its own generator; the
+    calibration gain is rounded to a 1/16-octave grid). The fp32 model stays sane: these rows act as attention
+    sinks, as in real models.
     """
     import torch
 
@@ -583,55 +566,3 @@ def build_model(
         bos_token_id=endoftext_id, eos_token_id=im_end_id, pad_token_id=endoftext_id
     )
     return model, tokenizer
-
-
-def fastvlm_image_processor(image_size: int):
-    """FastVLM's image processor: CLIP's, at ``image_size``, bicubic, x/255, mean 0, std 1."""
-    from transformers import CLIPImageProcessor
-
-    return CLIPImageProcessor(
-        do_resize=True,
-        size={"shortest_edge": image_size},
-        resample=3,
-        do_center_crop=True,
-        crop_size={"height": image_size, "width": image_size},
-        do_rescale=True,
-        rescale_factor=1 / 255,
-        do_normalize=True,
-        image_mean=[0.0, 0.0, 0.0],
-        image_std=[1.0, 1.0, 1.0],
-        do_convert_rgb=True,
-    )
-
-
-def fastvlm_processor(tokenizer, image_size: int):
-    """The native checkpoint's ``LlavaProcessor``: the image processor, patch size 64, the chat template."""
-    from transformers import LlavaProcessor
-
-    return LlavaProcessor(
-        image_processor=fastvlm_image_processor(image_size),
-        tokenizer=tokenizer,
-        patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="full",
-        chat_template=CHAT_TEMPLATE,
-        image_token=SPECIAL_TOKENS[3],
-        num_additional_image_tokens=0,
-    )
-
-
-def fastvlm_config(vision_config, text_config, image_token_id: int, image_size: int, tie: bool):
-    """The native ``FastVlmConfig`` as the real FastVLM sets it (GELU projector with bias, full features,
-    last layer), shared by the tiny builder and the Apple-layout conversion."""
-    from transformers import FastVlmConfig
-
-    return FastVlmConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        image_token_id=image_token_id,
-        image_seq_length=(image_size // PATCH_SIZE) ** 2,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="full",
-        vision_feature_layer=-1,
-        multimodal_projector_bias=True,
-        tie_word_embeddings=tie,
-    )
