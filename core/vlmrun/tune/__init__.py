@@ -11,7 +11,7 @@ precisions its backend offers above the stage's own (the optional ``layer_precis
 decoder layer to 8-bit weights, then to a16w16; an int8 or a16w8 vision layer to a16w16), written into the
 stage's ``layer_precision`` option.
 
-**Search** (`.search`). Sensitivity first: ``vlmrun diff --locate``'s own error per layer, measured on the
+**Search** (`.search`, `.climb`). Sensitivity first: ``vlmrun diff --locate``'s own error per layer, measured on the
 device on the first item of the data set (each layer's own quantization error carried by the reference's later
 layers to the stage output: the ``impact`` of `vlmrun.diff.locate.locate`). It is measured on the compiled
 binary on the device backend, so it ranks what the device really does, needs no optional toolkit (AIMET's

@@ -1,27 +1,31 @@
-"""The search of `tune`: budget, candidates, sensitivity, the greedy climb, the cache of measured points."""
+"""`tune`: the budget, the checks of what can be tuned, and the setup of the search (`.climb`) and its result: the
+points, their Pareto front, the winner."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import math
 import os
 import time
-from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import attrs
 
+from .. import plugins as plugins_mod
+from ..diff.locate import load_probe
 from ..errors import UsageError
+from ..eval import DEFAULT_MAX_NEW_TOKENS, LayoutSpec, heldout_dataset, read_dataset
+from ..model import open_model
+from ..pipeline import GenerationSettings, Pipeline
+from ..progress import no_progress
 from ..stages import STAGES
+from ..store import ArtifactStore
+from .climb import TUNABLE, Candidate, Climb, Point, PointCache, fewest_bytes
+from .executors import executor_for
+from .front import pareto_front
 
 #: the default base: the all-npu preset, each stage at its cheapest quantized precision
 DEFAULT_BASE = "all-npu,vision.precision=int8,projector.precision=int8,decoder.precision=w4a16"
-TUNABLE = ("vision", "projector", "decoder")  # stages with layers (embed is a table lookup)
-LAYER_OPTION = "layer_precision"
 DEFAULT_MAX_CANDIDATES = 12
-CACHE_VERSION = 1
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -102,61 +106,7 @@ def _pct(v) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# candidates and points
-
-
-@attrs.frozen
-class Candidate:
-    """A build to measure: the base layout with ``layers`` raised (``(layer, precision)`` pairs, sorted), or an
-    anchor layout given whole (``anchor``: a ``vlmrun eval --layout`` spec)."""
-
-    label: str
-    layers: tuple = ()
-    anchor: str | None = None
-
-    def raised(self, layer: str, precision: str, label: str) -> "Candidate":
-        d = dict(self.layers)
-        d[layer] = precision
-        return Candidate(label, tuple(sorted(d.items())))
-
-
-@attrs.define
-class Point:
-    """One measured build."""
-
-    label: str
-    layers: dict  # layer -> precision raised above the base
-    layout: dict  # stage -> {"backend", options...}: the build as a layout
-    bytes: int
-    accuracy: float | None
-    reference_accuracy: float | None
-    answers_as_reference: float | None
-    logits_sqnr_db: float | None
-    diff_pass_rate: float | None
-    items: int
-    key: str  # the eval layout key (what its results are cached under)
-    seconds: float = 0.0
-    anchor: str | None = None
-    built: bool = False  # measured by this run (not read back from the store)
-    within_budget: bool = False
-    misses: list = attrs.field(factory=list)
-    on_front: bool = False
-
-    @property
-    def accuracy_drop(self) -> float | None:
-        if self.accuracy is None or self.reference_accuracy is None:
-            return None
-        return max(0.0, self.reference_accuracy - self.accuracy)
-
-    def to_json(self) -> dict:
-        out = attrs.asdict(self)
-        out["accuracy_drop"] = self.accuracy_drop
-        return out
-
-    @classmethod
-    def from_json(cls, d: Mapping) -> "Point":
-        names = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+# the result
 
 
 @attrs.define
@@ -185,156 +135,66 @@ class TuneResult:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# layouts of candidates
-
-
-def candidate_spec(base, candidate: Candidate):
-    """The `vlmrun.eval.LayoutSpec` of ``candidate`` on the ``base`` spec: its layers merged into each
-    stage's ``layer_precision`` option."""
-    from ..eval import LayoutSpec
-
-    if candidate.anchor is not None:
-        spec = LayoutSpec.parse(candidate.anchor)
-        return attrs.evolve(spec, label=candidate.label)
-    options = {s: dict(v) for s, v in base.options.items()}
-    by_stage: dict[str, dict[str, str]] = {}
-    for layer, precision in candidate.layers:
-        by_stage.setdefault(layer.split(".", 1)[0], {})[layer] = precision
-    for stage, layers in by_stage.items():
-        current = options.setdefault(stage, {})
-        merged = _parse_map(current.get(LAYER_OPTION))
-        merged.update(layers)
-        current[LAYER_OPTION] = ";".join(f"{k}={v}" for k, v in sorted(merged.items()))
-    return attrs.evolve(base, label=candidate.label, options=options)
-
-
-def _parse_map(value) -> dict[str, str]:
-    if not value:
-        return {}
-    if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
-    out = {}
-    for part in str(value).replace(";", ",").split(","):
-        name, sep, p = part.partition("=")
-        if sep:
-            out[name.strip()] = p.strip()
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# measuring one candidate (in this process or in a Ray task)
-
-
-@attrs.frozen
-class MeasureJob:
-    """Everything a process needs to build and measure one candidate (picklable: Ray ships it to a worker)."""
-
-    label: str
-    layers: tuple
-    anchor: str | None
-    spec: object  # LayoutSpec
-    reference: object  # LayoutSpec
-    model: str
-    store: str
-    dataset: str | None
-    limit: int | None
-    max_new_tokens: int
-
-
-def measure(job: MeasureJob, bar: Callable | None = None) -> dict:
-    """Build the candidate, run `vlmrun.eval.evaluate` on it, return its figures (a `Point`'s JSON).
-    ``bar``: eval's progress bar factory (in this process; a Ray task shows none)."""
-    from ..eval import evaluate
-
-    t0 = time.perf_counter()
-    run = evaluate([job.spec], job.dataset, reference=job.reference, model=job.model, store=job.store,
-                   limit=job.limit, max_new_tokens=job.max_new_tokens, bar=bar)
-    ref = run.report["layouts"][0]
-    dev = next((e for e in run.report["layouts"] if not e["is_reference"]), ref)
-    logits = ((dev.get("drift") or {}).get("decoder/logits") or {}).get("sqnr_db") or {}
-    return Point(
-        label=job.label, layers=dict(job.layers), anchor=job.anchor,
-        layout={s: {"backend": dev["layout"][s], **{k: v for k, v in dev["options"].get(s, {}).items()}}
-                for s in STAGES},
-        bytes=int(dev.get("device_bytes") or 0),
-        accuracy=dev["accuracy"]["all"]["accuracy"], reference_accuracy=ref["accuracy"]["all"]["accuracy"],
-        answers_as_reference=dev.get("same_answer_as_reference", 1.0 if dev is ref else None),
-        logits_sqnr_db=logits.get("median"), diff_pass_rate=dev.get("diff_pass_rate"), items=int(dev["items"]),
-        key=dev["key"], seconds=round(time.perf_counter() - t0, 2), built=True,
-    ).to_json()
-
-
-class PointCache:
-    """Measured points in the store (``tune/<key>.json``): what makes an interrupted tune resume."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root) / "tune"
-
-    def key(self, eval_key: str, dataset: str, limit: int | None) -> str:
-        text = json.dumps({"v": CACHE_VERSION, "eval": eval_key, "dataset": dataset, "limit": limit})
-        return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-    def get(self, key: str) -> dict | None:
-        path = self.root / f"{key}.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def put(self, key: str, value: dict) -> None:
-        from ..atomic import write_text_atomic
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.root / f"{key}.json", json.dumps(value, indent=1, sort_keys=True))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# sensitivity
+# what is tuned
 
 
 def layer_names(ref_pipe, stage: str) -> list[str]:
     """The layers of ``stage`` as the probes name them (the reference's probe export: ``decoder.layer0``...)."""
-    from ..diff.locate import load_probe
-
     handle = load_probe(ref_pipe, stage)
     arts = list(getattr(handle, "artifacts", ()) or ())
     manifest = dict(getattr(handle, "manifest", None) or (arts[0].manifest if arts else {}))
     return [name for name, _ in manifest.get("probe_outputs") or ()]
 
 
-def sensitivity(ref_pipe, dev_pipe, stages: Sequence[str], record, max_new_tokens: int, progress) -> dict:
-    """Per stage, ``[[layer, noise]]`` most sensitive first: ``noise`` is the relative noise power the layer's own
-    error alone leaves at the stage output (``--locate``'s isolated impact; without injections, the noise power
-    the layer adds). Layers the device probe did not report (inside parts not probed) get 0."""
-    from ..diff.capture import capture_pipeline
-    from ..diff.locate import locate
-    from ..pipeline import GenerationSettings
+def tuned_ladders(base_layout, registry, stages: Sequence[str] | None, layers: Sequence[str] | None,
+                  base_text: str) -> dict[str, list[str]]:
+    """Per stage to tune, in order (``stages``, or every stage whose backend offers per-layer precisions above the
+    stage's own), those precisions. `vlmrun.errors.UsageError` for a stage that cannot be tuned, or a layer in
+    ``layers`` of a stage not tuned."""
+    ladders: dict[str, list[str]] = {}
+    for stage in TUNABLE:
+        a = base_layout.stages[stage]
+        got = registry.hook.layer_precisions(backend=a.backend, stage=stage, options=dict(a.options))
+        if got:
+            ladders[stage] = list(got)
+    asked = list(dict.fromkeys(stages)) if stages else None
+    for stage in asked or ():
+        if stage not in STAGES:
+            raise UsageError(f"unknown stage '{stage}' in --stages; stages are {', '.join(STAGES)}")
+        if stage not in ladders:
+            a = base_layout.stages[stage]
+            precision = a.options.get("precision") or registry.backend(a.backend).precision
+            raise UsageError(f"stage '{stage}' ({a.backend}, precision {precision}) has no quantized precision to"
+                             f" tune: give it one in the layout (e.g. {stage}.precision="
+                             f"{'w4a16' if stage == 'decoder' else 'int8'}) or leave it out of --stages")
+    tuned = asked or list(ladders)
+    if not tuned:
+        raise UsageError(f"layout '{base_text}' has no stage with a quantized precision to tune; e.g. --layout"
+                         f" '{DEFAULT_BASE}'")
+    if layers:
+        for name in layers:
+            stage = str(name).split(".", 1)[0]
+            if stage not in tuned:
+                raise UsageError(f"--layers {name}: its stage '{stage}' is not tuned (tuned: {', '.join(tuned)})")
+    return {s: ladders[s] for s in tuned}
 
-    cap = capture_pipeline(ref_pipe, record.image, record.question, GenerationSettings(max_new_tokens=max_new_tokens),
-                           image_desc=str(record.image))
-    out = {}
-    for stage in stages:
-        loc = locate(ref_pipe, dev_pipe, stage, cap, {}, progress)
-        scores = {}
-        for p in loc.points:
-            if loc.isolated and p.own is not None:
-                sqnr = (p.impact or p.own).get("sqnr_db")
-                scores[p.name] = 0.0 if sqnr is None else 10 ** (-float(sqnr) / 10)
-            else:
-                scores[p.name] = float(p.noise_added)
-        out[stage] = sorted(([k, v] for k, v in scores.items()), key=lambda kv: -kv[1])
-    return out
+
+def allowed_layers(ref_pipe, tuned: Sequence[str], layers: Sequence[str] | None) -> set[str]:
+    """The layers the climb may raise: ``layers`` (`vlmrun.errors.UsageError` for one the reference's probes do not
+    name), or every layer of the ``tuned`` stages."""
+    names = {s: layer_names(ref_pipe, s) for s in tuned}
+    if layers:
+        known = {n for v in names.values() for n in v}
+        for name in layers:
+            if name not in known:
+                stage = str(name).split(".", 1)[0]
+                raise UsageError(f"--layers: '{name}' is not a layer of stage '{stage}'; its layers are"
+                                 f" {', '.join(names[stage])}")
+    return set(layers) if layers else {n for v in names.values() for n in v}
 
 
 # --------------------------------------------------------------------------------------------------------------
 # the search
-
-
-def _gain(prev: Point, new: Point) -> float:
-    """How much ``new`` improves on ``prev`` per byte (answers first, then logits SQNR)."""
-    d_answers = (new.answers_as_reference or 0.0) - (prev.answers_as_reference or 0.0)
-    d_sqnr = (new.logits_sqnr_db or 0.0) - (prev.logits_sqnr_db or 0.0)
-    return (10.0 * d_answers + d_sqnr) / (max(0, new.bytes - prev.bytes) + 4096)
 
 
 def tune(
@@ -368,15 +228,6 @@ def tune(
     bars of the evals run in this process (as `vlmrun.eval.evaluate` takes it).
     Raises `vlmrun.errors.UsageError` for a bad budget, stage or layer before anything is compiled.
     """
-    from .. import plugins as plugins_mod
-    from ..eval import DEFAULT_MAX_NEW_TOKENS, LayoutSpec, heldout_dataset, read_dataset
-    from ..eval.engine import layout_key
-    from ..model import open_model
-    from ..pipeline import GenerationSettings, Pipeline
-    from ..progress import no_progress
-    from ..store import ArtifactStore
-    from .executors import executor_for
-
     t_start = time.perf_counter()
     progress = progress or no_progress
     budget = budget or Budget.of()
@@ -400,48 +251,15 @@ def tune(
     for a in anchor_specs:
         a.resolve(registry)
 
-    # what can be tuned: stages whose backend offers per-layer precisions above the stage's own
-    ladders: dict[str, list[str]] = {}
-    for stage in TUNABLE:
-        a = base_layout.stages[stage]
-        got = registry.hook.layer_precisions(backend=a.backend, stage=stage, options=dict(a.options))
-        if got:
-            ladders[stage] = list(got)
-    asked = list(dict.fromkeys(stages)) if stages else None
-    for stage in asked or ():
-        if stage not in STAGES:
-            raise UsageError(f"unknown stage '{stage}' in --stages; stages are {', '.join(STAGES)}")
-        if stage not in ladders:
-            a = base_layout.stages[stage]
-            precision = a.options.get("precision") or registry.backend(a.backend).precision
-            raise UsageError(f"stage '{stage}' ({a.backend}, precision {precision}) has no quantized precision to"
-                             f" tune: give it one in the layout (e.g. {stage}.precision="
-                             f"{'w4a16' if stage == 'decoder' else 'int8'}) or leave it out of --stages")
-    tuned = asked or list(ladders)
-    if not tuned:
-        raise UsageError(f"layout '{base_text}' has no stage with a quantized precision to tune; e.g. --layout"
-                         f" '{DEFAULT_BASE}'")
-    if layers:
-        for name in layers:
-            stage = str(name).split(".", 1)[0]
-            if stage not in tuned:
-                raise UsageError(f"--layers {name}: its stage '{stage}' is not tuned (tuned: {', '.join(tuned)})")
-    ladders = {s: ladders[s] for s in tuned}
+    ladders = tuned_ladders(base_layout, registry, stages, layers, base_text)
+    tuned = list(ladders)
 
     if not isinstance(store, ArtifactStore):
         store = ArtifactStore(store)
     store.clean_stale()
     fvlm = open_model(model, store, None, progress)
     ref_pipe = Pipeline.build(fvlm, ref_layout, store=store, registry=registry, progress=progress)
-    names = {s: layer_names(ref_pipe, s) for s in tuned}
-    if layers:
-        known = {n for v in names.values() for n in v}
-        for name in layers:
-            if name not in known:
-                stage = str(name).split(".", 1)[0]
-                raise UsageError(f"--layers: '{name}' is not a layer of stage '{stage}'; its layers are"
-                                 f" {', '.join(names[stage])}")
-    allowed = set(layers) if layers else {n for v in names.values() for n in v}
+    allowed = allowed_layers(ref_pipe, tuned, layers)
 
     if dataset is None:
         dataset = heldout_dataset(store, progress=progress)
@@ -449,123 +267,21 @@ def tune(
     if not records:
         raise UsageError(f"data set {dataset} has no usable record")
     settings = GenerationSettings(max_new_tokens=max_new_tokens)
-    model_hash = fvlm.weights_hash(store)
-    cache = PointCache(store.root)
-    executor = executor_for(ray_address, store.root, fvlm)
+    climb = Climb(
+        base=base, base_layout=base_layout, reference=ref_spec, ref_pipe=ref_pipe, fvlm=fvlm, store=store,
+        registry=registry, records=records, dataset=str(dataset), limit=limit, settings=settings,
+        model_hash=fvlm.weights_hash(store), cache=PointCache(store.root),
+        executor=executor_for(ray_address, store.root, fvlm), ray_address=ray_address,
+        budget=budget, ladders=ladders, allowed=allowed, beam=beam, max_candidates=max_candidates,
+        progress=progress, bar=bar, on_point=on_point)
+    climb.run([Candidate(a.label if a.label != a.base else f"anchor{i + 1}", anchor=text)
+               for i, (a, text) in enumerate(zip(anchor_specs, anchors))])
 
-    points: list[Point] = []
-    built = 0
-
-    def cache_key(spec) -> str:
-        return cache.key(layout_key(spec.resolve(registry), registry, model_hash, settings), str(dataset), limit)
-
-    def run(cands: Sequence[Candidate]) -> list[Point]:
-        nonlocal built
-        out: dict[int, Point] = {}
-        jobs, where = [], []
-        for i, c in enumerate(cands):
-            spec = candidate_spec(base, c)
-            key = cache_key(spec)
-            hit = cache.get(key)
-            if hit is not None:
-                p = Point.from_json(hit)
-                p.label, p.layers, p.anchor, p.built = c.label, dict(c.layers), c.anchor, False
-                out[i] = p
-            else:
-                jobs.append(MeasureJob(c.label, c.layers, c.anchor, spec, ref_spec, str(fvlm.path), str(store.root),
-                                       str(dataset), limit, max_new_tokens))
-                where.append((i, key))
-        if jobs:
-            what = ", ".join(j.label for j in jobs)
-            with progress(f"building and evaluating {len(jobs)} candidate(s) on {len(records)} items ({what})"
-                          f"{' on Ray' if ray_address else ''}"):
-                measured = executor.map(measure if ray_address else functools.partial(measure, bar=bar), jobs)
-            for (i, key), m in zip(where, measured):
-                cache.put(key, {**m, "built": False})
-                out[i] = Point.from_json(m)
-                built += 1
-        result = [out[i] for i in range(len(cands))]
-        for p in result:
-            p.misses = budget.misses(p)
-            p.within_budget = not p.misses
-            points.append(p)
-            if on_point is not None:
-                on_point(p)
-        return result
-
-    # step 0: the base and the anchors
-    start = Candidate("base")
-    first = run([start, *[Candidate(a.label if a.label != a.base else f"anchor{i + 1}", anchor=text)
-                          for i, (a, text) in enumerate(zip(anchor_specs, anchors))]])
-    current, current_point = start, first[0]
-    steps = [{"step": 0, "measured": [p.label for p in first], "took": "base"}]
-
-    def ranking() -> list[str]:
-        """The tuned layers, most sensitive first (the base build's own error per layer, cached with its point)."""
-        sens_key = "sens-" + cache.key(current_point.key, str(dataset), 1)
-        sens = cache.get(sens_key)
-        if sens is None or set(sens) != set(tuned):
-            with progress(f"ranking the layers of {', '.join(tuned)} by their own error on the device (--locate)"):
-                dev_pipe = Pipeline.build(fvlm, base_layout, store=store, registry=registry, progress=progress)
-                sens = sensitivity(ref_pipe, dev_pipe, tuned, records[0], max_new_tokens, progress)
-            cache.put(sens_key, sens)
-        sensitivities.update(sens)
-        # across stages the noise at different outputs is not comparable: the stage nearest the logits first (its
-        # error reaches them directly; the decoder attenuates what vision hands it), each stage's layers by their
-        # own error
-        out = []
-        for stage in sorted(tuned, key=lambda st: -TUNABLE.index(st)):
-            score = dict((k, v) for k, v in sens[stage])
-            names = [n for n in allowed if n.split(".", 1)[0] == stage]
-            out += sorted((n for n in names if n in score), key=lambda n: (-score[n], n))
-            out += sorted(n for n in names if n not in score)  # not reported by the device probe: last
-        return out
-
-    # the climb: raise the most sensitive layers a rung at a time; a raise that does not help is not taken (the
-    # layer's next rung is tried later instead)
-    sensitivities: dict = {}
-    ranked: list[str] = []
-    tried: dict[str, int] = {}  # layer -> highest rung index tried from the current build and not taken
-    n = len(points)
-    while not current_point.within_budget and n < max_candidates:
-        ranked = ranked or ranking()
-        rungs = dict(current.layers)
-        options = []
-        for layer in ranked:
-            ladder = ladders[layer.split(".", 1)[0]]
-            now = ladder.index(rungs[layer]) if layer in rungs else -1
-            nxt = max(now, tried.get(layer, -1)) + 1
-            if nxt < len(ladder):
-                options.append((layer, ladder[nxt]))
-            if len(options) == min(beam, max_candidates - n):
-                break
-        if not options:
-            break
-        cands = [current.raised(layer, p, f"c{n + k}") for k, (layer, p) in enumerate(options)]
-        got = run(cands)
-        n += len(got)
-        within = [p for p in got if p.within_budget]
-        if within:
-            best = min(within, key=lambda p: (p.bytes, -(p.logits_sqnr_db or -1e9)))
-        else:
-            best = max(got, key=lambda p: _gain(current_point, p))
-        step = {"step": len(steps), "measured": [p.label for p in got]}
-        if within or _gain(current_point, best) > 0:
-            current, current_point = cands[got.index(best)], best
-            tried = {k: v for k, v in tried.items() if k not in dict(current.layers)}
-            step.update(took=best.label, raised=dict(current.layers))
-        else:
-            for layer, p in options:
-                tried[layer] = ladders[layer.split(".", 1)[0]].index(p)
-            step.update(took=None, why="no candidate improved on " + current_point.label)
-        steps.append(step)
-
-    from .front import pareto_front
-
+    points = climb.points
     front = pareto_front(points)
     for p in front:
         p.on_front = True
     within = [p for p in points if p.within_budget]
-    winner = min(within, key=lambda p: (p.bytes, -(p.logits_sqnr_db or -1e9))) if within else None
-    return TuneResult(base_text, budget, points, front, winner, sensitivities, ladders, steps, built,
+    winner = fewest_bytes(within) if within else None
+    return TuneResult(base_text, budget, points, front, winner, climb.sensitivities, ladders, climb.steps, climb.built,
                       time.perf_counter() - t_start, len(records), str(dataset))
