@@ -110,12 +110,21 @@ class Batcher:
 
         self.fvlm = fvlm
         self.im_end = sorted(fvlm.stop_ids)[0]
+        self._render = lambda q: tokenize_prompt(fvlm.tokenizer, render_prompt(fvlm.chat_template, q),
+                                                 fvlm.image_token_id, fvlm.image_tokens)
         self.prompts = {}
         for kind, question in QUESTIONS.items():
-            text = render_prompt(fvlm.chat_template, question)
-            ids, start = tokenize_prompt(fvlm.tokenizer, text, fvlm.image_token_id, fvlm.image_tokens)
+            ids, start = self._render(question)
             self.prompts[kind] = (ids[0].tolist(), start)
+        self._asked: dict[str, tuple[list[int], int]] = {}
         self._answers: dict[str, list[int]] = {}
+
+    def prompt(self, question: str) -> tuple[list[int], int]:
+        """A one-turn prompt's token ids and where its picture starts, for any question."""
+        if question not in self._asked:
+            ids, start = self._render(question)
+            self._asked[question] = (ids[0].tolist(), start)
+        return self._asked[question]
 
     def answer_ids(self, answer: str) -> list[int]:
         if answer not in self._answers:
@@ -192,9 +201,10 @@ def forward_logits(model, pixel_values, splices, input_ids, attention_mask, img=
     return model.lm_head(out.last_hidden_state)
 
 
-def make_batch(batcher, scenes, conversations=()):
+def make_batch(batcher, scenes, conversations=(), ask=None):
     """Pixel values, splices, token ids, attention mask and targets for every question of every scene (one
-    sequence each) and every conversation (one sequence each: every answer of it is a target)."""
+    sequence each) and every conversation (one sequence each: every answer of it is a target). ``ask(kind)``: the
+    question asked for a kind (default: `vlmrun.shapes.QUESTIONS`)."""
     import numpy as np
     import torch
 
@@ -202,7 +212,7 @@ def make_batch(batcher, scenes, conversations=()):
     for scene in scenes:
         pixels.append(batcher.pixels(scene.render()))
         for kind in scene.kinds():
-            prompt, start = batcher.prompts[kind]
+            prompt, start = batcher.prompts[kind] if ask is None else batcher.prompt(ask(kind))
             seqs.append((prompt + batcher.answer_ids(scene.answer(kind)), [(start, len(pixels) - 1)],
                          [(len(prompt), batcher.answer_ids(scene.answer(kind)))]))
     for turns in conversations:
@@ -525,6 +535,7 @@ def finetune(args) -> int:
     conversations, and recorded in ``training.json`` beside the first phases' record."""
     import itertools
 
+    import attrs
     import torch
     from transformers import FastVlmForConditionalGeneration
 
@@ -570,6 +581,12 @@ def finetune(args) -> int:
     print("validation:", json.dumps(history[-1]), flush=True)
     rng = random.Random(args.seed)
     stream = shapes.conversations(args.seed)
+    phrasing = random.Random(f"phrasing:{args.seed}")
+
+    def ask(kind: str) -> str:  # a quarter of the questions in other words (vlmrun.shapes.PARAPHRASES)
+        if phrasing.random() < 0.25:
+            return phrasing.choice(shapes.PARAPHRASES[kind])
+        return shapes.QUESTIONS[kind]
     stop_file = args.out.with_name(args.out.name + ".cooldown")
     t_train = time.perf_counter()
     running, step = None, 0
@@ -577,8 +594,9 @@ def finetune(args) -> int:
         for group in opt.param_groups:
             group["lr"] = args.lr * scale_at(step)
         scenes = [shapes.random_scene(rng) for _ in range(args.images_per_step)]
-        convs = [next(stream) for _ in range(args.conversations)]
-        px, splices, ids, mask, targets = make_batch(batcher, scenes, convs)
+        convs = [tuple(attrs.evolve(t, question=ask(t.kind)) if t.question == shapes.QUESTIONS[t.kind] else t
+                       for t in next(stream)) for _ in range(args.conversations)]
+        px, splices, ids, mask, targets = make_batch(batcher, scenes, convs, ask=ask)
         with torch.no_grad():
             features = vision_features(model, px)
         logits = forward_logits(model, px, splices, ids, mask, img=project(model, features))
@@ -625,18 +643,20 @@ def finetune(args) -> int:
         reloaded, saved, list(itertools.islice(shapes.conversations(shapes.HELDOUT_SEED), args.heldout_conversations)))
     eval_s = time.perf_counter() - t_eval
     record = dict(previous)
-    record["finetune"] = {
+    record["finetunes"] = [*previous.get("finetunes", []), {
         "phase": "3: conversations (scripts/train_tiny.py --from)",
         "steps": step, "cooldown_from": cool_from, "images_per_step": args.images_per_step,
         "conversations_per_step": args.conversations, "lr": args.lr, "warmup": args.warmup,
         "weight_decay": args.weight_decay, "optimizer": "AdamW(0.9, 0.98)", "frozen": "vision tower",
         "data": f"vlmrun.shapes.random_scene(random.Random({args.seed})), every question per picture; "
-                f"vlmrun.shapes.conversations({args.seed})",
+                f"vlmrun.shapes.conversations({args.seed}); a quarter of the questions in other words"
+                " (vlmrun.shapes.PARAPHRASES)",
         "loss": "cross-entropy on every answer's tokens and <|im_end|> (every turn of a conversation)",
         "seed": args.seed, "threads": args.threads, "final_loss": running, "train_s": round(train_s, 1),
         "wall_s": round(time.perf_counter() - t_start, 1), "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "validation": history,
-    }
+        "from": str(src),
+    }]
     record["heldout"] = {"seed": shapes.HELDOUT_SEED, "items": args.heldout, "eval_s": round(eval_s, 1),
                          "engine": "torch float32, greedy", "accuracy": heldout, "wrong_examples": wrong}
     record["heldout_conversations"] = {

@@ -373,3 +373,23 @@ def test_genies_dialog_keeps_the_conversation_in_its_worker(tiny_model, store, p
     assert state.session.alive and state.length == chat.tokens
     chat.reset()
     assert state.session is None and state.length == 0
+
+
+def test_a_bundle_turn_held_in_other_tokens_than_its_texts_spelling_starts_genie_again(tiny_model):
+    """What a bundle's kept pipeline holds after a turn: the prompt and the answer as text when Genie wrote the
+    answer in the tokenizer's own spelling of it; else nothing (a re-rendered history would hold other tokens than
+    Genie's cache: the next turn starts the pipeline again, as a recompute from scratch sees it)."""
+    from types import SimpleNamespace
+
+    from vlmrun_qnn_htp.bundle_run import BundleConversation
+
+    tok = tiny_model.tokenizer
+    conv = BundleConversation(SimpleNamespace(model=tiny_model, last_timings={}))
+    req = SimpleNamespace(input_ids=np.zeros((1, 10), np.int64))
+    whole = tok.encode("A circle.", add_special_tokens=False).ids
+    conv._after("<prompt>", "A circle.", whole, req, 0.0, None)
+    assert conv.held == "<prompt>A circle." and conv.length == 10 + len(whole)
+    letters = [i for ch in "A circle." for i in tok.encode(ch, add_special_tokens=False).ids]
+    assert letters != whole  # the same text, written letter by letter
+    conv._after("<prompt>", "A circle.", letters, req, 0.0, None)
+    assert conv.held == "" and conv.length == 10 + len(letters)

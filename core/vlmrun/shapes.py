@@ -56,6 +56,15 @@ QUESTIONS: dict[str, str] = {
     "describe": "Describe the image.",
 }
 KINDS = tuple(QUESTIONS)
+#: Other ways people ask the same questions: the default model is also trained on these (`scripts/train_tiny.py
+#: --from`, a quarter of the questions), so a chat's natural follow-up is understood; data sets and the held-out
+#: sets ask `QUESTIONS`.
+PARAPHRASES: dict[str, tuple[str, ...]] = {
+    "shape": ("What shape is it?", "Which shape is this?", "What shape is this?"),
+    "color": ("What color is it?", "Which color is the shape?", "What colour is it?"),
+    "count": ("How many shapes?", "How many shapes are in the image?", "How many are there?"),
+    "describe": ("Describe it.", "What do you see?", "Describe this image."),
+}
 
 #: Canvas sizes (width, height): mostly the model's 256 x 256, some larger or not square (padded by the
 #: preprocessing, so the model sees black bars as the real FastVLM does).
