@@ -3,8 +3,9 @@ turns so that a follow-up prefills only its new tokens, and the same tokens as t
 scratch, on the reference (ONNX Runtime's past KV), on all-npu (the HTP emulator's parts engine: KV in host buffers)
 and in a bundle (Genie's pipeline, which answers each turn from the start).
 
-The default model was trained on one-turn questions, so its later answers are what they are ("Re be."); what these
-tests hold to is that every way of computing a turn gives the tokens of the same turn computed from scratch.
+The default model was trained on conversations too ("Describe the image." -> "A red circle on a blue background.",
+"What color is the shape?" -> "Red.", "What shape is it?" -> "A circle."); these tests hold every way of computing a
+turn to the tokens of the same turn computed from scratch, and to those answers.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def test_a_follow_up_prefills_only_its_new_tokens_and_gives_the_tokens_computed_
     assert kept[0][0] == FIRST
     # turn 1 prefills its whole prompt; a follow-up only what its kept state lacks: the closing of the answer and
     # the new user turn (the state holds the prompt and every answer token but the last, the unfed <|im_end|>)
-    # the answer's tokens are reused as far as the re-rendered history spells them the same way: all of turn 1's
-    # (87 = 68 + 19), two of "Re be." (the model wrote "Re" as 49 68, the tokenizer spells it otherwise)
-    assert [t[2:4] for t in kept] == [(68, 0), (27, 87), (26, 116)]
+    # every answer token the model wrote is the tokenizer's spelling of its text: turn 1's (87 = 68 + 19), turn 2's
+    # "Red." (118 = 87 + 27 + 4)
+    assert [t[:1] for t in kept] == [(FIRST,), ("Red.",), ("A circle.",)]
+    assert [t[2:4] for t in kept] == [(68, 0), (27, 87), (24, 118)]
     for (text, ids, prefill, reused, total), (_, prev_ids, _, _, prev_total) in zip(kept[1:], kept):
         assert prev_total < reused <= prev_total + len(prev_ids) - 1 and prefill == total - reused
     assert all(t[3] == 0 and t[2] == t[4] for t in scratch)  # from scratch: every position, every turn
@@ -193,7 +195,7 @@ def test_vlmrun_chat_scripted_prints_each_answer(cache_dir, image_path, tmp_path
     r = run_cli(["chat", "--image", str(image_path), "--prompt", QUESTIONS[0], "--prompt", QUESTIONS[1],
                  "--prompt", "/undo", "--prompt", "How many shapes are there?", "--timings"], cache_dir)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == [FIRST, "Re be.", "One."]
+    assert r.stdout.splitlines() == [FIRST, "Red.", "One."]
     assert "(prefilled 68 tokens, reused 0;" in r.stderr and "(undone; 1 turns left)" in r.stderr
     script = tmp_path / "turns.jsonl"
     script.write_text("\n".join(json.dumps(t) for t in [
@@ -201,7 +203,7 @@ def test_vlmrun_chat_scripted_prints_each_answer(cache_dir, image_path, tmp_path
     r = run_cli(["chat", "--script", str(script), "--json"], cache_dir)
     assert r.returncode == 0, r.stderr
     turns = [json.loads(line) for line in r.stdout.splitlines()]
-    assert [t["text"] for t in turns] == [FIRST, "Re be."] and turns[1]["prefill_tokens"] == 27
+    assert [t["text"] for t in turns] == [FIRST, "Red."] and turns[1]["prefill_tokens"] == 27
     script.write_text('{"question": "x"}\n')
     r = run_cli(["chat", "--script", str(script)], cache_dir)
     assert r.returncode != 0 and "turns.jsonl:1: a turn is" in r.stderr and "Traceback" not in r.stderr
@@ -213,7 +215,7 @@ def test_vlmrun_chat_on_all_npu_and_a_bundle(cache_dir, image_path, npu_pipe, bu
                      "--json"], cache_dir)
         assert r.returncode == 0, r.stderr
         turns = [json.loads(line) for line in r.stdout.splitlines()]
-        assert turns[0]["text"] == FIRST and turns[1]["text"] == "Re be."
+        assert turns[0]["text"] == FIRST and turns[1]["text"] == "Red."
         # the parts engine's KV buffers; Genie's pipeline executed again without reset, fed the new text only
         assert turns[1]["reused_tokens"] == 87 and turns[1]["prefill_tokens"] == 27
 
@@ -309,9 +311,10 @@ def test_a_bundle_keeps_its_conversation_in_genies_pipeline(bundle_dir, tiny_mod
     chat, kept = converse(pipe, picture)
     _, scratch = converse(pipe, picture, keep_state=False)
     assert [t[:2] for t in kept] == [t[:2] for t in scratch] and kept[0][0] == FIRST
-    # turn 3: the model wrote "Re be." in tokens that are not the tokenizer's spelling of it; Genie holds those, a
-    # history re-rendered from scratch does not: the pipeline starts again
-    assert [t[2:4] for t in kept] == [(68, 0), (27, 87), (142, 0)] and all(t[3] == 0 for t in scratch)
+    # every turn continues Genie's pipeline (an answer held in other tokens than its text's would start it again:
+    # test_a_bundle_turn_held_in_other_tokens_than_its_texts_spelling_starts_genie_again)
+    assert [t[:1] for t in kept] == [(FIRST,), ("Red.",), ("A circle.",)]
+    assert [t[2:4] for t in kept] == [(68, 0), (27, 87), (24, 118)] and all(t[3] == 0 for t in scratch)
     assert chat.kept.runtime.session.alive and chat.kept.nbytes > 0
     chat.undo()
     again = chat.ask("How many shapes are there?").run()
@@ -365,12 +368,19 @@ def test_genies_dialog_keeps_the_conversation_in_its_worker(tiny_model, store, p
     chat, kept = converse(pipe, picture)
     _, scratch = converse(pipe, picture, keep_state=False)
     assert [t[:2] for t in kept] == [t[:2] for t in scratch] and kept[0][0] == FIRST
-    # Genie hands out no end token: the 19 answer tokens it wrote were all fed
-    # turn 3: "Re be." re-rendered is not the tokens the model wrote: Genie cannot cut its cache, the kept rows up to
-    # the divergence are replayed into a new dialog (counted as prefilled)
-    assert len(kept[0][1]) == 19 and [t[2:4] for t in kept] == [(68, 0), (27, 87), (142, 0)]
+    # Genie hands out no end token: the answer tokens it wrote were all fed (19 of turn 1, 4 of turn 2)
+    assert len(kept[0][1]) == 19 and [t[2:4] for t in kept] == [(68, 0), (27, 87), (24, 118)]
     state = chat.kept.state
     assert state.session.alive and state.length == chat.tokens
+    # an undo: Genie cannot cut its cache; the kept rows up to the divergence are replayed into a new dialog (counted
+    # as prefilled), and the turn is the one computed from scratch
+    chat.undo()
+    again = chat.ask("How many shapes are there?").run()
+    fresh = pipe.chat(settings=SETTINGS, keep_state=False)
+    fresh.ask(QUESTIONS[0], image=picture).run(), fresh.ask(QUESTIONS[1]).run()
+    want = fresh.ask("How many shapes are there?").run()
+    assert again.token_ids == want.token_ids and again.text == "One."
+    assert again.timings["prefill_tokens"] == again.prepared.input_ids.shape[1] and state.length == chat.tokens
     chat.reset()
     assert state.session is None and state.length == 0
 
