@@ -251,3 +251,24 @@ def test_no_import_circle_even_inside_functions():
                     seen.add(nxt)
                     stack.append((nxt, [*path, nxt]))
     assert not circles, "\n".join(sorted(set(circles)))
+
+
+def test_one_layout_spec_everywhere(tmp_path, image_path):
+    """`BASE[,STAGE=PLUGIN][,STAGE.KEY=VALUE]`: the layout `vlmrun eval -L` takes is what the root command, `diff
+    --device`, `compile` and `bundle` take too (their options checked before any work)."""
+    from vlmrun import layouts
+    from vlmrun.eval.engine import LayoutSpec
+
+    spec = "all-npu,vision=ort_reference,decoder.engine=genie"
+    lay = layouts.resolve(spec)
+    ev = LayoutSpec.parse(spec).resolve(__import__("vlmrun.plugins", fromlist=["load"]).load())
+    assert lay.stages["vision"].backend == "ort_reference" and lay.stages["decoder"].options == {"engine": "genie"}
+    assert ev.stages["decoder"].options == {"engine": "genie"} and ev.stages["vision"].backend == "ort_reference"
+    cache = tmp_path / "empty-store"
+    bad = "reference,decoder.context_length=abc"
+    want = "stage 'decoder' (ort_reference): option 'context_length' must be an integer, got 'abc'"
+    for args in (["--image", str(image_path), "--prompt", "Hi", "--layout", bad], ["diff", "--device", bad],
+                 ["compile", "--layout", bad], ["eval", "-L", bad, "--limit", "1"]):
+        res = run_cli(args, cache)
+        assert res.returncode == 2 and want in res.stderr and "Traceback" not in res.stderr, (args, res.stderr)
+    assert _store_is_empty(cache)

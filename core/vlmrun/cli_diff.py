@@ -23,7 +23,8 @@ def _device_options(f):
 @click.option("--reference", default="reference", show_default=True, metavar="LAYOUT|torch",
               help="The side to trust: a layout (preset or TOML file), or `torch` for torch fp32 eager.")
 @click.option("--device", default="reference", show_default=True, metavar="LAYOUT|torch",
-              help="The side under test: a layout (preset or TOML file), or `torch`.")
+              help="The side under test: a layout (a preset or TOML file, with optional inline overrides:"
+                   " all-npu,decoder.engine=genie), or `torch`.")
 @_device_options
 @click.option("--image", type=click.Path(path_type=Path), help="Image file. [default: the built-in demo image]")
 @click.option("--prompt", help='The question. [default: "Describe the image."]')

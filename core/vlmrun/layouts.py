@@ -18,6 +18,7 @@ Per-stage overrides (``--vision qnn_htp``) apply on top of the preset. A TOML la
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Mapping
@@ -70,9 +71,24 @@ def resolve(
     options: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Layout:
     """Build a layout from a preset name (or ``bundle:DIR``), an optional TOML file, per-stage backend overrides
-    and options."""
+    and options.
+
+    ``name`` may carry its own overrides, as every command writes a layout: ``BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]``
+    (`parse_spec`; ``all-npu,decoder.engine=genie``, ``my.toml,vision=qnn_htp``); ``overrides`` and ``options``
+    given beside it win over them."""
     if name and str(name).startswith(BUNDLE_PREFIX):
         return bundle_layout(str(name)[len(BUNDLE_PREFIX):], overrides, options)
+    if name and "," in str(name):
+        base, inline_overrides, inline_options = parse_spec(str(name))
+        if is_layout_file(base):
+            if file is not None:
+                raise UsageError(f"layout '{name}' names a layout file and --layout-file gives another")
+            base, file = None, base
+        merged = {s: {**inline_options.get(s, {}), **dict((options or {}).get(s, {}))}
+                  for s in {*inline_options, *(options or {})}}
+        return resolve(base, file, {**inline_overrides, **{k: v for k, v in (overrides or {}).items() if v}}, merged)
+    if name and is_layout_file(str(name)) and file is None:
+        name, file = None, name
     table: dict = {}
     if file is not None:
         table = read_toml(file, "layout file")
@@ -101,6 +117,39 @@ def resolve(
     if overrides and any(overrides.values()):
         label += "+overrides"
     return Layout(label, stages)
+
+
+def is_layout_file(base: str) -> bool:
+    """Does a layout's base name a TOML file (``*.toml`` or a path) rather than a preset?"""
+    return not base.startswith(BUNDLE_PREFIX) and (base.endswith(".toml") or os.sep in base)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str], dict[str, dict[str, str]]]:
+    """``BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]...`` -> (base, {stage: backend}, {stage: {key: value}}): the one way
+    every command writes a layout inline (``--layout``, ``--device``, ``-L``). BASE is a preset or a TOML file;
+    values stay strings (the plugins' declarations convert them)."""
+    from .options import parse_assignment
+
+    head, *rest = [part.strip() for part in spec.split(",")]
+    if not head:
+        raise UsageError(f"layout '{spec}': expected BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]...")
+    overrides: dict[str, str] = {}
+    options: dict[str, dict[str, str]] = {}
+    for part in rest:
+        if not part:
+            continue
+        lhs, eq, value = part.partition("=")
+        if not eq or not value.strip():
+            raise UsageError(f"layout '{spec}': '{part}' is not STAGE=BACKEND or STAGE.KEY=VALUE")
+        if "." in lhs:
+            stage, key, val = parse_assignment(part)
+            options.setdefault(stage, {})[key] = val
+        else:
+            stage = lhs.strip()
+            if stage not in STAGES:
+                raise UsageError(f"layout '{spec}': unknown stage '{stage}'; stages are {', '.join(STAGES)}")
+            overrides[stage] = value.strip()
+    return head, overrides, options
 
 
 BUNDLE_PREFIX = "bundle:"

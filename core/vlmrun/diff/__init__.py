@@ -109,7 +109,7 @@ def _build_pipeline(side, model, store, registry, progress):
             raise UsageError("per-stage overrides do not apply to the torch reference")
         return None
     layout, layout_file = side.layout, None
-    if (layout.endswith(".toml") or os.sep in layout) and not layout.startswith(layouts.BUNDLE_PREFIX):
+    if "," not in layout and layouts.is_layout_file(layout):  # a spec with overrides: layouts.resolve reads it
         layout, layout_file = None, Path(layout)
         if not layout_file.is_file():
             raise UsageError(f"layout file {layout_file} does not exist")

@@ -52,8 +52,6 @@ class LayoutSpec:
 
     @classmethod
     def parse(cls, spec: str) -> "LayoutSpec":
-        from ..options import parse_assignment
-
         text = spec.strip()
         if not text:
             raise UsageError("an empty --layout; give a preset (reference, all-npu, ...) or a TOML file")
@@ -62,30 +60,17 @@ class LayoutSpec:
         label, sep, base = text.partition("=")
         if sep and base.strip().startswith(layouts.BUNDLE_PREFIX):
             return cls(label.strip(), base.strip())
-        head, *rest = [part.strip() for part in text.split(",")]
-        label, sep, base = head.partition("=")
-        if not sep:
-            label, base = text, head
-        label, base = label.strip(), base.strip()
-        if not label or not base:
+        label, sep, rest = text.partition("=")
+        if not sep or "," in label:  # no label (that "=" is an override's): the spec is its own label
+            label, rest = text, text
+        label, rest = label.strip(), rest.strip()
+        if not label or not rest:
             raise UsageError(f"--layout '{spec}': expected [LABEL=]BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]...")
-        overrides: dict[str, str] = {}
-        options: dict[str, dict[str, str]] = {}
-        for part in rest:
-            if not part:
-                continue
-            lhs, eq, value = part.partition("=")
-            if not eq or not value.strip():
-                raise UsageError(f"--layout '{spec}': '{part}' is not STAGE=BACKEND or STAGE.KEY=VALUE")
-            if "." in lhs:
-                stage, key, val = parse_assignment(part)
-                options.setdefault(stage, {})[key] = val
-            else:
-                stage = lhs.strip()
-                if stage not in STAGES:
-                    raise UsageError(f"--layout '{spec}': unknown stage '{stage}'; stages are {', '.join(STAGES)}")
-                overrides[stage] = value.strip()
-        is_file = base.endswith(".toml") or os.sep in base
+        try:
+            base, overrides, options = layouts.parse_spec(rest)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace(f"layout '{rest}'", f"--layout '{spec}'", 1)) from None
+        is_file = layouts.is_layout_file(base)
         if is_file and not Path(base).is_file():
             raise UsageError(f"--layout '{spec}': layout file {base} does not exist")
         return cls(label, None if is_file else base, base if is_file else None, overrides, options)
