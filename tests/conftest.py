@@ -32,12 +32,7 @@ def cosine(a, b) -> float:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """The session's artifact store. Under pytest-xdist the workers share one (the store builds a key once, the
-    others wait for it and reuse it), so the two cores split the tests, not the builds."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = tmp_path_factory.getbasetemp().parent / "vlmrun-cache"
-        shared.mkdir(exist_ok=True)
-        return shared
+    """The session's artifact store (one per pytest-xdist worker: several tests assert what a store holds)."""
     return tmp_path_factory.mktemp("vlmrun-cache")
 
 
@@ -92,9 +87,9 @@ def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``, pyproject's default): a module's tests run on one worker, in
-    order (module fixtures such as a fake hub keep their state between them); the docs' pages, long and
-    independent, are spread one by one."""
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, optional): a module's tests run on one worker, in order
+    (module fixtures such as a fake hub keep their state between them); the docs' pages, long and independent, are
+    spread one by one."""
     for item in items:
         if item.nodeid.startswith("tests/test_docs.py::test_examples_run["):
             continue
