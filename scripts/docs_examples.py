@@ -1,6 +1,7 @@
 """The docs' examples, checked: every command and Python snippet in README.md and docs/*.md runs, or is marked.
 
     .venv/bin/python scripts/docs_examples.py [PAGE.md ...] [--parse-only]     # what the test suite does
+    VLMRUN_DOCS_DUMP=out.txt .venv/bin/python scripts/docs_examples.py PAGE.md  # also keep what each command printed
 
 A page's fenced blocks, in order:
 
@@ -224,6 +225,9 @@ def run_command(cmd: Command, cwd: Path, env: dict, timeout: float) -> str | Non
     except subprocess.TimeoutExpired:
         return f"did not finish in {timeout:.0f} s"
     printed = res.stdout + "\n" + res.stderr
+    if os.environ.get("VLMRUN_DOCS_DUMP"):  # what each command printed, to update a page's expected lines
+        with open(os.environ["VLMRUN_DOCS_DUMP"], "a") as dump:
+            dump.write(f"=== line {cmd.line}: {shlex.join(cmd.argv)} (exit {res.returncode})\n{printed}\n")
     if res.returncode != cmd.exit_code:
         tail = " | ".join((res.stderr.strip() or res.stdout.strip()).splitlines()[-3:])
         return f"exit {res.returncode} (expected {cmd.exit_code}): {tail}"

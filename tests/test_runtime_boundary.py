@@ -96,8 +96,9 @@ def test_a_good_bundle_reports_both_runtimes_and_passes(good_run, ref_pipe):
     else:
         assert m["engine_sqnr_db"] == pytest.approx(sqnr(engine_rows, genie_rows), rel=1e-9)
     assert m["engine_top1_agreement"] == 1.0
-    # Genie's logits within 1 dB of the host engine's over the same binaries (both against the reference)
-    assert abs(m["sqnr_db"] - result.entry("decoder").metrics["sqnr_db"]) < 1.0
+    # Genie's logits as close to the reference as the host engine's over the same binaries: measured 52.5 and 54.4 dB
+    # with today's model (0.3 dB apart with the model before its conversation training); the two 54 dB apart
+    assert abs(m["sqnr_db"] - result.entry("decoder").metrics["sqnr_db"]) < 2.5
     table = diff.format_table(result)
     assert "runtime (Genie's pipeline (libGenie)), teacher-forced through it" in table
     assert table.splitlines()[-1] == "PASS: every checkpoint is within its thresholds"
@@ -105,7 +106,7 @@ def test_a_good_bundle_reports_both_runtimes_and_passes(good_run, ref_pipe):
 
 FAULTS = {
     "rope-theta 100": (rope_theta(100.0), 0),
-    "rope-theta 1e4 (answers right)": (rope_theta(1e4), None),
+    "rope-theta 3e5 (answers right)": (rope_theta(3e5), None),  # 1e4 answered right before the conversation training
     "LUT read as float32": (lut_as_float32, 1),
     "LUT zero point off": (lut_offset, 1),
 }
@@ -269,11 +270,12 @@ def test_an_engine_fault_is_named_on_the_engine_side(fault, bundle_dir, tiny_mod
     assert not result.passed
     rt = result.entry("runtime")
     assert all(c.ok for c in rt.checks if not c.metric.startswith("engine_"))  # Genie holds to the reference
-    # step 0 comes from the prompt graph, before either fault acts. Measured: positions, step 1 at 21.7 dB between
-    # the two (the logits as a whole 34.2 dB: the decoder row alone passes fp16's 30 dB); KV, step 1 at 30.4 dB,
-    # step 2 at 21.5 dB (the decoder row fails: 15.7 dB)
+    # step 0 comes from the prompt graph, before either fault acts. Measured (model before the conversation
+    # training): positions, step 1 at 21.7 dB between the two (the logits as a whole 34.2 dB: the decoder row alone
+    # passes fp16's 30 dB); KV, step 1 at 30.4 dB, step 2 at 21.5 dB (the decoder row fails: 15.7 dB); today's
+    # model: positions from step 3
     first = rt.metrics["first_departing_step"]
-    assert first in (1, 2)
+    assert first in (1, 2, 3)
     assert result.boundary == {"departs": "engine", "first_step": first, "runtime": "Genie's pipeline (libGenie)"}
     table = diff.format_table(result)
     assert ("FAIL: the engine departs, not the binary: vlmrun's host engine leaves Genie's pipeline (libGenie) over"
