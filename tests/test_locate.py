@@ -713,8 +713,9 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
         assert per_graph[f"part{k}_prompt"]["layers"] == per_graph[f"part{k}_token"]["layers"] == layers
         assert per_graph[f"part{k}_prompt"]["nodes"] == per_graph[f"part{k}_token"]["nodes"] > 0
     assert art.path != plain_pipe.handles["decoder"].artifacts[0].path  # keyed: its own binaries
-    # measured on the trained tiny model: w8a16 32.1 dB, every layer kept in float 43.0 dB (fp16 parts ~55 dB)
-    assert kept["sqnr_db"] > plain["sqnr_db"] + 6.0, (plain, kept)
+    # measured on the trained tiny model: w8a16 49.1 dB, every layer kept in float 52.4 dB (fp16 parts ~55 dB); before
+    # its conversation training: 32.1 and 43.0 dB
+    assert kept["sqnr_db"] > plain["sqnr_db"] + 2.0, (plain, kept)
 
     one = f"decoder.layer{ranges[0][0] + 1 if ranges[0][1] - ranges[0][0] > 1 else ranges[0][0]}"
     wide_pipe = parts_on_htp(keep_a16w16=one)
