@@ -18,7 +18,7 @@ from .stages import STAGES
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layout", default="all-npu", show_default=True,
               help="Layout whose stages (all on one backend) the bundle is made from: a preset, with optional"
-                   " inline overrides (all-npu,decoder.engine=genie).")
+                   " inline overrides (all-npu,decoder.context_length=256).")
 @click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")
 @click.option("--verify-items", type=click.IntRange(0), default=VERIFY_ITEMS, show_default=True,
               help="Held-out items the new bundle is run on (vlmrun eval) before it is handed out; 0: none.")

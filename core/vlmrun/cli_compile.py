@@ -31,7 +31,7 @@ def _summary(manifest: dict) -> dict:
 @click.option("--stage", "stages", multiple=True, type=click.Choice([*STAGES, "all"]),
               help="Stage to compile (repeatable, or 'all'). Default: all stages.")
 @click.option("--layout", default=None, metavar="BASE[,STAGE=PLUGIN][,STAGE.KEY=V]",
-              help="Layout whose stage backends and options to use (e.g. all-npu, or all-npu,decoder.engine=genie).")
+              help="Layout whose stage backends and options to use (e.g. all-npu, or all-npu,decoder.context_length=256).")
 @click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")
 @stage_option_flags
 @model_options

@@ -24,7 +24,7 @@ def _device_options(f):
               help="The side to trust: a layout (preset or TOML file), or `torch` for torch fp32 eager.")
 @click.option("--device", default="reference", show_default=True, metavar="LAYOUT|torch",
               help="The side under test: a layout (a preset or TOML file, with optional inline overrides:"
-                   " all-npu,decoder.engine=genie), or `torch`.")
+                   " all-npu,decoder.context_length=256), or `torch`.")
 @_device_options
 @click.option("--image", type=click.Path(path_type=Path), help="Image file. [default: the built-in demo image]")
 @click.option("--prompt", help='The question. [default: "Describe the image."]')

@@ -119,7 +119,7 @@ def _pipeline_options(f):
     f = model_options(f)
     f = click.option("--layout", default=None, metavar="BASE[,STAGE=PLUGIN][,STAGE.KEY=V]",
                      help="Layout: a preset (reference, hybrid, all-npu) or a TOML file, with optional inline overrides"
-                          " (all-npu,decoder.engine=genie), as every command writes one. [default: reference]")(f)
+                          " (all-npu,decoder.context_length=256), as every command writes one. [default: reference]")(f)
     f = click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")(f)
     f = click.option("--bundle", type=click.Path(path_type=Path), metavar="DIR",
                      help="Run a bundle folder written by `vlmrun bundle` (its own runtime, as a phone would).")(f)

@@ -74,7 +74,7 @@ def resolve(
     and options.
 
     ``name`` may carry its own overrides, as every command writes a layout: ``BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]``
-    (`parse_spec`; ``all-npu,decoder.engine=genie``, ``my.toml,vision=qnn_htp``); ``overrides`` and ``options``
+    (`parse_spec`; ``all-npu,decoder.context_length=256``, ``my.toml,vision=qnn_htp``); ``overrides`` and ``options``
     given beside it win over them."""
     if name and str(name).startswith(BUNDLE_PREFIX):
         return bundle_layout(str(name)[len(BUNDLE_PREFIX):], overrides, options)
