@@ -516,6 +516,16 @@ def inference_model(trained, seed: int):
     return final.eval()
 
 
+def lr_scale(step: int, warmup: int, cool_from: int, cooldown: int) -> float:
+    """The learning rate's factor at ``step``: linear warm-up, constant, then a linear cool-down to 2% from
+    ``cool_from`` over ``cooldown`` steps (both phases' schedule; ``cool_from`` moves when validation is good)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < cool_from:
+        return 1.0
+    return max(0.02, 1.0 - (step - cool_from) / cooldown)
+
+
 def take(seed, n):
     import itertools
 
@@ -561,11 +571,7 @@ def finetune(args) -> int:
     cool_from = max(args.max_steps - args.cooldown, args.warmup)
 
     def scale_at(step):
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        if step < cool_from:
-            return 1.0
-        return max(0.02, 1.0 - (step - cool_from) / args.cooldown)
+        return lr_scale(step, args.warmup, cool_from, args.cooldown)
 
     def validate():
         single, _ = accuracy(model, batcher, validation)
@@ -726,11 +732,7 @@ def main(argv=None) -> int:
         cool_from = max(args.max_steps - args.cooldown, args.warmup)
 
         def scale_at(step):
-            if step < args.warmup:
-                return (step + 1) / args.warmup
-            if step < cool_from:
-                return 1.0
-            return max(0.02, 1.0 - (step - cool_from) / args.cooldown)
+            return lr_scale(step, args.warmup, cool_from, args.cooldown)
 
         validation = take(VALIDATION_SEED, args.validation)
         stop_file = args.out.with_name(args.out.name + ".cooldown")  # touch it to cool down at the next check
