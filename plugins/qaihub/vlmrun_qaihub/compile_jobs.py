@@ -94,11 +94,7 @@ def _spec_list(io_spec) -> tuple[list[dict], str | None]:
     out, graph = [], None
     for g, tensors in (io_spec or {}).items():
         graph = graph or g
-        for t in tensors:
-            e = {"name": t.name, "shape": list(t.shape or []), "dtype": t.dtype}
-            if t.scale is not None:
-                e["quant"] = {"scale": t.scale, "offset": t.zero_point}
-            out.append(e)
+        out += [hubmod.spec_entry(t) for t in tensors]
     return out, graph
 
 

@@ -570,3 +570,12 @@ class Ledger:
             data = self._read()
             if data.pop(key, None) is not None:
                 self._write(data)
+
+
+def spec_entry(tensor) -> dict:
+    """One tensor of a client IOSpec (a qai_hub TensorSpec) as a manifest I/O entry: name, shape, dtype and, when
+    quantized, its scale and offset."""
+    e = {"name": tensor.name, "shape": list(tensor.shape or []), "dtype": tensor.dtype}
+    if tensor.scale is not None:
+        e["quant"] = {"scale": tensor.scale, "offset": tensor.zero_point}
+    return e

@@ -101,13 +101,7 @@ def _spec(io_spec, graph: str | None) -> tuple[list[dict], list[str]]:
     """The tensors of ``graph`` in a client IOSpec ({graph: [TensorSpec]}), and the graph names it has."""
     names = [g for g in (io_spec or {}) if g]
     tensors = (io_spec or {}).get(graph) or []
-    out = []
-    for t in tensors:
-        e = {"name": t.name, "shape": list(t.shape or []), "dtype": t.dtype}
-        if t.scale is not None:
-            e["quant"] = {"scale": t.scale, "offset": t.zero_point}
-        out.append(e)
-    return out, names
+    return [hubmod.spec_entry(t) for t in tensors], names
 
 
 class _Steps:
