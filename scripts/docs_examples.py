@@ -220,14 +220,17 @@ def run_command(cmd: Command, cwd: Path, env: dict, timeout: float) -> str | Non
         argv = [sys.executable, "-m", "vlmrun.cli", *argv[1:]]
     else:
         return f"only vlmrun and python commands run here, not '{argv[0]}' (mark the block <!-- needs: ... -->)"
+    start = time.monotonic()
     try:
         res = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"did not finish in {timeout:.0f} s"
+    seconds = time.monotonic() - start
     printed = res.stdout + "\n" + res.stderr
     if os.environ.get("VLMRUN_DOCS_DUMP"):  # what each command printed, to update a page's expected lines
         with open(os.environ["VLMRUN_DOCS_DUMP"], "a") as dump:
-            dump.write(f"=== line {cmd.line}: {shlex.join(cmd.argv)} (exit {res.returncode})\n{printed}\n")
+            dump.write(f"=== line {cmd.line}: {shlex.join(cmd.argv)} (exit {res.returncode}, {seconds:.1f} s)\n"
+                       f"{printed}\n")
     if res.returncode != cmd.exit_code:
         tail = " | ".join((res.stderr.strip() or res.stdout.strip()).splitlines()[-3:])
         return f"exit {res.returncode} (expected {cmd.exit_code}): {tail}"
