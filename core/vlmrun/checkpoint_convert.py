@@ -34,12 +34,12 @@ from .checkpoint_formats import (
     first_few,
     image_size_from_processor,
     load_qwen2_tokenizer,
-    load_tensors,
     read_config,
     read_json,
-    save_tensors,
+    weight_files,
     write_checkpoint_dir,
 )
+from .checkpoint_formats import SAFETENSORS_INDEX
 from .checkpoint_keys import (
     APPLE_EMBED,
     APPLE_HEAD_PROJ,
@@ -49,6 +49,8 @@ from .checkpoint_keys import (
     NATIVE_LM_HEAD,
     apple_key_to_native,
 )
+from .checkpoint_shards import TensorSpec, torch_dtype, write_shard_groups, write_single
+from .checkpoint_stream import ShardedWeights
 from .errors import InputError
 from .fastvlm_files import (
     CHAT_TEMPLATE,
@@ -108,29 +110,29 @@ def _image_size_from_tower(name: Any) -> int | None:
         return None
 
 
-def _infer_tower(tensors: dict) -> dict:
-    """layers / embed_dims / mlp_ratios / hidden size of Apple's FastViT from the weight shapes."""
+def _infer_tower(shapes: dict) -> dict:
+    """layers / embed_dims / mlp_ratios / hidden size of Apple's FastViT from the weight shapes (name -> shape)."""
     layers, dims, ratios = [], [], []
     for stage, net in sorted(APPLE_STAGE_BLOCKS.items()):
         prefix = f"{APPLE_VISION_PREFIX}network.{net}."
-        blocks = {int(k[len(prefix):].split(".", 1)[0]) for k in tensors if k.startswith(prefix)}
-        fc1 = tensors.get(f"{prefix}0.convffn.fc1.weight")
+        blocks = {int(k[len(prefix):].split(".", 1)[0]) for k in shapes if k.startswith(prefix)}
+        fc1 = shapes.get(f"{prefix}0.convffn.fc1.weight")
         if not blocks or fc1 is None:
             raise InputError(
                 f"the vision tower has no FastViTHD blocks for stage {stage} ({prefix}0.convffn.fc1.weight);"
                 " expected Apple's MobileCLIP (mobileclip_l) tower in inference (reparameterized) form"
             )
         layers.append(len(blocks))
-        dims.append(int(fc1.shape[1]))
-        ratio = fc1.shape[0] / fc1.shape[1]
+        dims.append(int(fc1[1]))
+        ratio = fc1[0] / fc1[1]
         ratios.append(int(ratio) if float(ratio).is_integer() else float(ratio))
-    conv_exp = tensors.get(APPLE_VISION_PREFIX + "conv_exp.reparam_conv.weight")
+    conv_exp = shapes.get(APPLE_VISION_PREFIX + "conv_exp.reparam_conv.weight")
     if conv_exp is None:
         raise InputError(
             "the vision tower has no conv_exp.reparam_conv.weight; expected Apple's MobileCLIP tower in"
             " inference (reparameterized) form"
         )
-    return {"layers": layers, "embed_dims": dims, "mlp_ratios": ratios, "hidden_size": int(conv_exp.shape[0])}
+    return {"layers": layers, "embed_dims": dims, "mlp_ratios": ratios, "hidden_size": int(conv_exp[0])}
 
 
 def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
@@ -143,22 +145,25 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
         TimmWrapperConfig,
     )
 
-    tensors = load_tensors(src)
-    tensors.pop(APPLE_HEAD_PROJ, None)  # the script deletes MCi's CLIP head projection
-    if APPLE_EMBED not in tensors:
+    weight_files(src)  # names a missing shard, or the lack of any weights
+    weights = ShardedWeights(src)  # tensor by tensor: never the whole model in memory
+    headers = weights.headers()
+    headers.pop(APPLE_HEAD_PROJ, None)  # the script deletes MCi's CLIP head projection
+    if APPLE_EMBED not in headers:
         raise InputError(f"{src} has no {APPLE_EMBED}; expected Apple's llava_qwen2 weights")
-    embed = tensors[APPLE_EMBED]
-    v_apple, hidden = int(embed.shape[0]), int(embed.shape[1])
+    shapes = {key: shape for key, (_, shape) in headers.items()}
+    embed_dtype = torch_dtype(headers[APPLE_EMBED][0])
+    v_apple, hidden = shapes[APPLE_EMBED]
     if int(cfg.get("vocab_size", v_apple)) != v_apple:
         raise InputError(f"{src}: config vocab_size {cfg.get('vocab_size')} but {APPLE_EMBED} has {v_apple} rows")
     tie = bool(cfg.get("tie_word_embeddings", False))
     if tie:
-        tensors.pop(APPLE_LM_HEAD, None)  # tied: the decoder reads the embedding matrix
-    elif APPLE_LM_HEAD not in tensors:
+        headers.pop(APPLE_LM_HEAD, None)  # tied: the decoder reads the embedding matrix
+    elif APPLE_LM_HEAD not in headers:
         raise InputError(f"{src} has no {APPLE_LM_HEAD} but tie_word_embeddings is false; expected an untied lm_head")
 
     # -- vision tower: timm fastvit_mci3 with the dims found in the weights
-    tower = _infer_tower(tensors)
+    tower = _infer_tower(shapes)
     mm_hidden = cfg.get("mm_hidden_size")
     if mm_hidden is not None and int(mm_hidden) != tower["hidden_size"]:
         raise InputError(
@@ -202,21 +207,20 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     tokenizer.chat_template = CHAT_TEMPLATE
 
     # -- vocabulary: one more row for <image>, padded to a multiple of 64 (the script's resize_token_embeddings)
-    extra = _load_extra_rows(src, embed, None if tie else tensors[APPLE_LM_HEAD])
+    extra = _load_extra_rows(src, hidden, embed_dtype, untied=not tie)
     if extra is None:
         v_native = _round_up(v_apple + 1, 64)
-        mean = embed.float().mean(dim=0, keepdim=True)
-        extra = {name: mean.to(embed.dtype).expand(v_native - v_apple, hidden) for name in ("embed", "lm_head")}
+        mean = weights.read(APPLE_EMBED).float().mean(dim=0, keepdim=True)  # the embedding alone
+        extra = {name: mean.to(embed_dtype).expand(v_native - v_apple, hidden) for name in ("embed", "lm_head")}
     v_native = v_apple + int(extra["embed"].shape[0])
     if not (0 <= image_token_id < v_native) or len(tokenizer) > v_native:
         raise InputError(
             f"{src}: the tokenizer has {len(tokenizer)} tokens (<image> = {image_token_id}) but the vocabulary has"
             f" {v_native} rows; expected the tokenizer to fit the embedding matrix"
         )
-    tensors[APPLE_EMBED] = torch.cat([embed, extra["embed"]], dim=0)
+    shapes[APPLE_EMBED] = (v_native, hidden)
     if not tie:
-        lm_head = tensors[APPLE_LM_HEAD]
-        tensors[APPLE_LM_HEAD] = torch.cat([lm_head, extra["lm_head"].to(lm_head.dtype)], dim=0)
+        shapes[APPLE_LM_HEAD] = (v_native, shapes[APPLE_LM_HEAD][1])
 
     # -- text config: Apple's top-level Qwen2 keys
     text_kwargs = {
@@ -233,15 +237,15 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
         raise InputError(f"{src}: image size {image_size} is not a multiple of {PATCH_SIZE}; expected e.g. 1024")
     config = fastvlm_config(vision_config, text_config, image_token_id, image_size, tie)
     config.architectures = [_NATIVE_ARCH]
-    config.dtype = embed.dtype
+    config.dtype = embed_dtype
 
     # -- weights: rename, then check names and shapes against the native model (built on the meta device)
-    native = {}
-    for key, value in tensors.items():
+    native, renamed = {}, {}
+    for key in headers:
         new = apple_key_to_native(key)
         if new in native:
             raise InputError(f"{src}: two weights map to {new!r}; expected Apple's llava_qwen2 key names")
-        native[new] = value
+        native[new], renamed[key] = shapes[key], new
     with torch.device("meta"):
         reference = FastVlmForConditionalGeneration(config).state_dict()
     if tie:
@@ -254,15 +258,15 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
             f" {first_few(unexpected)}); expected Apple's FastVLM keys"
         )
     for key, ref in reference.items():
-        if tuple(native[key].shape) != tuple(ref.shape):
+        if tuple(native[key]) != tuple(ref.shape):
             raise InputError(
-                f"{src}: weight {key} has shape {tuple(native[key].shape)}, the model needs {tuple(ref.shape)};"
+                f"{src}: weight {key} has shape {tuple(native[key])}, the model needs {tuple(ref.shape)};"
                 " expected a consistent FastVLM checkpoint"
             )
 
     # -- write
     config.save_pretrained(str(tmp))
-    save_tensors(native, tmp / "model.safetensors")
+    _write_native(weights, headers, renamed, extra, tmp)
     gen = {}
     if (src / "generation_config.json").is_file():
         gen = read_json(src / "generation_config.json", "a generation config")
@@ -286,17 +290,48 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     (tmp / CONVERSION_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
-def _load_extra_rows(src: pathlib.Path, embed, lm_head) -> dict | None:
+def _load_extra_rows(src: pathlib.Path, hidden: int, dtype, untied: bool) -> dict | None:
     file = src / EXTRA_ROWS_FILE
     if not file.is_file():
         return None
     from safetensors.torch import load_file
 
     rows = load_file(str(file))
-    ok = "embed" in rows and rows["embed"].ndim == 2 and rows["embed"].shape[1] == embed.shape[1]
-    ok = ok and rows["embed"].dtype == embed.dtype
-    if lm_head is not None:
+    ok = "embed" in rows and rows["embed"].ndim == 2 and rows["embed"].shape[1] == hidden
+    ok = ok and rows["embed"].dtype == dtype
+    if untied:
         ok = ok and "lm_head" in rows and rows["lm_head"].shape == rows["embed"].shape
     if not ok:
         raise InputError(f"{file} does not fit the checkpoint's embeddings; remove it (it is optional)")
     return {"embed": rows["embed"], "lm_head": rows.get("lm_head")}
+
+
+def _write_native(weights: ShardedWeights, headers: dict, renamed: dict, extra: dict, out: pathlib.Path) -> None:
+    """Write the renamed weights tensor by tensor (each read from its source shard when its turn comes), the
+    embedding and an untied lm_head grown by the ``extra`` rows: one ``model.safetensors`` from a one-file
+    source, else one shard per source shard with the same tensors (so that an export part reads the shards of
+    its layers only: `vlmrun.checkpoint_stream`)."""
+    groups: dict[str, list[TensorSpec]] = {}
+    for key, (dtype_name, shape) in headers.items():
+        dtype = torch_dtype(dtype_name)
+        grown = {APPLE_EMBED: "embed", APPLE_LM_HEAD: "lm_head"}.get(key)
+        if grown:
+            shape = (shape[0] + int(extra[grown].shape[0]), shape[1])
+        make = _grown_maker(weights, key, extra[grown]) if grown else (lambda k=key: weights.read(k))
+        groups.setdefault(weights.files[key], []).append(TensorSpec(renamed[key], tuple(shape), dtype, make))
+    shards = [sorted(groups[name], key=lambda s: s.name) for name in sorted(groups)]
+    if (weights.path / SAFETENSORS_INDEX).is_file():
+        write_shard_groups(out, shards)
+    else:
+        write_single(out / "model.safetensors", sorted((s for g in shards for s in g), key=lambda s: s.name))
+
+
+def _grown_maker(weights: ShardedWeights, key: str, rows):
+    """``make()`` of the embedding (or lm_head) ``key`` with ``rows`` appended, in the stored dtype."""
+    import torch
+
+    def make():
+        stored = weights.read(key)
+        return torch.cat([stored, rows.to(stored.dtype)], dim=0)
+
+    return make

@@ -41,7 +41,7 @@ from .checkpoint_keys import (
 from .errors import InputError
 from .fastvlm_files import IMAGE_TOKEN, PATCH_SIZE, fastvlm_image_processor
 
-__all__ = ["save_as_apple", "QWEN2_CHAT_TEMPLATE"]
+__all__ = ["QWEN2_CHAT_TEMPLATE", "apple_config", "save_as_apple", "write_apple_tokenizer"]
 
 # Llava keys of the real apple/FastVLM-0.5B config.json (values as published).
 _APPLE_LLAVA_KEYS = {
@@ -71,14 +71,18 @@ QWEN2_CHAT_TEMPLATE = (
 )
 
 
-def save_as_apple(native_dir: str | os.PathLike, out_dir: str | os.PathLike) -> pathlib.Path:
+def save_as_apple(native_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Any = None,
+                  shard_bytes: int | None = None) -> pathlib.Path:
     """Write a native ``fast_vlm`` checkpoint in Apple's ``llava_qwen2`` format (the inverse of the conversion).
 
     config.json as apple/FastVLM-0.5B's (Qwen2 keys at the top level plus Apple's llava keys), with a
     ``vision_config`` block recording the timm tower's ``model_args``; Apple's key names in model.safetensors (plus
     a zero ``head.proj`` as MCi carries); the tokenizer without ``<image>``; Qwen2's chat template; a
     CLIPImageProcessor ``preprocessor_config.json``; and `EXTRA_ROWS_FILE` with the vocabulary rows Apple's
-    format has no room for. Tensors keep their dtype.
+    format has no room for. Tensors keep their dtype unless ``dtype`` (a torch dtype, e.g. ``torch.bfloat16``)
+    is given. ``shard_bytes``: sharded as Apple ships its checkpoints (``model-0000k-of-0000N.safetensors`` of at
+    most that many bytes and ``model.safetensors.index.json``, written tensor by tensor by
+    `vlmrun.checkpoint_shards.write_shards`) instead of one ``model.safetensors``.
     """
     src, cfg = read_config(native_dir)
     fmt = detect_format(src)
@@ -86,12 +90,13 @@ def save_as_apple(native_dir: str | os.PathLike, out_dir: str | os.PathLike) -> 
         raise InputError(f"{src} is a {fmt} checkpoint; expected a transformers-native 'fast_vlm' one")
 
     def build(tmp: pathlib.Path) -> None:
-        _save_apple(src, cfg, tmp)
+        _save_apple(src, cfg, tmp, dtype, shard_bytes)
 
     return write_checkpoint_dir(out_dir, build)
 
 
-def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
+def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path, dtype: Any = None,
+                shard_bytes: int | None = None) -> None:
     import torch
 
     text = dict(cfg.get("text_config") or {})
@@ -105,6 +110,8 @@ def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     tensors = load_tensors(src)
     if NATIVE_EMBED not in tensors:
         raise InputError(f"{src} has no {NATIVE_EMBED}; expected FastVLM weights")
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     embed = tensors[NATIVE_EMBED]
     v_native = int(embed.shape[0])
     tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
@@ -112,7 +119,7 @@ def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
         tensors.pop(NATIVE_LM_HEAD, None)
 
     # -- tokenizer without <image>
-    n_apple = _write_apple_tokenizer(src, tmp, image_token_id)
+    n_apple = write_apple_tokenizer(src, tmp, image_token_id)
     v_apple = min(v_native, max(n_apple, v_native - 64))  # 152000 -> 151936 for FastVLM-0.5B
     extra = {"embed": embed[v_apple:]}
     tensors[NATIVE_EMBED] = embed[:v_apple]
@@ -127,10 +134,29 @@ def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     apple = {native_key_to_apple(k): v for k, v in tensors.items()}
     hidden = int(vision.get("hidden_size") or 3072)
     apple[APPLE_HEAD_PROJ] = torch.zeros((hidden, 768), dtype=embed.dtype)  # MCi's CLIP projection; unused
-    save_tensors(apple, tmp / "model.safetensors")
+    if shard_bytes:
+        from .checkpoint_shards import TensorSpec, write_shards
+
+        write_shards(tmp, [TensorSpec(k, tuple(v.shape), v.dtype, lambda v=v: v) for k, v in apple.items()],
+                     shard_bytes)
+    else:
+        save_tensors(apple, tmp / "model.safetensors")
 
     # -- config.json as Apple's
     image_size = image_size_from_processor(src) or int(round(cfg.get("image_seq_length", 256) ** 0.5)) * PATCH_SIZE
+    out = apple_config(text, vision, image_size=image_size, vocab_rows=v_apple, tie=tie, dtype=embed.dtype)
+    (tmp / "config.json").write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    if (src / "generation_config.json").is_file():
+        shutil.copyfile(src / "generation_config.json", tmp / "generation_config.json")
+    fastvlm_image_processor(image_size).save_pretrained(str(tmp))
+
+
+def apple_config(text: dict, vision: dict, *, image_size: int, vocab_rows: int, tie: bool, dtype: Any) -> dict:
+    """Apple's ``config.json`` (as apple/FastVLM-0.5B's, keys sorted) from a native ``text_config`` /
+    ``vision_config`` (dicts): Qwen2 keys at the top level, Apple's llava keys, ``mm_vision_tower``
+    ``mobileclip_l_<image_size>``, and a ``vision_config`` block (not in Apple's config) recording the timm
+    tower's build arguments, so the conversion rebuilds the same architecture."""
+    hidden = int(vision.get("hidden_size") or 3072)
     out: dict[str, Any] = {"architectures": [APPLE_ARCH], "model_type": APPLE}
     for key in APPLE_QWEN2_CONFIG_KEYS:
         if key in text:
@@ -138,26 +164,23 @@ def _save_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
     rope = text.get("rope_parameters") or {}
     if "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]
-    out["vocab_size"] = v_apple
+    out["vocab_size"] = vocab_rows
     out["tie_word_embeddings"] = tie
     out.update(_APPLE_LLAVA_KEYS)
     out["mm_hidden_size"] = hidden
     out["mm_vision_tower"] = f"mobileclip_l_{image_size}"
-    out["torch_dtype"] = str(embed.dtype).replace("torch.", "")
-    # not in Apple's config: the timm tower's build arguments, so the conversion rebuilds the same architecture
+    out["torch_dtype"] = str(dtype).replace("torch.", "")
     out["vision_config"] = {
         "architecture": "fastvit_mci3",
         "hidden_size": hidden,
         "model_args": vision.get("model_args") or {"inference_mode": True},
     }
-    (tmp / "config.json").write_text(json.dumps(dict(sorted(out.items())), indent=2) + "\n", encoding="utf-8")
-    if (src / "generation_config.json").is_file():
-        shutil.copyfile(src / "generation_config.json", tmp / "generation_config.json")
-    fastvlm_image_processor(image_size).save_pretrained(str(tmp))
+    return dict(sorted(out.items()))
 
 
-def _write_apple_tokenizer(src: pathlib.Path, tmp: pathlib.Path, image_token_id: int) -> int:
-    """Copy the tokenizer without the <image> token; returns the number of token ids Apple's tokenizer uses."""
+def write_apple_tokenizer(src: pathlib.Path, tmp: pathlib.Path, image_token_id: int) -> int:
+    """Copy the tokenizer of the native checkpoint ``src`` into ``tmp`` without the <image> token (it must be
+    the last id); returns the number of token ids Apple's tokenizer uses."""
     tok = read_json(src / "tokenizer.json", "a tokenizers tokenizer.json")
     vocab = tok.get("model", {}).get("vocab")
     added = tok.get("added_tokens") or []

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import attrs
 
+from .checkpoint_stream import (ShardedWeights, check_budget, export_peak_bytes, is_sharded, load_part, memory_budget,
+                                meta_model, part_bytes)
 from .errors import BackendError, InputError
 from .store import ArtifactStore, sha256_file
 
@@ -39,6 +41,8 @@ class FastVLMModel:
     path: Path
     source: Path
     source_layout: str  # the checkpoint format it was read from: fast_vlm or llava_qwen2
+    #: export a sharded checkpoint part by part (`load_torch_part`); ``False``: load it whole, as before
+    stream: bool = True
 
     @classmethod
     def open(cls, model_dir: str | os.PathLike, store: ArtifactStore | None = None,
@@ -58,7 +62,8 @@ class FastVLMModel:
             _flatten(tmp / "model", tmp)
             return {"files": ["config.json"], "converted_from": str(src)}
 
-        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 2}
+        # v3: written tensor by tensor, one shard per source shard (v2: one file, converted in memory)
+        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 3}
         art = store.get_or_build(key, convert, rebuild=rebuild)
         return cls(art.path, src, fmt)
 
@@ -202,24 +207,67 @@ class FastVLMModel:
         return weights_hash(self.path, store)
 
     # -- torch (export only) -------------------------------------------------------------------------
+    @property
+    def streams(self) -> bool:
+        """Whether exports read only the weights they need (`load_torch_part`): a sharded checkpoint (an Apple
+        one is converted shard for shard) unless ``stream`` is off. A single-file checkpoint loads whole."""
+        return self.stream and is_sharded(self.path)
+
     def load_torch(self):
         """The model as ``transformers.FastVlmForConditionalGeneration`` in eval mode, float32 (loaded once)."""
         cached = self.__dict__.get("_torch_model")
         if cached is not None:
             return cached
-        try:
-            import torch
-            from transformers import FastVlmForConditionalGeneration
-        except ImportError as exc:
-            raise BackendError(
-                f"loading the torch model needs torch, timm and transformers ({exc}); pip install 'vlmrun[export]'"
-            ) from None
+        torch, FastVlmForConditionalGeneration = _torch_classes()
+        if memory_budget() is not None:
+            check_budget("loading the whole model", export_peak_bytes(part_bytes(meta_model(self.path), ("",))))
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         model = FastVlmForConditionalGeneration.from_pretrained(self.path, dtype=torch.float32).eval()
         self.__dict__["_torch_model"] = model
         return model
+
+    def load_torch_part(self, prefixes, what: str = "this export"):
+        """The torch model with only the weights whose native names start with one of ``prefixes`` loaded
+        (float32; the others on torch's meta device), read lazily from the shards
+        (`vlmrun.checkpoint_stream.load_part`); the whole model (`load_torch`) when the checkpoint does not
+        stream. The last part asked for is kept until another is asked for or `release_torch_part`."""
+        if not self.streams:
+            return self.load_torch()
+        key = tuple(prefixes)
+        cached = self.__dict__.get("_torch_part")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        self.release_torch_part()
+        _torch_classes()
+        part = load_part(self.path, key, what)
+        self.__dict__["_torch_part"] = (key, part)
+        return part
+
+    def release_torch_part(self) -> None:
+        """Drop the part `load_torch_part` keeps (its memory is freed)."""
+        if self.__dict__.pop("_torch_part", None) is not None:
+            import gc
+
+            gc.collect()
+
+    def read_weight(self, name: str):
+        """One weight by its native name, float32, read alone from its shard (a tied lm_head is the embedding)."""
+        torch, _ = _torch_classes()
+        return ShardedWeights(self.path).read(name, torch.float32)
+
+
+def _torch_classes():
+    """torch and transformers' ``FastVlmForConditionalGeneration``; `BackendError` saying how to install them."""
+    try:
+        import torch
+        from transformers import FastVlmForConditionalGeneration
+    except ImportError as exc:
+        raise BackendError(
+            f"loading the torch model needs torch, timm and transformers ({exc}); pip install 'vlmrun[export]'"
+        ) from None
+    return torch, FastVlmForConditionalGeneration
 
 
 def _flatten(src: Path, dst: Path) -> None:

@@ -34,6 +34,10 @@ import json
 import warnings
 from pathlib import Path
 
+from vlmrun.checkpoint_stream import (check_budget, decoder_weights, export_peak_bytes, memory_budget, meta_model,
+                                      part_bytes)
+from vlmrun.progress import no_progress, step
+
 from .probe_names import graph_output
 from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch, rms_norm_of
 
@@ -156,26 +160,102 @@ def _part_module(model, fvlm, form, lo: int, hi: int, last: bool, probe: bool = 
 
 
 def _export_graph(module, ins: list[dict], outs: list[dict], path: Path) -> list[str]:
+    """Trace ``module`` to ``path``; the files written (the graph, and ``<graph>.data`` when its weights are
+    stored outside it).
+
+    The graph is traced in a folder of its own, then moved beside the others. Above 2 GiB (a 1.5B or 7B part)
+    torch's exporter writes every tensor of more than 1024 elements to its own file beside the graph, named after
+    the tensor, and the prompt and token graphs of a part share those names: ``/Constant_45_output_0``, the zeros
+    that stand for unseen past keys, is [KV,1,D,C-AR] in one and [KV,1,D,C-1] in the other. Traced into one
+    folder, the token graph's files replaced the prompt graph's and the prompt graph no longer loaded (issue 32:
+    "raw_data size (523264 bytes) does not match expected size ... (393216 bytes)")."""
+    import tempfile
+
     torch, _ = _torch()
     example = tuple(torch.zeros(*t["shape"]) for t in ins)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notices
-        torch.onnx.export(module, example, str(path), input_names=[t["name"] for t in ins],
-                          output_names=[t["name"] for t in outs], opset_version=OPSET, dynamo=False,
-                          do_constant_folding=True)
-    files = [path.name]
-    if path.stat().st_size > EXTERNAL_DATA_THRESHOLD:
-        import onnx
+    with tempfile.TemporaryDirectory(prefix=f".{path.stem}.", dir=path.parent) as tmp:
+        staged = Path(tmp) / path.name
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the legacy exporter's deprecation notices
+            torch.onnx.export(module, example, str(staged), input_names=[t["name"] for t in ins],
+                              output_names=[t["name"] for t in outs], opset_version=OPSET, dynamo=False,
+                              do_constant_folding=True)
+        return _place_graph(staged, path)
 
-        proto = onnx.load(str(path))
-        data = path.name + ".data"
+
+def _place_graph(staged: Path, path: Path) -> list[str]:
+    """Move the traced graph ``staged`` to ``path``, its weights in one ``<graph>.data`` file when torch wrote
+    them to files of their own (above 2 GiB) or the graph is big (`EXTERNAL_DATA_THRESHOLD`); the files written."""
+    import os
+
+    import onnx
+
+    data = path.name + ".data"
+    if any(f != staged for f in staged.parent.iterdir()):  # torch's one file per tensor
+        proto = onnx.load(str(staged), load_external_data=False)
+        gather_external_data(proto, staged.parent, path.parent / data)
+        onnx.save_model(proto, str(path))
+        return [path.name, data]
+    if staged.stat().st_size > EXTERNAL_DATA_THRESHOLD:
+        proto = onnx.load(str(staged))
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data)
-        files.append(data)
-    return files
+        return [path.name, data]
+    os.replace(staged, path)
+    return [path.name]
 
 
-def export_parts(model, form, out_dir: Path) -> dict:
-    """Write every graph of every part of ``form`` (``decoder/parts``) into ``out_dir``; the manifest fields."""
+def gather_external_data(proto, source_dir: Path, data_file: Path, chunk: int = 64 << 20) -> None:
+    """Copy the external data of every tensor of ``proto`` (initializers and Constant values, read from
+    ``source_dir``) into the one file ``data_file``, in order, and point the tensors at it (in place). Streams
+    the bytes: memory stays at ``chunk``, whatever the size of the weights."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    with open(data_file, "wb") as dst:
+        for tensor in _tensors(proto.graph):
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = ExternalDataInfo(tensor)
+            src_path = source_dir / info.location
+            length = info.length if info.length is not None else src_path.stat().st_size - (info.offset or 0)
+            offset = dst.tell()
+            with open(src_path, "rb") as src:
+                src.seek(info.offset or 0)
+                left = length
+                while left:
+                    block = src.read(min(chunk, left))
+                    if not block:
+                        raise OSError(f"{src_path} ends before the {length} bytes of tensor {tensor.name!r}")
+                    dst.write(block)
+                    left -= len(block)
+            del tensor.external_data[:]
+            for key, value in (("location", data_file.name), ("offset", offset), ("length", length)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+
+
+def _tensors(graph):
+    """Every tensor stored in ``graph``: initializers and the values of Constant (and other) node attributes,
+    subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _tensors(sub)
+
+
+def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
+    """Write every graph of every part of ``form`` (``decoder/parts``) into ``out_dir`` (``only``: part ``only``
+    alone, from 1); the manifest fields.
+
+    A streamed model (`vlmrun.model.FastVLMModel.streams`) loads each part's weights alone, reads them from the
+    shards that hold them and frees them before the next part: peak memory follows the largest part. With a
+    memory budget (`vlmrun.checkpoint_stream.MEMORY_BUDGET_ENV`) every part is checked before any is written."""
     from vlmrun.errors import UsageError
 
     torch, _ = _torch()
@@ -184,25 +264,58 @@ def export_parts(model, form, out_dir: Path) -> dict:
         raise UsageError(f"{form.label()}: needs a prompt AR of at least 2 and a context of more than twice it")
     split = layer_split(form, model.num_layers)
     P = len(split)
-    fvlm = model.load_torch()
+    chosen = range(1, P + 1) if only is None else [only]
+    if only is not None and not 1 <= only <= P:
+        raise UsageError(f"{form.label()}: part {only} is not one of the form's {P} parts")
+    if model.streams:
+        check_parts_budget(model, split, chosen)
     parts, files = [], []
-    for k, (lo, hi) in enumerate(split, start=1):
+    for k in chosen:
+        lo, hi = split[k - 1]
         last = k == P
-        module = _part_module(model, fvlm, form, lo, hi, last)
-        graphs = {}
-        for kind, rows in (("prompt", ar), ("token", 1)):
-            ins, outs = part_io(model, lo, hi, last, rows, ctx)
-            name = f"part{k}_of_{P}_{kind}"
-            written = _export_graph(module, ins, outs, out_dir / f"{name}.onnx")
-            files += written
-            graphs[kind] = {"file": written[0], "files": written, "ar": rows, "name": graph_name(kind, rows, ctx, k, P),
-                            "inputs": ins, "outputs": outs}
+        with _progress(model, f"exporting decoder part {k} of {P} (layers {lo}-{hi - 1})"):
+            module = _part_module(model, _part_model(model, lo, hi, last, k, P), form, lo, hi, last)
+            graphs = {}
+            for kind, rows in (("prompt", ar), ("token", 1)):
+                ins, outs = part_io(model, lo, hi, last, rows, ctx)
+                name = f"part{k}_of_{P}_{kind}"
+                written = _export_graph(module, ins, outs, out_dir / f"{name}.onnx")
+                files += written
+                graphs[kind] = {"file": written[0], "files": written, "ar": rows,
+                                "name": graph_name(kind, rows, ctx, k, P), "inputs": ins, "outputs": outs}
+            del module
+            model.release_torch_part()
         parts.append({"index": k, "layers": [lo, hi], "last": last, "graphs": graphs})
     desc = {"ar": ar, "ctx": ctx, "parts": parts, "layers": [hi - lo for lo, hi in split],
             "hidden": model.hidden_size, "num_layers": model.num_layers}
     (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
     return {"files": [*files, "parts.json"], "form": form.label(), "opset": OPSET, "torch": torch.__version__,
             "parts": P, "ar": ar, "ctx": ctx, "layers": desc["layers"]}
+
+
+def _part_model(model, lo: int, hi: int, last: bool, k: int, parts: int):
+    """The torch model holding part ``k``'s weights (the whole model when ``model`` does not stream)."""
+    return model.load_torch_part(decoder_weights(lo, hi, last), f"exporting decoder part {k} of {parts}"
+                                 f" (layers {lo}-{hi - 1})")
+
+
+def check_parts_budget(model, split: list[tuple[int, int]], chosen) -> None:
+    """`UsageError` naming the memory the largest of the ``chosen`` parts needs when it is above the budget
+    (`vlmrun.checkpoint_stream.check_budget`); nothing is read or written before."""
+    if memory_budget() is None:
+        return
+    meta = meta_model(model.path)
+    one_layer = export_peak_bytes(part_bytes(meta, decoder_weights(0, 1, False)))
+    P = len(split)
+    for k in chosen:
+        lo, hi = split[k - 1]
+        needed = export_peak_bytes(part_bytes(meta, decoder_weights(lo, hi, k == P)))
+        check_budget(f"exporting decoder part {k} of {P} (layers {lo}-{hi - 1})", needed, one_layer)
+
+
+def _progress(model, label: str):
+    """A progress line for a streamed (large) model's part; nothing for one loaded whole."""
+    return step(label) if model.streams else no_progress(label)
 
 
 def probe_part_outputs(lo: int, hi: int, last: bool) -> list[tuple[str, str]]:
@@ -245,7 +358,8 @@ def export_part_probe(model, form, out_dir: Path) -> dict:
     g = p["graphs"]["prompt"]
     for f in g["files"]:
         (out_dir / f).unlink()
-    module = _part_module(model, model.load_torch(), form, lo, hi, last, probe=True)
+    module = _part_module(model, _part_model(model, lo, hi, last, k, len(desc["parts"])), form, lo, hi, last,
+                          probe=True)
     written = _export_graph(module, ins, outs + extra, out_dir / g["file"])
     files = [f for f in manifest["files"] if f not in g["files"]] + written
     g.update({"files": written, "outputs": outs + extra})

@@ -39,9 +39,24 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmrun.checkpoint_keys import NATIVE_EMBED
+from vlmrun.checkpoint_stream import DECODER_WEIGHTS, STAGE_WEIGHTS
+
 from .probe_names import decoder_probe_outputs, inject_input
 from .torch_common import (EXTERNAL_DATA_THRESHOLD, MASK_MIN, OPSET, RMSNORMS, _torch, rms_norm_of,  # noqa: F401
                            safe_rms_norm)
+
+
+def stage_weights(form) -> tuple[str, ...] | None:
+    """The native weight-name prefixes the graph of ``form`` holds (what a streamed export reads,
+    `vlmrun.model.FastVLMModel.load_torch_part`); ``None`` for a form this module does not build."""
+    if form.kind in ("vision", "projector", "embed"):
+        return STAGE_WEIGHTS[form.kind]
+    if form.kind == "vision/encoder":
+        return STAGE_WEIGHTS["vision"] + STAGE_WEIGHTS["projector"]
+    if form.kind in ("decoder/kv", "decoder/fixed", "decoder/genie"):
+        return DECODER_WEIGHTS  # the whole decoder: its wrappers hold the language model
+    return None
 
 
 def build_wrapper(model, form):
@@ -49,7 +64,10 @@ def build_wrapper(model, form):
     torch, _ = _torch()
     from vlmrun.torch_stages import EmbedStage, ProjectorStage, VisionStage
 
-    fvlm = model.load_torch()
+    prefixes = stage_weights(form)
+    if prefixes is None:
+        return None
+    fvlm = model.load_torch_part(prefixes, f"exporting {form.label()}")
     S = model.image_size
 
     if form.kind == "vision":
@@ -266,7 +284,9 @@ def export_lut(model, out_dir: Path) -> dict:
     from safetensors import safe_open
 
     table = None
-    for f in sorted(model.path.glob("*.safetensors")):
+    if model.streams:  # the embedding rows alone, from their shard
+        table = model.read_weight(NATIVE_EMBED).numpy()
+    for f in [] if table is not None else sorted(model.path.glob("*.safetensors")):
         with safe_open(str(f), framework="numpy") as st:
             for key in st.keys():
                 if key.endswith("language_model.embed_tokens.weight"):

@@ -35,7 +35,7 @@ from vlmrun.stages import ExportForm, probe_outputs
 
 from .decoder_parts import export_part_probe
 from .engine import Session
-from .onnx_export import build_wrapper
+from .onnx_export import build_wrapper, stage_weights
 from .probe_names import FINAL, STAGES, decoder_probe_outputs, graph_output, inject_input  # noqa: F401
 from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
 
@@ -105,7 +105,7 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
         if built is None:
             return None
         inner, example, names_in, names_out, axes = built
-        points = _points(model.load_torch(), form.stage)
+        points = _points(model.load_torch_part(stage_weights(base)), form.stage)  # the part build_wrapper loaded
         inject = bool(form.get("inject"))
         if inject:  # the example's shapes of each point's output, for the example deltas
             with torch.no_grad():
