@@ -1,7 +1,7 @@
 """Conversations: time to first token of follow-up turns with the decoder's state kept against recomputed from scratch.
 
     .venv/bin/python benchmarks/chat.py [--layouts reference-full,all-npu,bundle] [--turns 4] [--repeat 3]
-        [--tokens 16] [--bundle-tokens 64] [--warmup 1] [--cache-dir DIR]
+        [--tokens 16] [--bundle-tokens 64] [--warmup 1] [--cache-dir DIR] [--bundle-dir DIR]
 
 A conversation of ``--turns`` turns (turn 1: the demo picture and "Describe the image."; each later turn about 20
 new prompt tokens and no picture), every turn greedy with EOS ignored and ``--tokens`` new tokens (a bundle: see
@@ -25,9 +25,12 @@ answers end well before, so that its answers are the conversation a user has; th
 Layouts: ``reference-full`` = the reference layout on the random-weight FastVLM at 0.5B dimensions (``vlmrun
 make-tiny --full-size``, built once into ``<cache-dir>/full-size-fastvlm``; the answers are gibberish, which does
 not matter here); ``all-npu`` = the tiny default model on the HTP emulator (vlmrun's parts engine); ``bundle`` = the
-tiny default model's all-npu bundle (written once into ``<cache-dir>/chat-bundle``). Prints one JSON object on stdout
+tiny default model's all-npu bundle (written once into ``--bundle-dir``, default ``<cache-dir>/chat-bundle``; a
+bundle written by older code stays until that folder is removed). Prints one JSON object on stdout
 (progress on stderr): per layout the model's dimensions, the per-turn figures kept vs scratch, the ratios,
-``goal_met``, the bytes a kept conversation holds, and whether kept and scratch generated the same tokens per turn.
+``goal_met``, the bytes a kept conversation holds, and whether kept and scratch generated the same tokens per turn;
+for all-npu also the decoder's prompt ARs (``decoder_ars``: AR-128 and the follow-up AR-32 of the parts form) and
+the graph calls per AR each turn made (``graph_calls``, from the handle's ``calls_per_ar``).
 Timings on a 2-core x86_64 machine (the HTP emulator is not a phone) are noisy.
 """
 
@@ -64,14 +67,21 @@ def stage_ms(timings: dict, stage: str) -> float:
     return float(v) if isinstance(v, (int, float)) else 0.0
 
 
+def graph_calls(pipe) -> dict:
+    """The decoder's graph calls so far per AR (``calls_per_ar`` of a parts handle; ``{}`` elsewhere)."""
+    return dict(getattr(pipe.handles.get("decoder"), "calls_per_ar", None) or {})
+
+
 def conversation(pipe, picture, turns: int, settings, keep: bool) -> dict:
     """One conversation of ``turns`` turns: per turn its figures and tokens; the bytes its kept state holds."""
     chat = pipe.chat(settings=settings, keep_state=keep)
     out = []
     for i, prompt in enumerate(prompts(turns)):
+        before = graph_calls(pipe)
         t0 = time.perf_counter()
         gen = chat.ask(prompt, image=picture if i == 0 else None).run()
         wall = (time.perf_counter() - t0) * 1e3
+        after = graph_calls(pipe)
         t = gen.timings
         stages = {s: stage_ms(t, s) for s in ("vision", "projector", "embed")}
         out.append({
@@ -82,6 +92,7 @@ def conversation(pipe, picture, turns: int, settings, keep: bool) -> dict:
             "reused_tokens": int(t.get("reused_tokens", 0)), "new_tokens": int(t.get("new_tokens", 0)),
             "stopped_by": gen.stopped_by,
             "token_ids": list(gen.token_ids),
+            "graph_calls": {str(ar): n - before.get(ar, 0) for ar, n in sorted(after.items(), reverse=True)},
         })
     result = {"turns": out, "kept_bytes": int(chat.kept.nbytes), "keeps_state": chat.keeps_state,
               "positions_held": chat.tokens}
@@ -108,6 +119,8 @@ def summarise(runs: list[dict], goal: float) -> dict:
         for key in ("prompt_tokens", "prefill_tokens", "reused_tokens", "new_tokens", "stopped_by"):
             vals = sorted({r[key] for r in rows})
             entry[key] = vals[0] if len(vals) == 1 else vals
+        if rows[0]["graph_calls"]:
+            entry["graph_calls"] = rows[0]["graph_calls"]
         if k:
             ratio = statistics.median(r["turns"][k]["ms"] / r["turns"][0]["ms"] for r in runs)
             entry["ratio"] = round(float(ratio), 4)
@@ -122,6 +135,19 @@ def model_dims(pipe) -> dict:
     return {"image_size": m.image_size, "image_tokens": m.image_tokens, "vision_features": m.feature_dim,
             "hidden_size": m.hidden_size, "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
             "head_dim": m.head_dim, "vocab_rows": m.vocab_size, "context_length": pipe.context_length}
+
+
+def decoder_ars(pipe) -> dict:
+    """The prompt graphs' ARs of a parts decoder (a bundle's from its manifest), ``{}`` for other decoders."""
+    h = pipe.handles.get("decoder")
+    parts = getattr(getattr(h, "artifact", None), "manifest", {}).get("decoder_parts")
+    if parts:
+        return {"decoder_ars": {"prompt": parts["ar"], "followup": parts.get("followup_ar", 0)}}
+    runtime = getattr(h, "runtime", None)
+    if runtime is not None:
+        d = runtime.manifest.get("decoder", {})
+        return {"decoder_ars": {"prompt": d.get("ar"), "followup": d.get("followup_ar", 0)}}
+    return {}
 
 
 def build(name: str, args, store):
@@ -144,7 +170,7 @@ def build(name: str, args, store):
     if name == "all-npu":
         return Pipeline.build(model, "all-npu", store=store, progress=step), {
             "model": "tiny default (256x256)", "layout": "all-npu"}
-    out = Path(args.cache_dir) / "chat-bundle"
+    out = Path(args.bundle_dir or Path(args.cache_dir) / "chat-bundle")
     if not (out / layouts.BUNDLE_MANIFEST).is_file():
         from vlmrun.bundle import write
 
@@ -182,7 +208,7 @@ def measure(name: str, args, store) -> dict:
             for t in range(args.turns)]
     follow = k["turns"][1:]
     result = {
-        **about, "dims": model_dims(pipe), "build_s": round(build_s, 1), "goal_ratio": goal,
+        **about, "dims": model_dims(pipe), **decoder_ars(pipe), "build_s": round(build_s, 1), "goal_ratio": goal,
         "max_new_tokens": settings.max_new_tokens, "ignore_eos": settings.ignore_eos,
         "kept": k, "scratch": s,
         "ratios_kept": [t["ratio"] for t in follow], "ratios_scratch": [t["ratio"] for t in s["turns"][1:]],
@@ -223,6 +249,7 @@ def main(argv=None) -> int:
                     help="the bundle's budget per turn (EOS honoured: each answer must end before it)")
     ap.add_argument("--image-size", type=int, default=1024, help="the full-size model's picture size")
     ap.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "vlmrun-bench"))
+    ap.add_argument("--bundle-dir", help="the all-npu bundle's folder (default: <cache-dir>/chat-bundle)")
     a = ap.parse_args(argv)
     names = [n for n in a.layouts.split(",") if n]
     unknown = [n for n in names if n not in GOALS]

@@ -317,3 +317,41 @@ def test_cli_all_npu_genie_on_the_phone(phone, cache_dir, image_path, tmp_path):
     assert out["text"] == TEXT and set(out["layout"].values()) == {"qnn_htp"}
     assert out["timings"]["ttft_ms"] == 345.678
     assert any(f"shell cd {RD} && env LD_LIBRARY_PATH={RD}" in ln for ln in adb_lines(phone))
+
+
+# -- the genie-app stand-in's dialog contract (what keeps a conversation on the phone: test_phone_chat.py) -------
+def _app(d: Path, script: str, **env):
+    import subprocess
+
+    (d / "s.txt").write_text(script)
+    base = {"LD_LIBRARY_PATH": str(d / "lib"), "ADSP_LIBRARY_PATH": str(d / "lib"), "STANDIN_ON_DEVICE": "1",
+            "STANDIN_GENIE_TEXT": "ok then"}
+    return subprocess.run([sys.executable, str(STANDINS / "genie-app"), "-s", "s.txt"], cwd=d, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **base, **env})
+
+
+def test_standin_genie_app_dialogs_save_and_restore_like_genie(htp_files):
+    from vlmrun_qualcomm.genie_app import app_errors, dialog_script
+
+    (htp_files / "t.json").write_text("{}")
+    first = _app(htp_files, dialog_script("c.json", "e.raw", "l.raw", "conv/turn_1"))
+    assert first.returncode == 0 and first.stderr == "" and "[BEGIN]: ok then[END]" in first.stdout
+    saved = json.loads((htp_files / "conv" / "turn_1" / "dialog.json").read_text())
+    assert saved == {"n-past": 3 + 2}  # the 3 rows fed and both answer tokens (each fed back; the end token not)
+    again = _app(htp_files, dialog_script("c.json", "e.raw", "l.raw", "conv/turn_2", "conv/turn_1"))
+    assert app_errors(again.stderr) == [] and json.loads((htp_files / "conv/turn_2/dialog.json").read_text()) == {
+        "n-past": 5 + 3 + 2}
+    # a restore of a directory no `dialog save` wrote: the failing line on stderr (in red), and the script goes on
+    gone = _app(htp_files, dialog_script("c.json", "e.raw", "l.raw", "conv/turn_3", "conv/nowhere"))
+    assert gone.returncode == 0 and "[BEGIN]: ok then[END]" in gone.stdout
+    assert gone.stderr.startswith("\x1b[91m") and app_errors(gone.stderr) == ["Failed to restore. (script line 3)"]
+    # nothing to save yet; an embeddings file that is no whole number of rows; the script's grammar
+    bad = _app(htp_files, "dialog config create c c.json\ndialog create d c\ndialog save d x\n"
+                          "dialog embeddingQuery d l.raw\ndialog restore d\nnode bogus\n")
+    assert app_errors(bad.stderr) == ["Failed to save. (script line 3)",
+                                      "Ill-formatted command: dialog embeddingQuery d l.raw. (script line 4)",
+                                      "Ill-formatted command: dialog restore d. (script line 5)",
+                                      "Unknown command: node bogus (script line 6)"]
+    (htp_files / "e.raw").write_bytes(b"\0" * 6)
+    assert app_errors(_app(htp_files, dialog_script("c.json", "e.raw", "l.raw", "conv/t4")).stderr) == [
+        "Embedding file doesn't exists or is in bad shape. (script line 3)", "Failed to save. (script line 4)"]

@@ -1,5 +1,11 @@
 """The genie_cpu decoder handle: Genie on QnnGenAiTransformer through libGenie (worker process), the host SDK's
-``genie-t2t-run``, or ``genie-t2t-run`` on a phone over adb."""
+``genie-t2t-run``, or ``genie-t2t-run`` on a phone over adb.
+
+On a phone a conversation keeps Genie's dialog state there between turns when the SDK has
+``bin/aarch64-android/genie-app`` (`GenieCpuDecoder.dialog_state`: each turn one genie-app script that restores the
+state the previous turn saved, queries the turn's new rows and saves the new state;
+`vlmrun_qualcomm.genie_app.AppDialogState`). On this host (libGenie in a worker process started per request, or
+genie-t2t-run) and on a phone without genie-app, every turn runs from the start (``no_state`` says why)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.stages import ExportForm
 
 from .compose import quantize_option
-from vlmrun_qualcomm.sdk import GENIE_CPU_LIBS, LIBCXX, Sdk
+from vlmrun_qualcomm.adb import Adb
+from vlmrun_qualcomm.genie_app import APP, AppDevice, AppDialogState
+from vlmrun_qualcomm.sdk import ANDROID, GENIE_CPU_LIBS, LIBCXX, Sdk
 
 RUNNERS = ("auto", "libgenie", "t2t")
 DEFAULT_CONTEXT = 1024
@@ -59,9 +67,10 @@ def load_decoder(ctx):
                        f"genai-transformer-{opts['quantize']}")
     adb = None
     if opts["target"] == "android":
-        from vlmrun_qualcomm.adb import Adb
-
         adb = Adb.connect(opts["device"], opts["adb"])
+        app = sdk.root / "bin" / ANDROID / APP
+        if app.is_file():  # genie-app keeps a conversation's dialog state on the phone
+            tools = {**tools, APP: app}
     return GenieCpuDecoder(ctx.model, art, opts, tools, adb)
 
 
@@ -74,6 +83,7 @@ class GenieCpuDecoder(DecoderHandle):
         self.load_s = 0.0
         self.last_timings: dict = {}
         self.last_text = ""
+        self._placed = False  # the phone holds the tools and the model's files
         in_proc = all(n in tools for n in GENIE_CPU_LIBS)
         if opts["target"] == "android":
             self.mode = "adb"
@@ -81,6 +91,29 @@ class GenieCpuDecoder(DecoderHandle):
             self.mode = "t2t"
         else:
             self.mode = "libgenie"
+        self.no_state = self._why_no_state()
+
+    def _why_no_state(self) -> str:
+        """Why a conversation cannot keep Genie's state between turns here ("" when it can)."""
+        if self.mode != "adb":
+            return (f"genie_cpu on this host ({self.mode}) starts Genie per request: each turn of a conversation runs"
+                    " from the start")
+        if APP not in self.tools:
+            return f"the QAIRT SDK has no bin/{ANDROID}/{APP}: each turn of a conversation runs from the start"
+        return ""
+
+    def dialog_state(self) -> AppDialogState | None:
+        """A conversation's state kept on the phone by genie-app's dialog commands; None (``no_state`` says why) on
+        this host or without genie-app."""
+        if self.no_state:
+            return None
+        self._place_on_phone()
+        rd = self.opts["remote_dir"]
+        device = AppDevice(self.adb, rd, "embed_lut_f32.raw", {"LD_LIBRARY_PATH": rd, "ADSP_LIBRARY_PATH": rd},
+                           self.opts["timeout"])
+        return AppDialogState(device, lambda request: self.config(request, "model.bin", "tokenizer.json"),
+                              hidden=int(self.model.hidden_size), tokenizer=self.model.tokenizer,
+                              context_length=self.ctx)
 
     @property
     def context_length(self) -> int:
@@ -142,16 +175,28 @@ class GenieCpuDecoder(DecoderHandle):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _run_adb(self, request) -> genie_t2t.T2TResult:
+    def _place_on_phone(self) -> None:
+        """The tools (genie-app too when the SDK has it) and the model's files on the phone, pushed once per handle
+        (each skipped when the phone's copy has the same sha256)."""
+        if self._placed:
+            return
         adb, rd, t = self.adb, self.opts["remote_dir"], self.opts["timeout"]
         missing = [n for n in DEVICE_FILES if n not in self.tools]
         if missing:  # preflight names them first; never start a phone run without them
             raise BackendError(f"genie_cpu on a phone needs {', '.join(missing)}; see vlmrun doctor")
         adb.mkdir(rd)
-        for name in DEVICE_FILES:
+        tools = [n for n in (*DEVICE_FILES, APP) if n in self.tools]
+        for name in tools:
             adb.push(self.tools[name], f"{rd}/{name}", timeout=t)
         for name in ("model.bin", "embed_lut_f32.raw", "tokenizer.json"):
             adb.push(self.artifact.file(name), f"{rd}/{name}", timeout=t)
+        adb.shell(["chmod", "755", *[f"{rd}/{n}" for n in tools if n in ("genie-t2t-run", APP)]],
+                  what="adb shell chmod")
+        self._placed = True
+
+    def _run_adb(self, request) -> genie_t2t.T2TResult:
+        adb, rd, t = self.adb, self.opts["remote_dir"], self.opts["timeout"]
+        self._place_on_phone()
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-adb-"))
         try:
             cfg = self.config(request, "model.bin", "tokenizer.json")  # relative to the remote working directory
@@ -163,7 +208,6 @@ class GenieCpuDecoder(DecoderHandle):
             argv = genie_t2t.t2t_argv("./genie-t2t-run", "genie_config.json", embedding_file="embeddings.raw",
                                       lut="embed_lut_f32.raw", output_type="text", profile="profile.json",
                                       check_profile_path=False)
-            adb.shell(["chmod", "755", f"{rd}/genie-t2t-run"], what="adb shell chmod")
             t0 = time.perf_counter()
             res = adb.shell(argv, cwd=rd, env={"LD_LIBRARY_PATH": rd, "ADSP_LIBRARY_PATH": rd}, timeout=t,
                             what="genie-t2t-run (adb)", check=False)

@@ -5,8 +5,10 @@ run (`.bundle_run.BundleRuntime`) by qnn_htp.
 Files (``vlmrun bundle OUT``)::
 
     vision_encoder.bin            the image encoder: vision tower + projector, quantized pixel input (image_encoder.py)
-    partK_of_N.bin                the decoder's parts, prompt + token graphs, weight-shared (device target);
-    partK_of_N_{prompt,token}.bin   on the emulator the unshared compile of the same graphs (parts_compile.py)
+    partK_of_N.bin                the decoder's parts, prompt + token (+ follow-up prompt) graphs, weight-shared
+                                  (device target);
+    partK_of_N_{prompt,token,followup}.bin   on the emulator the unshared compile of the same graphs
+                                  (parts_compile.py); Genie pools them by (AR, CL): AR-128, AR-1, AR-32
     embedding_weights.raw         uint16 [vocab, hidden], no header: the LUT of the text encoder and generator, in
                                   the encoding of the decoder's quantized inputs_embeds (manifest: scale, zero point)
     tokenizer.json, tokenizer_config.json, config.json, generation_config.json, processor/preprocessor config,
@@ -32,7 +34,8 @@ from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
 
 from . import ep, image_encoder
-from .options import NAME, compiled_artifact, parts_plan, stage_options
+from .options import NAME, compiled_artifact, stage_options
+from .parts_compile import parts_artifact
 
 MANIFEST = BUNDLE_MANIFEST
 FORMAT = 1
@@ -209,10 +212,7 @@ def write_bundle(request) -> dict:
     dec_opts = stage_options("decoder", dec_ctx.options)
     if socs.soc(dec_opts["soc"]).name != soc.name:
         raise UsageError(f"the bundle's stages are compiled for two SoCs ({soc.name}, {dec_opts['soc']}); give one")
-    p = parts_plan(model, dec_opts)
-    form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"], layers=",".join(map(str, p["layers"])),
-                         rmsnorm=dec_opts.get("rmsnorm") or "safe")
-    dec_art = compiled_artifact(dec_ctx, "decoder", dec_opts, form)
+    dec_art = parts_artifact(dec_ctx, dec_opts)  # prompt (AR-128), token (AR-1) and follow-up (AR-32) graphs
     with request.progress("writing the bundle"):
         shutil.copyfile(enc_art.path / next(f for f in enc_art.manifest["files"] if f.endswith(".bin")), out / IMAGE_BIN)
         parts = dec_art.manifest["decoder_parts"]
@@ -300,7 +300,7 @@ def write_bundle(request) -> dict:
         "image_encoder": {"file": IMAGE_BIN, "precision": enc_info.get("precision"),
                           "quantization": _recipe(enc_info), "source": enc_art.path.name},
         "decoder": {"files": ctx_bins, "parts": P, "precision": dec_art.manifest.get("precision"),
-                    "ar": parts["ar"], "quantization": _recipe(dec_art.manifest), "source": dec_art.path.name},
+                    "ar": parts["ar"], "followup_ar": parts.get("followup_ar", 0), "quantization": _recipe(dec_art.manifest), "source": dec_art.path.name},
         "lut": {"file": LUT, "dtype": enc["dtype"], "scale": enc["scale"], "zero_point": enc["zero_point"],
                 "shape": [int(lut.shape[0]), int(lut.shape[1])], "sqnr_db": round(lut_sqnr, 2),
                 "why": "the decoder's inputs_embeds take this encoding; Genie's generator embeds generated tokens"

@@ -22,7 +22,6 @@ to check for a known device error), whatever the exit status.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun.errors import BackendError
-from vlmrun_qualcomm import genie_t2t
+from vlmrun_qualcomm import genie_app, genie_t2t
 from vlmrun_qualcomm.adb import Adb
 from vlmrun_qualcomm.sdk import ANDROID, Sdk, newer_than
 
@@ -39,9 +38,6 @@ from .netrun import REMOTE_ROOT, phone_sdk
 
 EXE = "genie-app"
 QUERY = "query"
-#: what genie-app prints on stderr for a failing script line (Genie's own errors, the app's "Failed to ...")
-ERROR = re.compile(r"^\s*(\[ERROR\].*|ERROR\b.*|Error\b.*|Failed to .*|.*\bfailed\b.*|Unknown command.*|"
-                   r"CANNOT LINK.*|.*No such file.*)$", re.M)
 #: runtime options a bundle takes (where and how it runs); everything else was fixed when it was written
 RUNTIME_OPTIONS = {"target", "sdk_root", "ndk_root", "device", "adb", "adb_timeout", "timeout"}
 
@@ -117,9 +113,10 @@ class BundlePhone:
         seconds = time.perf_counter() - t0
         stdout = res.stdout.decode("utf-8", "replace") if isinstance(res.stdout, bytes) else res.stdout
         stderr = res.stderr.decode("utf-8", "replace") if isinstance(res.stderr, bytes) else res.stderr
-        errors = [m.group(0).strip() for m in ERROR.finditer(stderr or "")]
+        errors = genie_app.app_errors(stderr)  # genie-app's error lines, its colour codes dropped
         if errors or res.returncode != 0:
-            line = errors[0] if errors else ((stderr or "").strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+            plain = genie_app.ANSI.sub("", stderr or "").strip()
+            line = errors[0] if errors else (plain.splitlines() or [f"exit status {res.returncode}"])[-1]
             raise BackendError(self.explain(f"{what}: {line}"))
         return stdout or "", seconds
 

@@ -7,7 +7,8 @@
   float graph on the CPU over the reference pipeline's prompt embeddings of the calibration images (the demo image
   when none are given), prefill then greedy decode;
 * the parts decoder: the same host loop over the float part graphs (`parts_calibration_feeds`), once with
-  the prompt graphs and once with the token graphs, the attention mask clipped at `MASK_CLIP`.
+  the prompt graphs, once with the token graphs and, when compiled, once with the follow-up prompt graphs (their
+  own export at fewer rows), the attention mask clipped at `MASK_CLIP`.
 
 `Reader` hands feeds to onnxruntime's calibrators; `spill_feeds` / `load_feeds` keep a graph's
 feeds on disk until that graph is quantized.
@@ -225,8 +226,23 @@ class CpuGraph:
         return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
 
 
-def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context) -> tuple[dict, str]:
-    """{(part index, "prompt"|"token"): [feeds]} recorded from the float part graphs on the CPU, and a label."""
+def parts_graph_sets(src_dir: Path, desc: dict, followup: tuple[Path, dict] | None = None) -> list[tuple]:
+    """``(kind, rows, [float ONNX file per part])`` of each graph set to calibrate: the prompt graphs, the token
+    graphs and, with ``followup`` (the follow-up export's directory and ``parts.json``), its prompt graphs as
+    "followup"."""
+    sets = [(kind, desc["ar"] if kind == "prompt" else 1, [src_dir / p["graphs"][kind]["file"] for p in desc["parts"]])
+            for kind in ("prompt", "token")]
+    if followup is not None:
+        fu_dir, fdesc = followup
+        sets.append(("followup", fdesc["ar"], [fu_dir / p["graphs"]["prompt"]["file"] for p in fdesc["parts"]]))
+    return sets
+
+
+def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
+                            followup: tuple[Path, dict] | None = None) -> tuple[dict, str]:
+    """{(part index, "prompt"|"token"|"followup"): [feeds]} recorded from the float part graphs on the CPU, and a
+    label. Each graph set runs the host loop alone: the prompts in chunks of its rows, then greedy steps through
+    it (so the follow-up graphs see calls on a filled past, as a conversation's next turn gives them)."""
     from vlmrun_qualcomm.genie_config import GenieModel
 
     from .genie_engine import GenieLayoutDecoder
@@ -238,11 +254,11 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context) ->
     embeds = [f["inputs_embeds"][:, : max(1, ctx - ar - GEN_STEPS)].astype(np.float32)
               for f in context.reference_inputs(files or None, prompts)]
     out: dict = {}
-    for kind, rows in (("prompt", ar), ("token", 1)):
-        steps = PROMPT_GEN_STEPS if kind == "prompt" else GEN_STEPS
+    for kind, rows, paths in parts_graph_sets(src_dir, desc, followup):
+        steps = GEN_STEPS if kind == "token" else PROMPT_GEN_STEPS
         calls = sum(-(-e.shape[1] // rows) + steps for e in embeds)
         keep = set(np.unique(np.linspace(0, calls - 1, min(calls, MAX_SAMPLES)).round().astype(int)).tolist())
-        runners = [CpuGraph(src_dir / p["graphs"][kind]["file"]) for p in desc["parts"]]
+        runners = [CpuGraph(path) for path in paths]
         chain = Chain(runners, keep, MASK_CLIP)
         dec = GenieLayoutDecoder({rows: chain, 1: chain}, ctx, facts, min_chunk=1)  # only this AR is picked
         for e in embeds:
@@ -258,9 +274,10 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context) ->
         del runners, chain
     what = f"images:{len(files)}" if files else "demo image"
     n = {k: len(v) for k, v in out.items() if k[0] == 1}
+    fu = f" / {n[(1, 'followup')]} follow-up" if (1, "followup") in n else ""
     label = (f"{what} x {len(embeds)} prompt(s): reference (ort_reference) prompt embeddings through the float part"
              f" graphs on the CPU (prefill + {GEN_STEPS} greedy steps, prompt graphs and token graphs separately);"
-             f" {n.get((1, 'prompt'), 0)} prompt / {n.get((1, 'token'), 0)} token feeds per part; mask clipped"
+             f" {n.get((1, 'prompt'), 0)} prompt / {n.get((1, 'token'), 0)} token{fu} feeds per part; mask clipped"
              f" at {MASK_CLIP:g}")
     return out, label
 

@@ -52,8 +52,10 @@ def rope_tables(facts: genie_config.GenieModel, ctx: int) -> tuple[np.ndarray, n
 class GenieLayoutDecoder(FixedKVDecoder):
     """The host loop of `FixedKVDecoder` over the Genie-layout graphs, feeding them exactly what Genie
     feeds: an additive mask whose first C-AR columns are the past slots and last AR columns this call's rows,
-    cos/sin rows of the positions, keys [KV,1,D,C-AR] and values [KV,1,C-AR,D]. Only the state layout and the
-    graph I/O (``reset``, ``_step``) differ."""
+    cos/sin rows of the positions, keys [KV,1,D,C-AR] and values [KV,1,C-AR,D]. The state layout and the
+    graph I/O (``reset``, ``_step``) differ, and the choice of graph (`_pick`): with more than one prompt graph (the
+    parts form's AR-128 and its follow-up AR-32) the smallest that covers the rows left. ``steps``: the calls made
+    per AR."""
 
     def __init__(self, graphs: dict[int, object], ctx: int, facts: genie_config.GenieModel, min_chunk: int = 2):
         self.graphs = dict(sorted(graphs.items()))
@@ -62,6 +64,17 @@ class GenieLayoutDecoder(FixedKVDecoder):
         self.ctx, self.facts, self.min_chunk = int(ctx), facts, min_chunk
         self.cos, self.sin = rope_tables(facts, self.ctx)
         self.steps = {ar: 0 for ar in self.graphs}
+
+    def _pick(self, left: int) -> int:
+        """The AR of the next call for ``left`` rows: the smallest prompt graph that takes them all in one call,
+        else the largest (a chunk), among those that fit the context and are worth a call (``left`` >= its AR or
+        ``min_chunk``); AR-1 when none is. With one prompt graph this is `FixedKVDecoder._pick`."""
+        fits = [ar for ar in self.graphs
+                if ar > 1 and left >= min(ar, self.min_chunk) and self.n_past + ar <= self.ctx]
+        if not fits:
+            return 1
+        covering = [ar for ar in fits if ar >= left]
+        return min(covering) if covering else max(fits)
 
     def reset(self):
         f, c = self.facts, self.ctx

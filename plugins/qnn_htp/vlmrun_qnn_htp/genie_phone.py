@@ -28,6 +28,12 @@ as its tokenization can no longer change. Errors come from genie-t2t-run's stder
 the generated text; a device error keeps Genie's own text and says what to check. Genie's profile (pulled after the
 run) becomes the handle's ``last_timings``. A binary newer than the phone's QNN (the SDK's) is refused before any
 push (`.netrun.check_runtime`).
+
+Conversations (`GeniePhone.dialog_state`): when the SDK has ``bin/aarch64-android/genie-app`` it is pushed too, and
+a conversation's turns run as genie-app dialog scripts that keep Genie's state on the phone between turns
+(`vlmrun_qualcomm.genie_app.AppDialogState`: ``dialog restore`` of the previous turn's saved state, ``dialog
+embeddingQuery`` of the turn's new rows only, text and picture rows alike, then ``dialog save``). Without genie-app
+(``GeniePhone.no_state`` says so) every turn runs from the start through genie-t2t-run.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from vlmrun.errors import BackendError, InputError
 from vlmrun.stages import ExportForm
 from vlmrun_qualcomm import genie, genie_t2t
 from vlmrun_qualcomm.adb import Adb
-from vlmrun_qualcomm.sdk import Sdk
+from vlmrun_qualcomm.genie_app import APP, AppDevice, AppDialogState
+from vlmrun_qualcomm.sdk import ANDROID, Sdk
 
 from .netrun import REMOTE_ROOT, check_runtime, phone_sdk
 
@@ -70,6 +77,12 @@ def device_files(sdk: Sdk, soc, ndk_root=None) -> dict[str, Path]:
     """What genie-t2t-run needs on the phone's HTP, ``{name on the phone: local file}`` in push order; one
     BackendError line naming every missing SDK file and where vlmrun looked."""
     return sdk.require_genie_htp(soc.arch, ndk_root, why=WHY)
+
+
+def sdk_app(sdk: Sdk) -> Path | None:
+    """The SDK's genie-app for the phone (what keeps a conversation's state there), or None."""
+    app = sdk.root / "bin" / ANDROID / APP if sdk.root else None
+    return app if app is not None and app.is_file() else None
 
 
 def lut_raw(ctx) -> Path:
@@ -101,7 +114,10 @@ def attach(handle, ctx, opts: dict, soc):
     lut = lut_raw(ctx)
     adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
     handle.phone = GeniePhone(handle, files=files, adb=adb, soc=soc, lut=lut,
-                              timeout=float(o.get("timeout") or 600))
+                              timeout=float(o.get("timeout") or 600), app=sdk_app(sdk))
+    if handle.phone.app is None:
+        handle.phone.no_state = (f"the QAIRT SDK at {sdk.root} has no bin/{ANDROID}/{APP}: each turn of a"
+                                 " conversation runs from the start")
     handle.runtime_name = None  # genie-t2t-run hands out no logits: a diff judges its tokens by the engine's
     handle.load_s = float(getattr(handle, "load_s", 0.0) or 0.0) + handle.phone.load_s
     return handle
@@ -181,10 +197,11 @@ class GeniePhone:
     """genie-t2t-run on the phone's HTP for one decoder handle. Construction pushes what every query needs."""
 
     def __init__(self, handle, *, files: dict[str, Path], adb: Adb, soc, lut: Path, timeout: float = 600.0,
-                 remote_dir: str = REMOTE_DIR):
+                 remote_dir: str = REMOTE_DIR, app: Path | None = None):
         self.adb, self.soc, self.rd, self.timeout = adb, soc, remote_dir, float(timeout)
         self.artifacts = list(handle.artifacts)
-        self.files = dict(files)
+        self.app, self.no_state = app, ""
+        self.files = {**dict(files), **({APP: Path(app)} if app is not None else {})}
         self.placed: dict[str, Path] = {}  # remote name (relative to rd) -> the local file it holds
         self._dirs: set[str] = set()
         self.last_command = ""
@@ -192,7 +209,8 @@ class GeniePhone:
         adb.mkdir(self.rd)
         for name, path in self.files.items():
             self.place(path, name)
-        adb.shell(["chmod", "755", f"{self.rd}/{EXE}"], what="adb shell chmod")
+        adb.shell(["chmod", "755", *[f"{self.rd}/{x}" for x in (EXE, APP) if x in self.files]],
+                  what="adb shell chmod")
         for local in handle.ctx_bins:
             self.place(Path(local), self.bin_name(local))
         self.place(Path(handle.model.path) / "tokenizer.json", TOKENIZER)
@@ -253,6 +271,16 @@ class GeniePhone:
     def explain(self, message: str) -> str:
         """A genie-t2t-run failure line plus what to check for a known device error (still one line)."""
         return explain(message, self.soc.name, self.soc.arch, self.rd)
+
+    def dialog_state(self, handle) -> AppDialogState | None:
+        """A conversation's state kept on the phone by genie-app's dialog commands, or None without genie-app (the
+        reason in ``no_state``)."""
+        if self.app is None:
+            return None
+        device = AppDevice(self.adb, self.rd, LUT_NAME, self.env(), self.timeout, self.explain)
+        return AppDialogState(device, lambda request: self.remote_config(handle.config(request)),
+                              hidden=int(handle.model.hidden_size), tokenizer=handle.model.tokenizer,
+                              context_length=int(handle.context_length))
 
     def generate(self, handle, request) -> Iterator[int]:
         """One query: token ids as genie-t2t-run's text streams in; ``handle.last_timings`` from Genie's profile."""

@@ -30,6 +30,9 @@ DEFAULT_EMBED_SEQ = 32
 PARTS_ALIASES = {"a16w8": "w8a16"}  # the fixed form's name for the parts form's recipe
 SHARING = ("auto", "on", "off")
 DEFAULT_PARTS_PREFILL_AR = 128
+#: the parts form's follow-up prompt graph (AR-32 beside AR-128 and AR-1): a conversation's next turn (20-30 new
+#: positions) costs one AR-32 call instead of an AR-128 one (docs/measured.md, "Conversations")
+DEFAULT_FOLLOWUP_AR = 32
 
 
 def default_form(precision: str) -> str:
@@ -147,6 +150,8 @@ def compile_key(opts: dict) -> dict:
     keep = ("precision", "soc", "calibration", "weight_sharing", "part_limit_mb")  # the last two: parts form
     key = {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
     key.update({k: opts[k] for k in RECIPE_KEYS if k in opts})  # a recipe other than the default
+    if opts.get("followup_source"):  # parts form: the export of the follow-up prompt graph compiled in beside
+        key.update(followup_ar=opts["followup_ar"], followup_source=opts["followup_source"])
     if opts.get("embeds_input", "float") != "float":  # a bundle's decoder: quantized embeddings in
         key["embeds_input"] = opts["embeds_input"]
     if opts.get("toolchain") == "sdk":  # the SDK's tools, its QNN version (the onnxruntime default keys as before)
@@ -212,6 +217,7 @@ def parts_options(o: dict, precision: str) -> dict:
     parse_embeds_input(embeds)  # UsageError for a bad value, before any work
     return {"precision": precision, "weight_sharing": resolve_sharing(sharing, o.get("compiler")), "parts": parts,
             "part_limit_mb": limit, "prefill_ar": int(o.get("prefill_ar") or DEFAULT_PARTS_PREFILL_AR),
+            "followup_ar": int(DEFAULT_FOLLOWUP_AR if o.get("followup_ar") is None else o["followup_ar"]),
             "embeds_input": embeds}
 
 

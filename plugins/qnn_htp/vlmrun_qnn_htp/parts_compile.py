@@ -4,8 +4,11 @@ Form (export ``decoder/parts``, `vlmrun_ort_reference.decoder_parts`; plan: `vlm
 
 * the decoder split into P parts of consecutive layers, the last part with the final norm and the lm_head;
 * each part as two graphs in Genie's I/O layout: "prompt" (AR-N rows, default 128, capped at the hidden size
-  because Genie reads AR from embedding inputs as elements / largest dim) and "token" (AR-1), both at one fixed
-  context C; inputs ``inputs_embeds`` (first part) or ``residual_{lo}`` (the residual stream from the previous
+  because Genie reads AR from embedding inputs as elements / largest dim) and "token" (AR-1), all at one fixed
+  context C, and with ``followup_ar`` (default 32) a third, "followup": a second prompt graph of fewer rows
+  (AR-32), the prompt graph of the same export at that AR (`parts_artifact` exports it and names it in the compile
+  options, ``followup_source``), so that a short prompt such as a conversation's next turn costs one small call
+  (`.genie_engine.GenieLayoutDecoder` picks the smallest graph covering the rows left); inputs ``inputs_embeds`` (first part) or ``residual_{lo}`` (the residual stream from the previous
   part), ``attention_mask`` [1,T,C], ``position_ids_cos``/``_sin``, the part's past keys (transposed,
   [KV,1,D,C-T]) and values; outputs only the NEW keys/values of the part's layers, plus ``residual_{hi}`` or,
   from the last part, ``logits``;
@@ -14,8 +17,9 @@ Form (export ``decoder/parts``, `vlmrun_ort_reference.decoder_parts`; plan: `vlm
 * precision ``fp16``, ``w8a16`` or ``w4a16``: 16-bit activations with int8 or int4 weights, quantized by the stage's
   recipe (`.quantizer`: onnxruntime per-channel, or AIMET with LPBQ / Sequential MSE / AdaRound).
   Calibration (`.calibration.parts_calibration_feeds`): the host loop over the float part graphs on the CPU;
-* ``weight_sharing``: ``on`` puts each part's prompt and token graphs in ONE context binary that holds the
-  weights once (onnxruntime-qnn ``ep.share_ep_contexts``: one ``.bin`` per part, two ``_ctx.onnx`` wrappers);
+* ``weight_sharing``: ``on`` puts each part's graphs (prompt, token, followup) in ONE context binary that holds
+  the weights once (onnxruntime-qnn ``ep.share_ep_contexts``: one ``.bin`` per part, a ``_ctx.onnx`` wrapper per
+  graph);
   ``off`` compiles each graph into its own binary (the same graphs, the weights twice). ``auto`` (default) is
   ``on`` except on the x86_64 HTP emulator, which cannot load weight-shared binaries (`.parts_run`).
 
@@ -36,18 +40,77 @@ from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
 from vlmrun_qualcomm.parts import DEFAULT_PART_LIMIT_MB, check_part_limits, graph_digest, weight_bytes
 
+from vlmrun.stages import ExportForm
+
 from . import calibration, ep, image_encoder
 from .genie_names import genie_name, rename_graph, rewrite_wrapper
 from .layers import LAYER_OPTIONS, part_keep
 from .memory import peak_rss_mb, release_memory
+from .options import NAME, compiled_artifact, parts_plan
 from .quantizer import quantize
 from .recipe import from_key
 
 GRAPHS = ("prompt", "token")
+FOLLOWUP = "followup"  # the smaller prompt graph of a part (``followup_ar`` rows), when compiled
+
+
+def parts_form(plan: dict, ar: int, opts: dict) -> ExportForm:
+    """The ``decoder/parts`` export of ``plan`` (`.options.parts_plan`) with prompt graphs of ``ar`` rows."""
+    return ExportForm.of("decoder", "decoder/parts", ar=ar, ctx=plan["ctx"], layers=",".join(map(str, plan["layers"])),
+                         rmsnorm=opts.get("rmsnorm") or "safe")
+
+
+def parts_artifact(ctx, opts: dict):
+    """The decoder's compiled parts artifact through the store (``ctx``: the stage's context): the export at the
+    plan's AR and, when the plan has a follow-up AR, the prompt graphs of the same export at that AR compiled into
+    the same artifact (the export's store name is passed as ``followup_source``: it keys the binary too). Another
+    compiler (``--compiler qaihub``) compiles the prompt and token graphs only: it is not asked for the third."""
+    plan = parts_plan(ctx.model, opts)
+    if plan["followup_ar"] and str(ctx.options.get("compiler") or NAME) == NAME:
+        followup = ctx.exported(parts_form(plan, plan["followup_ar"], opts))
+        opts = {**opts, "followup_ar": plan["followup_ar"], "followup_source": followup.path.name}
+    return compiled_artifact(ctx, "decoder", opts, parts_form(plan, plan["ar"], opts))
+
+
+def followup_export(source, options: dict, desc: dict) -> tuple[Path | None, dict | None]:
+    """(directory, ``parts.json``) of the follow-up prompt graphs' export named by ``options["followup_source"]``
+    (an artifact beside ``source`` in the store), or ``(None, None)`` without one; BackendError when it is missing
+    or was not split as ``desc``."""
+    name = options.get("followup_source")
+    if not name:
+        return None, None
+    path = Path(source.path).parent / str(name)
+    if not (path / "parts.json").is_file():
+        raise BackendError(f"the follow-up prompt graphs' export {name} is not in the store beside {source.path.name};"
+                           " compile the decoder through its layout (vlmrun compile) or with followup_ar = 0")
+    fdesc = json.loads((path / "parts.json").read_text())
+    if (fdesc["ctx"], fdesc["layers"]) != (desc["ctx"], desc["layers"]):
+        raise BackendError(f"the follow-up export {name} (context {fdesc['ctx']}, layers {fdesc['layers']}) is not split"
+                           f" as the decoder's (context {desc['ctx']}, layers {desc['layers']})")
+    return path, fdesc
+
+
+def graph_sources(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict:
+    """``{kind: (ONNX file, rows, Genie name)}`` of part ``p``'s graphs: prompt, token and, with a follow-up export,
+    its prompt graph of the same part as "followup"."""
+    out = {kind: (src_dir / p["graphs"][kind]["file"], p["graphs"][kind]["ar"], p["graphs"][kind]["name"])
+           for kind in GRAPHS}
+    if fu_dir is not None:
+        g = fdesc["parts"][p["index"] - 1]["graphs"]["prompt"]
+        out[FOLLOWUP] = (fu_dir / g["file"], g["ar"], g["name"])
+    return out
+
+
+def binary_names(k: int, P: int, kinds, share: bool) -> list[str]:
+    """The binary of each graph of part ``k`` in ``kinds`` order: one per part when weight-shared, else one per
+    graph."""
+    return [f"part{k}_of_{P}_qnn.bin" if share else f"part{k}_of_{P}_{kind}_qnn.bin" for kind in kinds]
 
 
 def _layers(options: dict, k: int, kind: str) -> dict:
-    """This graph's entries of the per-layer options (``keep_fp``, ``keep_a16w16``, ``keep_w8``, ``keep_w4``)."""
+    """This graph's entries of the per-layer options (``keep_fp``, ``keep_a16w16``, ``keep_w8``, ``keep_w4``); the
+    follow-up graph takes the prompt graph's (the same module exported at fewer rows: the same node names)."""
+    kind = "prompt" if kind == FOLLOWUP else kind
     return {o: e for o in LAYER_OPTIONS if (e := part_keep(options.get(o), k, kind))}
 
 
@@ -75,6 +138,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     if desc.get("probe_part"):  # one part's probe graph (vlmrun diff --locate)
         return compile_part_probe(model, source, options, out_dir, context=context)
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
+    fu_dir, fdesc = followup_export(source, options, desc)
     limit = int(options.get("part_limit_mb") or DEFAULT_PART_LIMIT_MB) * 1_000_000
     work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-parts-"))
     extra: dict = {}
@@ -84,8 +148,9 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         if recipe is not None:
             t0 = time.perf_counter()
             files = calibration.calibration_files(options.get("calibration_images"))
+            followup = (fu_dir, fdesc) if fu_dir is not None else None
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
-                                                               calibration.require_context(context))
+                                                               calibration.require_context(context), followup)
             # on disk until their graph is quantized: only one graph's feeds are in memory at a time
             feeds = {key: calibration.spill_feeds(f, work / f"feeds_part{key[0]}_{key[1]}.npz")
                      for key, f in feeds.items()}
@@ -96,11 +161,14 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], None, None, {}
         graphs = []
         compile_s = 0.0
+        graph_s: dict = {}
         for p in desc["parts"]:
             k = p["index"]
+            sources = graph_sources(src_dir, p, fu_dir, fdesc)
+            kinds = list(sources)
             srcs = {}
-            for kind in GRAPHS:
-                srcs[kind] = src_dir / p["graphs"][kind]["file"]
+            for kind in kinds:
+                srcs[kind] = sources[kind][0]
                 if recipe is not None:
                     t0 = time.perf_counter()
                     dst = work / f"part{k}_{kind}.qdq.onnx"
@@ -111,17 +179,19 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                     release_memory()
                     quant_s += time.perf_counter() - t0
             if embeds is not None and k == 1:  # a bundle's decoder: the embeddings come in quantized (uint16)
-                for kind in GRAPHS:
+                for kind in kinds:
                     dst = work / f"part{k}_{kind}.embeds16.onnx"
                     image_encoder.with_quantized_input(srcs[kind], dst, embeds, "inputs_embeds")
                     srcs[kind] = dst
             t0 = time.perf_counter()
             entry = {"index": k, "layers": p["layers"], "graphs": {}, "binaries": [],
                      "source_sha256": {kind: graph_digest(srcs[kind]) for kind in srcs}}
-            for i, kind in enumerate(GRAPHS):
+            for i, kind in enumerate(kinds):
                 wrapper = out_dir / f"part{k}_of_{P}_{kind}_ctx.onnx"
                 what = f"decoder part {k}/{P} {kind} graph ({precision})"
-                _compile(srcs[kind], wrapper, soc, share, i == 1, what)
+                t_graph = time.perf_counter()
+                _compile(srcs[kind], wrapper, soc, share, i == len(kinds) - 1, what)
+                graph_s[kind] = graph_s.get(kind, 0.0) + time.perf_counter() - t_graph
                 release_memory()
                 q_peaks[f"part{k}_{kind}_qnn_compile"] = peak_rss_mb()
                 info = describe_ctx_onnx(wrapper)
@@ -129,18 +199,17 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
                     raise BackendError(f"{what}: expected one EPContext graph on QNN, got {info['graphs']}"
                                        f" ({', '.join(info['non_qnn_nodes'][:3]) or 'no other nodes'})")
                 entry["graphs"][kind] = {"wrapper": wrapper.name, "ort_graph": info["graphs"][0],
-                                         "binary": info["binaries"][0], "ar": p["graphs"][kind]["ar"],
+                                         "binary": info["binaries"][0], "ar": sources[kind][1],
                                          "inputs": info["inputs"], "outputs": info["outputs"]}
             compile_s += time.perf_counter() - t0
             # name the binaries and the graphs as Genie wants them
-            names = ([f"part{k}_of_{P}_qnn.bin"] * 2 if share else
-                     [f"part{k}_of_{P}_prompt_qnn.bin", f"part{k}_of_{P}_token_qnn.bin"])
-            for kind, new_bin in zip(GRAPHS, names):
+            names = binary_names(k, P, kinds, share)
+            for kind, new_bin in zip(kinds, names):
                 g = entry["graphs"][kind]
                 if (out_dir / g["binary"]).exists() and g["binary"] != new_bin:
                     (out_dir / g["binary"]).rename(out_dir / new_bin)
                 g["binary"] = new_bin
-                g["name"] = genie_name(p["graphs"][kind]["name"], g["ort_graph"])
+                g["name"] = genie_name(sources[kind][2], g["ort_graph"])
                 rename_graph(out_dir / new_bin, g["ort_graph"], g["name"])
                 rewrite_wrapper(out_dir / g["wrapper"], g["name"], new_bin)
                 wrappers.append(g["wrapper"])
@@ -157,7 +226,9 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     first, last = parts[0]["graphs"]["prompt"], parts[-1]["graphs"]["prompt"]
     extra["decoder_parts"] = {
         "ar": ar, "ctx": ctx, "parts": parts, "count": P, "layers": desc["layers"],
-        "weight_sharing": share, "graphs_per_binary": 2 if share else 1,
+        "followup_ar": fdesc["ar"] if fdesc else 0, "graph_compile_s": {k: round(v, 3) for k, v in graph_s.items()},
+        "graph_bytes": graph_bytes(out_dir, parts, share),
+        "weight_sharing": share, "graphs_per_binary": len(parts[0]["graphs"]) if share else 1,
         "binaries_in_order": binaries, "total_bytes": total, "limit_bytes": limit,
         "weight_bytes": weights, "bytes_over_weights": round(total / weights, 4),
         "loads_on_emulator": not share,
@@ -177,6 +248,18 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         compile_s=round(compile_s, 3), binary_bytes={b: (out_dir / b).stat().st_size for b in binaries},
         extra={**extra, "compile_wall_s": round(time.perf_counter() - t_all, 3)},
     ).to_dict()
+
+
+def graph_bytes(out_dir: Path, parts: list[dict], share: bool) -> dict | None:
+    """Bytes of each graph kind over the parts (what the follow-up graph costs), when each graph has its own
+    binary; ``None`` when weight-shared (the kinds share their part's binary)."""
+    if share:
+        return None
+    out: dict = {}
+    for e in parts:
+        for kind, g in e["graphs"].items():
+            out[kind] = out.get(kind, 0) + (out_dir / g["binary"]).stat().st_size
+    return out
 
 
 def _compile(src: Path, wrapper: Path, soc, share: bool, stop: bool, what: str) -> None:

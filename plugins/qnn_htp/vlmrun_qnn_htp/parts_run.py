@@ -87,11 +87,12 @@ class HtpGraph:
 
 
 def open_chains(artifact, soc) -> tuple[dict, float]:
-    """{AR: a chain running every part's graph of that AR on the local HTP}, load seconds."""
+    """{AR: a chain running every part's graph of that AR on the local HTP}, load seconds: the prompt, token and
+    (when compiled) follow-up graphs."""
     d = artifact.manifest["decoder_parts"]
     check_loadable(artifact.manifest)
     chains, load_s = {}, 0.0
-    for kind in ("prompt", "token"):
+    for kind in d["parts"][0]["graphs"]:
         runners = []
         for p in d["parts"]:
             g = p["graphs"][kind]
@@ -105,8 +106,9 @@ def open_chains(artifact, soc) -> tuple[dict, float]:
 
 class PartsHandle(DecoderHandle):
     """The decoder stage in the parts form, run by the host engine (``decoder``: vlmrun's loop over every part's
-    graphs). Sessions open on first use, so compiling, and refusing a weight-shared binary the emulator cannot
-    load, happen without opening them."""
+    graphs; a prompt's rows go to the smallest prompt graph covering them, `.genie_engine.GenieLayoutDecoder`).
+    Sessions open on first use, so compiling, and refusing a weight-shared binary the emulator cannot load, happen
+    without opening them. ``calls_per_ar``: the graph calls the host engine made, per AR."""
 
     def __init__(self, model, artifact, soc):
         from vlmrun_qualcomm import genie_config
@@ -124,6 +126,11 @@ class PartsHandle(DecoderHandle):
     @property
     def context_length(self) -> int:
         return self.ctx
+
+    @property
+    def calls_per_ar(self) -> dict[int, int]:
+        """``{AR: calls}`` of the host engine since the handle opened its graphs (none before)."""
+        return dict(self._host.steps) if self._host is not None else {}
 
     @property
     def decoder(self):

@@ -1,6 +1,7 @@
 """The SDK's `genie-t2t-run` (QAIRT): its command line, checked against the tool's own flag rules, and its output
 read into the generated text, an error or the context limit. The tool runs on this host (`run_t2t`) or over adb
-(the caller runs it and hands its output to `finish_t2t`); the caller names the executable.
+(the caller runs it and hands its output to `finish_t2t`); the caller names the executable. (genie-app's
+dialog, which keeps a conversation on a phone between turns, is `genie_app`.)
 
 The contract: `-c CFG (-p P | --prompt_file F | -e EMB[,T,S,O] [-t LUT] | -tok F)
 [--embedding_query_output_type text|token] [--profile FILE] [--log LEVEL]`; `-t` needs `-e`, `-e` excludes

@@ -62,7 +62,8 @@ def split_layers(model, precision: str, parts: int) -> list[int]:
 
 
 def plan(model, opts: dict) -> dict:
-    """The parts, AR and context the form is exported with (the ``decoder/parts`` export params)."""
+    """The parts, AR and context the form is exported with (the ``decoder/parts`` export params), and the AR of the
+    follow-up prompt graph (``followup_ar``, 0 = none: `followup_ar`)."""
     precision, limit = opts["precision"], opts["part_limit_mb"] * 1_000_000
     parts = opts["parts"]
     if not parts:
@@ -79,7 +80,15 @@ def plan(model, opts: dict) -> dict:
     # AR <= hidden: Genie reads AR from an embedding input as elements / largest dim; AR < ctx / 2: with the
     # prompt graph's past as long as its rows (AR = ctx / 2) Genie decoded wrong tokens on the emulator
     ar = max(2, min(int(opts["prefill_ar"]), model.hidden_size, (ctx - 1) // 2))
-    return {"layers": counts, "ar": ar, "ctx": ctx}
+    return {"layers": counts, "ar": ar, "ctx": ctx, "followup_ar": followup_ar(opts.get("followup_ar"), ar)}
+
+
+def followup_ar(asked, ar: int) -> int:
+    """The rows of the follow-up prompt graph: a second, smaller prompt graph per part for prompts shorter than it
+    (a conversation's next turn), beside the AR-``ar`` one; 0 (none) when ``asked`` is 0 or not below ``ar``, or
+    under 2 (AR-1 is the token graph already)."""
+    n = int(asked or 0)
+    return n if 2 <= n < ar else 0
 
 
 def weight_bytes(model, precision: str) -> int:

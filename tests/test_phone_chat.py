@@ -1,0 +1,165 @@
+"""Conversations on a phone: Genie's dialog state kept there between turns by genie-app's dialog commands (the
+decoder through Genie on the phone's HTP, qnn_htp engine genie with ``--target android``). Each turn is one genie-app
+script that restores the state the previous turn saved, queries only the turn's new rows and saves the new state.
+Stand-ins for adb, genie-app and genie-t2t-run (tests/standins/) enforce the tools' files and script lines; with
+``STANDIN_GENIE_TEXT=@model`` both Genie stand-ins answer with tokens that follow from every row the dialog holds
+(tests/standins/genie_model.py), so a continued conversation equals the one computed from scratch only when the
+state on the phone holds exactly the conversation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime_qnn")
+
+from vlmrun import GenerationSettings, Pipeline  # noqa: E402
+from vlmrun.errors import BackendError  # noqa: E402
+from vlmrun_qualcomm.genie_app import dialog_script  # noqa: E402
+
+from test_genie_phone import RD, STANDINS, layout, phone  # noqa: E402,F401 (the phone fixture)
+
+QUESTIONS = ["Describe the image.", "What color is the shape?", "What shape is it?"]
+SETTINGS = GenerationSettings(max_new_tokens=8)
+
+
+@pytest.fixture
+def chat_phone(phone, monkeypatch):  # noqa: F811
+    """The phone with the SDK's genie-app, both Genie stand-ins answering from what the dialog holds."""
+    (Path(phone["sdk_root"]) / "bin" / "aarch64-android" / "genie-app").symlink_to(STANDINS / "genie-app")
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", "@model")
+    monkeypatch.setenv("STANDIN_GENIE_APP_LOG", str(phone["tmp"] / "app.json"))
+    return phone
+
+
+@pytest.fixture
+def chat_pipe(chat_phone, tiny_model, store):
+    return Pipeline.build(tiny_model, layout(chat_phone, decoder_only=True, context_length=256), store=store)
+
+
+def app_script(where) -> list[str]:
+    return json.loads((where["tmp"] / "app.json").read_text())["script"]
+
+
+def converse(pipe, image, keep_state=True, questions=QUESTIONS, where=None):
+    chat = pipe.chat(settings=SETTINGS, keep_state=keep_state)
+    turns, scripts = [], []
+    for i, q in enumerate(questions):
+        g = chat.ask(q, image=image if i == 0 else None).run()
+        turns.append(g)
+        if where is not None:
+            scripts.append(app_script(where))
+    return chat, turns, scripts
+
+
+def script_of(d: str, n: int, restore: int | None = None) -> list[str]:
+    return dialog_script(f"{d}/genie_config.json", f"{d}/turn_{n}.raw", "embed_lut_f32.raw", f"{d}/turn_{n}",
+                         f"{d}/turn_{restore}" if restore else None).splitlines()
+
+
+def test_a_phone_keeps_the_conversation_between_turns(chat_phone, chat_pipe, image_path):
+    device = chat_phone
+    chat, kept, scripts = converse(chat_pipe, image_path, where=device)
+    assert chat.keeps_state
+    _, scratch, _ = converse(chat_pipe, image_path, keep_state=False)
+    # the same tokens as the conversation computed from scratch (genie-t2t-run over every row, each turn)
+    assert [(g.text, g.token_ids) for g in kept] == [(g.text, g.token_ids) for g in scratch]
+    assert len({g.text for g in kept}) == 3 and all(g.token_ids for g in kept)  # answers that follow the history
+    state = chat.kept.state
+    d = state.dir
+    # turn 1: a new dialog; turn n: restores turn n-1's state and queries only the turn's new rows
+    assert scripts == [script_of(d, 1), script_of(d, 2, 1), script_of(d, 3, 2)]
+    on_phone = device["dir"] / d
+    for n, g in enumerate(kept, start=1):
+        rows = np.fromfile(on_phone / f"turn_{n}.raw", np.float32).reshape(-1, chat_pipe.model.hidden_size)
+        assert rows.shape[0] == g.timings["prefill_tokens"] and np.array_equal(rows, g.tensors["inputs_embeds"][0])
+        assert json.loads((on_phone / f"turn_{n}" / "dialog.json").read_text())["n-past"] == \
+            g.timings["prefill_tokens"] + g.timings["reused_tokens"] + len(g.token_ids)
+    assert [g.timings["reused_tokens"] for g in kept][0] == 0 and all(g.timings["reused_tokens"] > 0 for g in kept[1:])
+    assert all(g.timings["reused_tokens"] == 0 for g in scratch)
+    assert state.length == chat.tokens and [n for n, _ in state.saves] == [
+        g.timings["prefill_tokens"] + g.timings["reused_tokens"] + len(g.token_ids) for g in kept]
+    assert state.device_bytes > 0 and chat.kept.nbytes > state.rows.nbytes
+    # an undo: the next turn restores the state saved before the undone turn, the rows after it fed again
+    chat.undo()
+    again = chat.ask("How many shapes are there?").run()
+    assert app_script(device) == script_of(d, 4, 2)
+    assert not (on_phone / "turn_3").exists()  # the undone turn's state is gone from the phone
+    fresh, want, _ = converse(chat_pipe, image_path, keep_state=False,
+                              questions=QUESTIONS[:2] + ["How many shapes are there?"])
+    assert (again.text, again.token_ids) == (want[-1].text, want[-1].token_ids)
+    chat.reset()
+    assert not on_phone.exists() and state.length == 0
+
+
+def test_a_saved_state_gone_from_the_phone_is_a_clear_error(chat_phone, chat_pipe, image_path):
+    import shutil
+
+    chat, kept, _ = converse(chat_pipe, image_path, questions=QUESTIONS[:2])
+    d = chat.kept.state.dir
+    shutil.rmtree(chat_phone["dir"] / d / "turn_2")  # the phone's /data/local/tmp was cleared
+    with pytest.raises(BackendError) as err:
+        chat.ask(QUESTIONS[2]).run()
+    msg = str(err.value)
+    assert "\n" not in msg and msg == (
+        f"genie-app on standin-0001: Failed to restore. (script line 3) (dialog restore {d}/turn_2): the dialog"
+        f" state saved on the phone after an earlier turn is gone from {RD}; the next turn starts the conversation"
+        " from its beginning")
+    # the next turn starts a new dialog with every row of the conversation, and answers as from scratch
+    again = chat.ask(QUESTIONS[2]).run()
+    assert app_script(chat_phone) == script_of(d, 4)
+    _, scratch, _ = converse(chat_pipe, image_path, keep_state=False)
+    assert (again.text, again.token_ids) == (scratch[-1].text, scratch[-1].token_ids)
+    assert again.timings["prefill_tokens"] == again.prepared.input_ids.shape[1]
+
+
+# -- genie_cpu on a phone (Genie's QnnGenAiTransformer CPU backend) --------------------------------------------
+@pytest.fixture
+def cpu_phone(tmp_path, monkeypatch):
+    from test_genie import NDK_ENVS, fake_ndk, fake_sdk
+
+    sdk = fake_sdk(tmp_path / "sdk", android=True)
+    for env in (*NDK_ENVS, "QNN_SDK_ROOT", "PYTHONPATH", "STANDIN_GENIE_MODE"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("QAIRT_SDK_ROOT", str(sdk))
+    monkeypatch.setenv("ANDROID_NDK_ROOT", str(fake_ndk(tmp_path / "ndk")))
+    monkeypatch.setenv("VLMRUN_ADB", str(STANDINS / "adb"))
+    monkeypatch.setenv("STANDIN_ADB_ROOT", str(tmp_path / "device"))
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", "@model")
+    monkeypatch.setenv("STANDIN_GENIE_APP_LOG", str(tmp_path / "app.json"))
+    return {"sdk": sdk, "tmp": tmp_path, "dir": tmp_path / "device" / "data/local/tmp/vlmrun/genie"}
+
+
+def test_genie_cpu_on_a_phone_keeps_the_conversation_with_genie_app(cpu_phone, tiny_model, store, image_path):
+    from test_genie import layout as cpu_layout
+
+    lay = cpu_layout("genie_cpu", target="android", context_length=256)
+    pipe = Pipeline.build(tiny_model, lay, store=store)
+    assert pipe.handles["decoder"].no_state.endswith("has no bin/aarch64-android/genie-app: each turn of a"
+                                                     " conversation runs from the start")
+    chat = pipe.chat(settings=SETTINGS)
+    assert not chat.keeps_state  # without the SDK's genie-app: every turn from the start (genie-t2t-run)
+    (cpu_phone["sdk"] / "bin" / "aarch64-android" / "genie-app").symlink_to(STANDINS / "genie-app")
+    pipe = Pipeline.build(tiny_model, lay, store=store)
+    handle = pipe.handles["decoder"]
+    assert handle.no_state == ""
+    chat, kept, scripts = converse(pipe, image_path, where=cpu_phone)
+    _, scratch, _ = converse(pipe, image_path, keep_state=False)
+    assert chat.keeps_state and [(g.text, g.token_ids) for g in kept] == [(g.text, g.token_ids) for g in scratch]
+    d = chat.kept.state.dir
+    assert scripts == [script_of(d, 1), script_of(d, 2, 1), script_of(d, 3, 2)]
+    assert all(g.timings["reused_tokens"] > 0 for g in kept[1:])
+    cfg = json.loads((cpu_phone["dir"] / d / "genie_config.json").read_text())["dialog"]
+    assert cfg["engine"]["backend"]["type"] == "QnnGenAiTransformer"
+    assert cfg["engine"]["model"]["library"]["model-bin"] == "model.bin"
+    assert cfg["tokenizer"]["path"] == "tokenizer.json"
+    assert (cpu_phone["dir"] / "genie-app").is_file()
+    # an undo restores the state saved before the undone turn
+    chat.undo()
+    again = chat.ask("How many shapes are there?").run()
+    assert app_script(cpu_phone) == script_of(d, 4, 2)
+    _, want, _ = converse(pipe, image_path, keep_state=False, questions=QUESTIONS[:2] + ["How many shapes are there?"])
+    assert (again.text, again.token_ids) == (want[-1].text, want[-1].token_ids)
