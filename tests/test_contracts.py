@@ -75,3 +75,25 @@ def _image():
     from vlmrun.demo_image import demo_image
 
     return demo_image()
+
+
+def test_filled_defaults_key_and_print_nothing_new(tmp_path):
+    """Artifact keys and printed layouts come from what the layout set: the defaults filled in for the hooks change
+    neither (the store finds the binaries it built before, layouts print as before)."""
+    from test_plugins import spy_registry
+    from vlmrun import layouts
+    from vlmrun.pipeline import StageContext
+    from vlmrun.store import Artifact, ArtifactStore
+
+    reg = spy_registry()
+    source = tmp_path / "export"
+    source.mkdir()
+    ctx = StageContext("qnn_htp", "vision", None, {"compiler": "qaihub"}, ArtifactStore(tmp_path / "store"), reg)
+    assert ctx.options["calibration_samples"] == 8 and ctx.options["soc"] == "SM8750"  # what the hooks read
+    key = ctx.compiled(Artifact(source, {}), {"precision": "fp16"}, "k").manifest["key"]
+    # qaihub's keyed options: its device (derived, as before); calibration_samples at its default keys nothing
+    assert key["compiler_options"] == {"device": "Snapdragon 8 Elite QRD"} and key["options"] == {"precision": "fp16"}
+    checked = layouts.validate(layouts.resolve("all-npu", options={"decoder": {"context_length": "256"}}), load())
+    assert checked.stages["decoder"].options == {"context_length": 256} and checked.stages["vision"].options == {}
+    toml = layouts.layout_toml(checked)  # the backends and context_length only: no default printed
+    assert toml.endswith('[decoder]\nbackend = "qnn_htp"\ncontext_length = 256\n') and toml.count(" = ") == 5

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from vlmrun import hookimpl
 
 THIRD_PARTY = '''
 """A third-party backend living outside the repository: runs the vision stage with its own ORT session."""
@@ -112,10 +113,14 @@ def test_unknown_plugin_and_missing_stage_are_rejected_before_work(plugin_path, 
     assert "backend 'acme_npu' does not support stage 'decoder' (it supports: vision)" in res.stderr
     res = run_cli(["--image", str(image_path), "--prompt", "Hi", "--vision", "broken"], cache_dir, env)
     assert res.returncode == 2 and "failed to load: RuntimeError: boom at import" in res.stderr
-    # presets that name plugins which are not installed fail with the same clear message
+    # presets come from the plugins: one whose plugin is not loaded is unknown, with the presets there are; one
+    # that names another plugin's backend which is not installed fails with the same clear message as a flag
     res = run_cli(["--image", str(image_path), "--prompt", "Hi", "--layout", "hybrid"], cache_dir,
                   {"VLMRUN_PLUGINS": "ort_reference"})
-    assert res.returncode == 2 and "unknown backend plugin 'qnn_htp'" in res.stderr
+    assert res.returncode == 2 and "unknown layout 'hybrid'; presets are: reference " in res.stderr, res.stderr
+    res = run_cli(["--image", str(image_path), "--prompt", "Hi", "--layout", "hybrid"], cache_dir,
+                  {"VLMRUN_PLUGINS": "ort_reference,genie_cpu"})
+    assert res.returncode == 2 and "unknown backend plugin 'qnn_htp'" in res.stderr, res.stderr
 
 
 def test_env_var_restricts_loaded_plugins(on_sys_path):
@@ -143,3 +148,136 @@ def test_layout_file_and_overrides(tmp_path):
     f.write_text("base = [")
     with pytest.raises(UsageError, match="not valid TOML"):
         resolve(None, f)
+
+
+# -- the options every hook gets: converted, every declared default filled in, read-only --------------------------
+SEEN: list[tuple[str, str, str, object]] = []  # (hook, backend, stage, options) as the spy plugin got them
+
+
+class OptionsSpy:
+    """A plugin that only records the options its hooks get (registered alone, beside the installed declarations)."""
+
+    @hookimpl
+    def preflight(self, backend, stage, model, options):
+        SEEN.append(("preflight", backend, stage, options))
+
+    @hookimpl
+    def load_stage(self, backend, stage, ctx):
+        SEEN.append(("load_stage", backend, stage, ctx.options))
+        return object()
+
+    @hookimpl
+    def layer_precisions(self, backend, stage, options):
+        SEEN.append(("layer_precisions", backend, stage, options))
+        return []
+
+    @hookimpl
+    def compile(self, backend, request):
+        SEEN.append(("compile", request.target, request.stage, request.stage_options))
+        return {"files": []}
+
+
+def spy_registry():
+    """The installed plugins' declared options with `OptionsSpy` as the only hook implementation: what reaches a
+    plugin's hooks, without running any plugin's own."""
+    import pluggy
+
+    from vlmrun import hookspecs
+    from vlmrun.plugins import Registry, load
+
+    reg = Registry(pluggy.PluginManager("vlmrun"), declared=list(load().declared))
+    reg.pm.add_hookspecs(hookspecs)
+    reg.pm.register(OptionsSpy(), name="spy")
+    return reg
+
+
+def hooks_see(reg, backend, stage, given, tmp_path) -> list[tuple[str, object]]:
+    """(hook, options) for every hook that takes ``stage``'s options, called as the core calls them."""
+    from vlmrun.pipeline import StageContext
+    from vlmrun.store import Artifact, ArtifactStore
+
+    SEEN.clear()
+    reg.hook.preflight(backend=backend, stage=stage, model=None, options=dict(given))
+    ctx = StageContext(backend, stage, None, dict(given), ArtifactStore(tmp_path / "store"), reg)
+    reg.hook.load_stage(backend=backend, stage=stage, ctx=ctx)
+    reg.hook.layer_precisions(backend=backend, stage=stage, options=dict(given))
+    source = tmp_path / "export"
+    source.mkdir(exist_ok=True)
+    ctx.compiled(Artifact(source, {}), {}, "spy")
+    return [(hook, opts) for hook, b, s, opts in SEEN if (b, s) == (backend, stage)]
+
+
+def test_every_declared_option_reaches_the_hooks_with_its_default(tmp_path):
+    """For each installed backend and each stage it runs, ``preflight``, ``load_stage`` (``ctx.options``),
+    ``layer_precisions`` and ``compile`` (``request.stage_options``) get every option the backend and the core
+    declare, at its declared default when the layout does not set it, read-only, with ``given`` empty."""
+    from vlmrun.options import StageOptions
+    from vlmrun.plugins import load
+
+    real, reg = load(), spy_registry()
+    checked = 0
+    for info in real.backends().values():
+        for stage in info.stages:
+            declared = real.options.for_stage(info.name, stage)
+            want = {name: o.default for name, o in declared.items()}
+            seen = hooks_see(reg, info.name, stage, {}, tmp_path)
+            assert [hook for hook, _ in seen] == ["preflight", "load_stage", "layer_precisions", "compile"]
+            for hook, opts in seen:
+                assert isinstance(opts, StageOptions) and dict(opts) == want, (info.name, stage, hook)
+                assert dict(opts.given) == {}
+                with pytest.raises(TypeError):
+                    opts["compiler"] = "x"  # type: ignore[index]
+            checked += 1
+    assert checked >= 10  # ort_reference, qnn_htp, qaihub, genie_cpu: every stage each runs
+    # what the declarations say, as a plugin reads it
+    assert hooks_see(reg, "qnn_htp", "vision", {}, tmp_path)[0][1]["timeout"] == 600.0
+    assert hooks_see(reg, "qaihub", "embed", {}, tmp_path)[1][1]["embed_seq"] == 32
+
+
+def test_given_options_win_and_are_told_apart(tmp_path):
+    """A value the layout sets reaches every hook as set, and ``options.given`` holds exactly what was set."""
+    reg = spy_registry()
+    for hook, opts in hooks_see(reg, "qnn_htp", "decoder", {"timeout": 5.0, "precision": "a16w8"}, tmp_path):
+        assert (opts["timeout"], opts["precision"], opts["soc"]) == (5.0, "a16w8", "SM8750"), hook
+        assert dict(opts.given) == {"timeout": 5.0, "precision": "a16w8"}, hook
+
+
+def test_presets_come_from_the_plugins_and_the_reference_is_a_role():
+    from vlmrun.errors import UsageError
+    from vlmrun.layouts import resolve
+    from vlmrun.plugins import Preset, load
+
+    reg = load()
+    assert {n: (p.stages["vision"], p.stages["decoder"], p.reference) for n, p in reg.presets.items()} == {
+        "reference": ("ort_reference", "ort_reference", True), "all-npu": ("qnn_htp", "qnn_htp", False),
+        "hybrid": ("qnn_htp", "genie_cpu", False)}
+    # the default layout is whichever preset declares the reference role, whatever its name
+    mine = {"golden": Preset("golden", dict.fromkeys(("vision", "projector", "embed", "decoder"), "acme"),
+                             reference=True)}
+    assert resolve(None, presets=mine).backend("decoder") == "acme"
+    assert resolve("reference", presets=mine).backend("vision") == "acme"
+    with pytest.raises(UsageError, match="no plugin declares the 'reference' layout"):
+        resolve(None, presets={})
+    with pytest.raises(UsageError, match="unknown layout 'all-npu'; presets are: golden"):
+        resolve("all-npu", presets=mine)
+
+
+def test_a_preset_must_name_every_stage_and_one_name_one_plugin():
+    import types
+
+    from vlmrun import hookimpl
+    from vlmrun.plugins import BackendInfo, Preset, load
+
+    def plugin(name, presets):
+        mod = types.ModuleType(name)
+        mod.describe = hookimpl(lambda: BackendInfo(name, ("vision",)))
+        mod.register_presets = hookimpl(lambda register: [register(p) for p in presets()])
+        return mod
+
+    reg = load(only="", extra=[plugin("half", lambda: [Preset("half", {"vision": "half"})])])
+    assert "must name a backend for each of vision, projector, embed, decoder" in reg.failures["half"]
+    every = dict.fromkeys(("vision", "projector", "embed", "decoder"), "one")
+    reg = load(only="", extra=[plugin("one", lambda: [Preset("fast", every)]),
+                               plugin("two", lambda: [Preset("fast", every)])])
+    assert "one" in reg.plugins and reg.presets["fast"].stages["vision"] == "one"
+    assert reg.failures["two"] == "RuntimeError: preset 'fast' is already declared by another plugin"

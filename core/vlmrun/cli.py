@@ -152,7 +152,8 @@ def _option_json(o) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--debug", is_flag=True, hidden=True)
 def plugins(show_options, as_json, debug):
-    """List installed backend plugins: version, stages, hooks, options, and plugins that failed to load."""
+    """List installed backend plugins: version, stages, hooks, options, the layouts they name (presets), and
+    plugins that failed to load."""
     reg = registry()
     table = reg.options.by_backend
     if as_json:
@@ -165,6 +166,8 @@ def plugins(show_options, as_json, debug):
                 for p in reg.plugins.values()
             ],
             "core_options": [_option_json(o) for o in table.get("vlmrun", {}).values()],
+            "presets": [{"name": p.name, "stages": dict(p.stages), "summary": p.summary, "reference": p.reference}
+                        for p in reg.presets.values()],
             "failed": reg.failures,
         }, indent=2, default=str))
         return
@@ -185,31 +188,88 @@ def plugins(show_options, as_json, debug):
     if show_options:
         click.echo("every backend: " + "; ".join(f"{o.name} ({o.flag}): {o.help}"
                                                   for o in table.get("vlmrun", {}).values()))
+    for p in reg.presets.values():
+        role = " (the reference)" if p.reference else ""
+        click.echo(f"layout {p.name}{role}: " + " ".join(f"{s}={b}" for s, b in p.stages.items())
+                   + (f" - {p.summary}" if p.summary else ""))
     for name, why in reg.failures.items():
         click.echo(f"{name} FAILED to load: {why}")
 
 
 @cli.command("make-tiny")
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--size", default=None, metavar="SIZE",
+              help="tiny (default; about 0.5M parameters), 0.5b, 1.5b or 7b: FastVLM-0.5B/1.5B/7B dimensions"
+                   " (random weights; 1.25, 3.35 and 15.5 GB in bf16).")
+@click.option("--full-size", is_flag=True, help="Same as --size 0.5b.")
+@click.option("--format", "fmt", default=None, metavar="FORMAT",
+              help="native (transformers' fast_vlm, one float32 file; tiny and 0.5b) or apple-sharded (Apple's"
+                   " llava_qwen2 layout, bf16 shards and an index, written tensor by tensor). Default: native for"
+                   " tiny, apple-sharded for the real sizes.")
+@click.option("--shard-gb", type=click.FloatRange(min=0.001), default=2.0, show_default=True,
+              help="Largest shard of --format apple-sharded, in GB.")
 @click.option("--image-size", type=int, default=1024, show_default=True, help="Multiple of 64.")
-@click.option("--full-size", is_flag=True, help="FastVLM-0.5B dimensions (random weights, about 2 GB).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--massive-activations", is_flag=True,
               help="Plant real LLMs' residual outliers (a few channels at several hundred to a few thousand on the"
-                   " first token and on delimiters): what makes fp16 NPU decoders overflow.")
+                   " first token and on delimiters): what makes fp16 NPU decoders overflow. --format native only.")
 @click.option("--debug", is_flag=True, hidden=True)
-def make_tiny(out_dir, image_size, full_size, seed, massive_activations, debug):
-    """Build a random-weight FastVLM checkpoint with the real architecture (native transformers format)."""
-    from .errors import UsageError
-    from .progress import step
-    from .tiny import make_tiny as build
+def make_tiny(out_dir, size, full_size, fmt, shard_gb, image_size, seed, massive_activations, debug):
+    """Build a random-weight FastVLM checkpoint with the real architecture, tiny or at a FastVLM size."""
+    from .family import FORMATS, size_named
 
     if image_size % 64 or image_size < 64:
         raise UsageError(f"--image-size must be a positive multiple of 64, got {image_size}")
-    with step(f"building {'full-size' if full_size else 'tiny'} FastVLM in {out_dir}"):
-        build(out_dir, image_size=image_size, full_size=full_size, seed=seed,
-              massive_activations=massive_activations)
+    if full_size and size is not None and size_named(size).name != "0.5b":
+        raise UsageError(f"--full-size is --size 0.5b; it cannot go with --size {size}")
+    chosen = size_named("0.5b" if full_size else (size or "tiny"))
+    fmt = fmt or ("native" if chosen.name == "tiny" else "apple-sharded")
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown --format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if fmt == "native" and chosen.name not in ("tiny", "0.5b"):
+        raise UsageError(f"--format native builds the whole model in float32 memory: tiny and 0.5b only; write"
+                         f" {chosen.name} with --format apple-sharded")
+    if massive_activations and fmt != "native":
+        raise UsageError("--massive-activations needs --format native")
+    if fmt == "native":
+        _make_native(out_dir, chosen.name, image_size, seed, massive_activations)
+    else:
+        _make_apple_sharded(out_dir, chosen, image_size, seed, int(shard_gb * 1e9))
     click.echo(str(out_dir))
+
+
+def _make_native(out_dir: Path, size: str, image_size: int, seed: int, massive_activations: bool) -> None:
+    from .progress import step
+    from .tiny import make_tiny as build
+
+    with step(f"building {'tiny' if size == 'tiny' else 'full-size (0.5b)'} FastVLM in {out_dir}"):
+        build(out_dir, image_size=image_size, full_size=size == "0.5b", seed=seed,
+              massive_activations=massive_activations)
+
+
+def _make_apple_sharded(out_dir: Path, size, image_size: int, seed: int, shard_bytes: int) -> None:
+    """Write ``size`` in Apple's sharded bf16 layout, with a bar over the bytes written for the real sizes."""
+    from rich import progress as bars
+    from rich.console import Console
+
+    from .family import check_target, write_random_apple, write_tiny_apple
+    from .progress import step
+
+    check_target(out_dir, size)  # before any bar: a refused directory is one line
+
+    label = f"writing FastVLM {size.name} (random weights, Apple llava_qwen2 layout, bf16 shards) in {out_dir}"
+    if size.name == "tiny":
+        with step(label):
+            write_tiny_apple(out_dir, image_size=image_size, seed=seed, shard_bytes=shard_bytes)
+        return
+    bar = bars.Progress(bars.TextColumn("{task.description}"), bars.BarColumn(), bars.DownloadColumn(),
+                        bars.TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+    with bar:
+        task = bar.add_task(f"FastVLM {size.name}: preparing the vision tower", total=None)
+        write_random_apple(out_dir, size, image_size=image_size, seed=seed, shard_bytes=shard_bytes,
+                           on_total=lambda n: bar.update(task, total=n, description=f"FastVLM {size.name}: tensors"),
+                           on_bytes=lambda n: bar.advance(task, n))
+    click.echo(f"done {label}", err=True)
 
 
 @cli.command()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from . import plugins
 from .errors import UsageError
 from .stages import STAGES
 
@@ -24,17 +25,9 @@ def model_options(f):
 
 
 # -- per-stage options: the flags plugins declare, and --option STAGE.KEY=VALUE ------------------------------------
-_registry = None
-
-
 def registry():
     """The plugins, loaded once per process (their declared options become flags of the commands)."""
-    global _registry
-    if _registry is None:
-        from . import plugins
-
-        _registry = plugins.load()
-    return _registry
+    return plugins.default()
 
 
 def _dest(flag: str) -> str:

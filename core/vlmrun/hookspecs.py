@@ -16,6 +16,7 @@ The hooks below are grouped by phase, in the order the core calls them. For one 
     registration and environment
     describe()                          once, when the plugin is loaded (the core calls the plugin's own function)
     register_options(register)          right after, once (each backend's per-stage options)
+    register_presets(register)          right after, once (the named layouts its backends make)
     doctor()                            only for ``vlmrun doctor``
 
     load a pipeline (``Pipeline.build``: layout checked against the options, images read, model opened)
@@ -58,7 +59,13 @@ The hooks below are grouped by phase, in the order the core calls them. For one 
                                                 (``vlmrun tune`` writes them into its ``layer_precision`` option)
 
 Layout options reach a plugin only after the core checked them against what it declared in
-``register_options`` (unknown keys, wrong types and values outside the choices are errors before any work).
+``register_options`` (unknown keys, wrong types and values outside the choices are errors before any work), and
+always as a `vlmrun.options.StageOptions`: converted, every declared option present with its declared default when
+the layout does not set it, read-only (``preflight``'s and ``layer_precisions``' ``options``, ``load_stage``'s and
+``load_probe``'s ``ctx.options``, ``compile``'s ``request.stage_options``, ``write_bundle``'s
+``request.stage_options(stage)``). Read ``options["timeout"]``, with no fallback of your own: the default is the
+declaration's. ``options.given`` is what the layout set (key artifacts and write manifests from it); copy with
+``dict(options)`` to change them.
 Handles may be any object; the core reads from them only through `vlmrun.handles`.
 A plugin implementing a hook that is not specified here, or with arguments the spec does not have, fails to load
 (a misspelt hook is never silent).
@@ -98,8 +105,24 @@ def register_options(register):
     `vlmrun.options.Option` for each: backend (one this plugin's ``describe`` named, else the plugin fails to load),
     name, type, allowed values, stages (``None``: every stage the backend runs), default, help and an optional
     command-line flag. The core validates layout files, flags and ``--option STAGE.KEY=VALUE`` values against
-    these declarations before any work, and hands ``preflight`` (``options``), ``load_stage`` (``ctx.options``),
-    ``compile`` (``request.stage_options``) and ``layer_precisions`` (``options``) the converted values.
+    these declarations before any work, and hands ``preflight`` (``options``), ``load_stage`` and ``load_probe``
+    (``ctx.options``), ``compile`` (``request.stage_options``), ``write_bundle`` (``request.stage_options(stage)``)
+    and ``layer_precisions`` (``options``) the converted values with every declared default filled in, read-only
+    (`vlmrun.options.StageOptions`). An option whose default depends on other options declares ``default=None``,
+    says the rule in its help, and is derived in one place of the plugin.
+    """
+
+
+@hookspec
+def register_presets(register):
+    """Name the layouts this plugin's backends make (``--layout NAME``).
+
+    Called once, right after ``register_options``, on this plugin's own function. Call ``register(preset)`` with a
+    `vlmrun.plugins.Preset` for each: its ``name``, the backend of every stage (``stages``: one for each of
+    vision, projector, embed and decoder; a preset may name another plugin's backend, checked when it is used), a
+    ``summary`` for ``vlmrun plugins``, and ``reference=True`` for the one layout other layouts are diffed and
+    scored against (the core's default layout, ``reference``; one plugin declares it). Two plugins declaring the
+    same name: the second fails to load.
     """
 
 
@@ -131,7 +154,8 @@ def preflight(backend, stage, model, options):
     :param backend: the backend name; do nothing if it is not yours.
     :param stage: the stage name.
     :param model: the `vlmrun.model.FastVLMModel`.
-    :param options: the stage's checked layout options (a dict).
+    :param options: the stage's options: a `vlmrun.options.StageOptions` (checked, every declared default filled
+                    in, read-only; ``options.given`` what the layout set).
     :return: nothing (the core ignores it); raise a `vlmrun.errors.VlmrunError` (one line: what is missing, where
              you looked, what to do) when the stage cannot run.
     """
@@ -147,13 +171,15 @@ def load_stage(backend, stage, ctx):
     :param backend: the backend name; return ``None`` if it is not yours (no plugin loading it is an error).
     :param stage: the stage name.
     :param ctx: a `vlmrun.pipeline.StageContext` with ``backend``, ``stage``, ``model``, ``options`` (the stage's
-                checked options), ``store``, ``registry``, ``rebuild``, ``bundle`` (the bundle folder of a
+                options: a `vlmrun.options.StageOptions`, every declared default filled in), ``store``, ``registry``, ``rebuild``, ``bundle`` (the bundle folder of a
                 ``bundle:DIR`` layout, else ``None``), ``progress(label)`` (a context manager for long steps), and
                 two methods that get artifacts from the store, building them when missing:
                 ``exported(form)`` -> the ONNX export of an `vlmrun.stages.ExportForm` (the ``export`` hook), and
                 ``compiled(source, options, kind)`` -> ``source`` (an artifact, usually from ``exported``)
                 compiled by the stage's ``compiler`` (the ``compile`` hook). ``options`` (a dict) are the settings
-                that change the binary: they key the artifact and reach ``compile`` as ``request.options``.
+                that change the binary: they key the artifact and reach ``compile`` as ``request.options`` (build
+                them from what changes the binary, never from every option: a default filled in must not key a
+                new artifact).
                 ``kind`` is a free label the plugin builds (e.g. ``f"{form.label()}-{precision}-{soc}"``): it keys
                 the artifact and names the compile in the progress line, and is not passed to ``compile``.
     :return: any object (a handle) the plugin wants back in ``run_stage``, ``decode`` and the other hooks that
@@ -201,7 +227,8 @@ def compile(backend, request):
                     an error).
     :param request: a `vlmrun.stages.CompileRequest`: ``stage``, ``model``, ``source`` (the exported
                     ONNX artifact), ``options`` (those that key the binary: what the loading plugin passed to
-                    ``ctx.compiled``), ``stage_options`` (all of the stage's options), ``target`` (the backend that
+                    ``ctx.compiled``), ``stage_options`` (all of the stage's options, filled and frozen: a
+                    `vlmrun.options.StageOptions`), ``target`` (the backend that
                     will load the result: another plugin may compile for it), ``compiler`` (``backend``),
                     ``out_dir`` (an empty temporary directory, renamed into the store on success), ``artifact``
                     (the result's stable store name), ``rebuild``, and ``context`` (a
@@ -357,7 +384,9 @@ def write_bundle(backend, request):
                     writes bundles for it).
     :param request: a `vlmrun.stages.BundleRequest`: model, layout, ``out_dir`` (an empty temporary folder,
                     renamed to the user's on success), ``target``, ``context(stage, options=None)`` for cached
-                    exports and compiles, ``progress``.
+                    exports and compiles, ``stage_options(stage)`` (the stage's options filled and frozen, as
+                    ``load_stage`` reads them; ``layout`` keeps what the user set, which the manifest records),
+                    ``progress``.
     :return: the bundle's manifest (a dict with at least ``backend`` and ``files``); the plugin also writes it into
              the folder as ``vlmrun-bundle.json``, which loading the folder (and so its verification) reads.
     """
@@ -374,7 +403,7 @@ def verify_bundle(backend, path, options):
     :param path: the folder (a `pathlib.Path`).
     :param options: the checks' settings from the command line: ``{key: value}`` from the stage option flags
                     (e.g. ``--soc``) and ``-o STAGE.KEY=VALUE`` (the stage dropped; the value a string, not checked
-                    against the declarations), e.g. ``soc``, ``sdk_root`` of the phone's SDK.
+                    against the declarations, no default filled in), e.g. ``soc``, ``sdk_root`` of the phone's SDK.
     :return: a list of one-line descriptions of what was checked; raise a
              `vlmrun.errors.VlmrunError` (one line) for the first problem.
     """
@@ -436,7 +465,8 @@ def layer_precisions(backend, stage, options):
 
     :param backend: the backend name; return ``None`` if it is not yours.
     :param stage: ``vision``, ``projector`` or ``decoder``.
-    :param options: the stage's checked options (``precision`` among them when the layout sets it).
+    :param options: the stage's options, filled and frozen (a `vlmrun.options.StageOptions`: ``precision`` is
+                    the declared default when the layout does not set it).
     :return: the precisions above the stage's own, in increasing bytes on the device (e.g. ``["w8", "a16w16"]``
              for a w4a16 decoder); an empty list when the stage quantizes nothing (fp16); ``None`` if
              ``backend`` is not yours.

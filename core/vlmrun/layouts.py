@@ -1,19 +1,20 @@
 """Layouts: which backend runs which stage, with per-stage options.
 
-Presets::
+Presets are the named layouts plugins declare (``register_presets``; `vlmrun plugins` lists them). The built-in
+plugins declare::
 
-    reference : every stage on ort_reference
-    hybrid    : vision, projector, embed on qnn_htp; decoder on genie_cpu
-    all-npu   : every stage on qnn_htp
+    reference : every stage on the reference backend (the layout others are diffed and scored against)
+    hybrid    : vision, projector, embed on the NPU; the decoder on the CPU runtime
+    all-npu   : every stage on the NPU
 
-Per-stage overrides (``--vision qnn_htp``) apply on top of the preset. A TOML layout file looks like::
+Per-stage overrides (``--vision BACKEND``) apply on top of the preset. A TOML layout file looks like::
 
     base = "reference"          # optional preset to start from
     [vision]
-    backend = "qnn_htp"
+    backend = "acme_npu"
     precision = "int8"          # any other key is a per-stage option the backend declares (vlmrun.options)
     [decoder]
-    backend = "ort_reference"
+    backend = "acme_cpu"
 """
 
 from __future__ import annotations
@@ -25,14 +26,11 @@ from typing import Mapping
 
 import attrs
 
+from . import plugins
 from .errors import UsageError
 from .stages import STAGES
 
-PRESETS: dict[str, dict[str, str]] = {
-    "reference": dict.fromkeys(STAGES, "ort_reference"),
-    "hybrid": {"vision": "qnn_htp", "projector": "qnn_htp", "embed": "qnn_htp", "decoder": "genie_cpu"},
-    "all-npu": dict.fromkeys(STAGES, "qnn_htp"),
-}
+REFERENCE = "reference"  # the default layout: the preset a plugin declares with ``reference=True``
 
 
 @attrs.frozen
@@ -69,13 +67,15 @@ def resolve(
     file: str | Path | None = None,
     overrides: Mapping[str, str | None] | None = None,
     options: Mapping[str, Mapping[str, object]] | None = None,
+    presets: Mapping[str, "plugins.Preset"] | None = None,
 ) -> Layout:
     """Build a layout from a preset name (or ``bundle:DIR``), an optional TOML file, per-stage backend overrides
     and options.
 
     ``name`` may carry its own overrides, as every command writes a layout: ``BASE[,STAGE=BACKEND][,STAGE.KEY=VALUE]``
-    (`parse_spec`; ``all-npu,decoder.context_length=256``, ``my.toml,vision=qnn_htp``); ``overrides`` and ``options``
-    given beside it win over them."""
+    (`parse_spec`; ``all-npu,decoder.context_length=256``, ``my.toml,vision=acme_npu``); ``overrides`` and ``options``
+    given beside it win over them. ``presets``: the named layouts (default: those the installed plugins declare,
+    `vlmrun.plugins.default`)."""
     if name and str(name).startswith(BUNDLE_PREFIX):
         return bundle_layout(str(name)[len(BUNDLE_PREFIX):], overrides, options)
     if name and "," in str(name):
@@ -86,7 +86,8 @@ def resolve(
             base, file = None, base
         merged = {s: {**inline_options.get(s, {}), **dict((options or {}).get(s, {}))}
                   for s in {*inline_options, *(options or {})}}
-        return resolve(base, file, {**inline_overrides, **{k: v for k, v in (overrides or {}).items() if v}}, merged)
+        return resolve(base, file, {**inline_overrides, **{k: v for k, v in (overrides or {}).items() if v}}, merged,
+                       presets)
     if name and is_layout_file(str(name)) and file is None:
         name, file = None, name
     table: dict = {}
@@ -95,13 +96,12 @@ def resolve(
         unknown = [k for k, v in table.items() if isinstance(v, dict) and k not in STAGES]
         if unknown:
             raise UsageError(f"layout file {file} names unknown stage(s) {unknown}; stages are {list(STAGES)}")
-    base = name or table.get("base") or "reference"
-    if base not in PRESETS:
-        raise UsageError(f"unknown layout '{base}'; presets are: {', '.join(PRESETS)} (or use --layout-file)")
+    base = name or table.get("base") or REFERENCE
+    preset = _preset(base, presets if presets is not None else plugins.default().presets)
     stages: dict[str, StageAssignment] = {}
     for stage in STAGES:
         section = dict(table.get(stage, {}))
-        backend = section.pop("backend", PRESETS[base][stage])
+        backend = section.pop("backend", preset.stages[stage])
         stages[stage] = StageAssignment(backend, section)
     for stage, backend in (overrides or {}).items():
         if backend:
@@ -117,6 +117,20 @@ def resolve(
     if overrides and any(overrides.values()):
         label += "+overrides"
     return Layout(label, stages)
+
+
+def _preset(name: str, presets: Mapping[str, "plugins.Preset"]) -> "plugins.Preset":
+    """The preset called ``name``; ``reference`` is the role: the preset a plugin declared with ``reference=True``."""
+    if name == REFERENCE:
+        found = [p for p in presets.values() if p.reference]
+        if not found:
+            raise UsageError(f"no plugin declares the '{REFERENCE}' layout (the one others are compared against):"
+                             " install the reference plugin (vlmrun-ort-reference) or name a layout")
+        return found[0]
+    if name not in presets:
+        raise UsageError(f"unknown layout '{name}'; presets are: {', '.join(presets) or 'none'} (or use"
+                         " --layout-file)")
+    return presets[name]
 
 
 def is_layout_file(base: str) -> bool:
@@ -190,7 +204,9 @@ def bundle_layout(folder: str, overrides=None, options=None) -> Layout:
 def validate(layout: Layout, registry, stages=STAGES) -> Layout:
     """Check ``layout`` before any work starts: every stage's backend (and compiler) is installed and runs the
     stage, and every option is one the backend, its compiler or the core declares, with a value of the
-    declared type and choices. Returns the layout with the option values converted to their types."""
+    declared type and choices. Returns the layout with the option values converted to their types: the given ones
+    only, which is what keys artifacts and what a layout prints (the hooks get them with every declared default
+    filled in: `vlmrun.options.OptionTable.fill`)."""
     table = registry.options
     checked = dict(layout.stages)
     for stage in stages:

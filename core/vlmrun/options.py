@@ -13,17 +13,23 @@ An option is a key of a stage's table in a layout file (``[vision] threads = 2``
 ``--option vision.threads=2`` on the command line, or, when it declares a ``flag``, that flag
 (``--precision int8``, applied to every stage whose backend or compiler declares the option).
 
-Before any export or compile, `check_layout` checks each stage's options against what the stage's backend
-(and its ``compiler``, when another plugin compiles for it) declares, plus the core's own options below:
-an unknown key, a value of the wrong type or outside its choices is one `vlmrun.errors.UsageError`
-naming the key, the stage and the closest known option.
+Before any export or compile, `vlmrun.layouts.validate` checks each stage's options against what the stage's
+backend (and its ``compiler``, when another plugin compiles for it) declares, plus the core's own options below
+(`OptionTable.check`): an unknown key, a value of the wrong type or outside its choices is one
+`vlmrun.errors.UsageError` naming the key, the stage and the closest known option.
+
+Every hook that takes a stage's options then gets them as a `StageOptions` (`OptionTable.fill`): the checked values
+with every declared option present, its declared default filled in when the layout does not set it, read-only.
+A plugin reads ``options["timeout"]``, never ``options.get("timeout", 300)``: the default lives in the declaration
+only. ``options.given`` holds what the layout set, which is what keys artifacts and what layouts print.
 """
 
 from __future__ import annotations
 
 import difflib
+import types
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import attrs
 
@@ -43,7 +49,10 @@ class Option:
     :ivar type: ``str``, ``int``, ``float``, ``bool`` or ``pathlib.Path``; values are converted to it.
     :ivar choices: the allowed values (compared case-insensitively for strings), or ``None``.
     :ivar stages: the stages it applies to (``None``: every stage the backend runs).
-    :ivar default: what the backend uses when the option is not given (shown in help; not filled in).
+    :ivar default: what the backend uses when the option is not given: shown in help and filled in for every hook
+        (`StageOptions`). ``None`` when there is no single value: the option is then filled in as ``None`` and the
+        plugin derives it in one place from the other options (its help says how, e.g. "default: 128 for the
+        parts form, else 64").
     :ivar flag: a command-line flag for it (``--precision``); several backends may declare the same flag.
     :ivar minimum: the smallest allowed value of a number.
     :ivar keyed: the value changes what this plugin compiles: when it compiles for another backend
@@ -122,6 +131,40 @@ CORE_OPTIONS = (
 )
 
 
+@attrs.frozen(eq=False)
+class StageOptions(Mapping[str, object]):
+    """One stage's options as every hook reads them: read-only, each declared option present.
+
+    As a mapping: every option the stage's backend, its compiler and the core declare, with the value the layout
+    gave (converted by `OptionTable.check`) or else its declared default (``None`` for an option declared without
+    one), plus any given key the declarations do not name (a plugin's own, through ``ctx.compiled``'s caller).
+    ``given`` is what the layout set: what keys artifacts, what layouts and manifests print, and what a plugin
+    asks when it must know whether the user chose a value (``"block_size" in options.given``).
+
+    Compare it with a dict as a dict (``==``); copy it with ``dict(options)`` to change it.
+    """
+
+    _values: dict = attrs.field(converter=dict)
+    _given: dict = attrs.field(converter=dict)
+
+    @property
+    def given(self) -> Mapping[str, object]:
+        """The options the layout set (a read-only view)."""
+        return types.MappingProxyType(self._given)
+
+    def __getitem__(self, name: str) -> object:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"StageOptions({self._values!r}, given={self._given!r})"
+
+
 @attrs.define
 class OptionTable:
     """Every declared option, by backend."""
@@ -164,6 +207,17 @@ class OptionTable:
                 raise UsageError(f"{where} has no option '{key}'{self._hint(key, known, stage)}")
             out[key] = known[key].convert(value, where)
         return out
+
+    def fill(self, stage: str, backend: str, options: Mapping[str, object] | None) -> StageOptions:
+        """``options`` of one stage (as `check` returns them) with every declared option of ``backend`` (and its
+        ``compiler``, and the core) filled in at its declared default when not given: what every hook reads.
+        A `StageOptions` already is filled, and comes back as it is."""
+        if isinstance(options, StageOptions):
+            return options
+        given = dict(options or {})
+        compiler = given.get("compiler")
+        declared = self.for_stage(backend, stage, str(compiler) if compiler else None)
+        return StageOptions({**{name: o.default for name, o in declared.items()}, **given}, given)
 
     def _hint(self, key: str, known: Mapping[str, Option], stage: str) -> str:
         close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)

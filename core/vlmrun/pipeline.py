@@ -26,6 +26,7 @@ from .conversation import Chat, ChatGeneration, KeptState
 from .generation import Generation, GenerationSettings, Prepared
 from .handles import context_of, profile_of, runtime_of
 from .model import FastVLMModel, open_model
+from .options import StageOptions
 from .progress import no_progress
 from .preprocess import load_image, preprocess_image, render_messages, render_prompt, splice, tokenize_prompt
 from .sampling import ForcedSampler, Sampler
@@ -37,17 +38,25 @@ Progress = Callable[[str], ContextManager]
 
 @attrs.define
 class StageContext:
-    """What ``load_stage`` gets: the model, the stage's options, and cached access to artifacts."""
+    """What ``load_stage`` gets: the model, the stage's options, and cached access to artifacts.
+
+    ``options`` may be given as a plain mapping (the stage's checked layout options); the context holds them
+    filled and frozen, as `vlmrun.options.StageOptions` (every declared default filled in, ``options.given``
+    what the layout set).
+    """
 
     backend: str
     stage: str
     model: FastVLMModel
-    options: Mapping[str, object]
+    options: StageOptions
     store: ArtifactStore
     registry: plugins_mod.Registry
     rebuild: bool = False
     progress: Progress = no_progress
     bundle: str | None = None  # the bundle folder when the layout is ``bundle:DIR`` (load_stage runs its files)
+
+    def __attrs_post_init__(self) -> None:
+        self.options = self.registry.stage_options(self.backend, self.stage, self.options)
 
     def _versions(self, hook: str) -> dict[str, str]:
         return {p.name: p.version for p in self.registry.plugins.values() if hook in p.hooks}
@@ -58,7 +67,7 @@ class StageContext:
 
     def compiled(self, source: Artifact, options: Mapping[str, object], kind: str) -> Artifact:
         """``source`` compiled by this backend's ``compile`` hook (cached by source, options, versions)."""
-        compiler = str(self.options.get("compiler") or self.backend)
+        compiler = str(self.options["compiler"] or self.backend)
         key = {
             "stage": self.stage,
             "backend": self.backend,
@@ -69,20 +78,7 @@ class StageContext:
             "versions": self._versions("compile"),
         }
         if compiler != self.backend:  # the compiler's own options that change its output key the artifact too
-            declared = self.registry.options.by_backend.get(compiler, {})
-            keyed = {}
-            for k, decl in sorted(declared.items()):
-                if not getattr(decl, "keyed", False) or k in options:
-                    continue
-                resolve = getattr(decl, "key", None)
-                if resolve is not None:  # the value the compiler really uses, given or derived (one device, one key)
-                    v = resolve(dict(self.options))
-                elif k in self.options and self.options[k] != decl.default:  # at its default: as if not given
-                    v = self.options[k]
-                else:
-                    continue
-                if v is not None:
-                    keyed[k] = v
+            keyed = self._compiler_keyed(compiler, options)
             if keyed:
                 key["compiler_options"] = keyed
 
@@ -92,7 +88,7 @@ class StageContext:
             via = "" if compiler == self.backend else f" with {compiler}"
             request = CompileRequest(
                 stage=self.stage, model=self.model, source=source, options=dict(options),
-                stage_options=dict(self.options), target=self.backend, compiler=compiler, out_dir=tmp,
+                stage_options=self.options, target=self.backend, compiler=compiler, out_dir=tmp,
                 artifact=name, rebuild=self.rebuild,
                 context=StageCompileContext(self, name),
             )
@@ -103,6 +99,24 @@ class StageContext:
             return result
 
         return self.store.get_or_build(key, build, rebuild=self.rebuild)
+
+    def _compiler_keyed(self, compiler: str, options: Mapping[str, object]) -> dict[str, object]:
+        """The keyed options of another plugin compiling this stage, from what the layout gave (a default filled in
+        keys nothing: the same binary as before keys the same artifact)."""
+        given = self.options.given
+        keyed = {}
+        for k, decl in sorted(self.registry.options.by_backend.get(compiler, {}).items()):
+            if not decl.keyed or k in options:
+                continue
+            if decl.key is not None:  # the value the compiler really uses, given or derived (one device, one key)
+                v = decl.key(dict(given))
+            elif k in given and given[k] != decl.default:  # at its default: as if not given
+                v = given[k]
+            else:
+                continue
+            if v is not None:
+                keyed[k] = v
+        return keyed
 
 
 CALIBRATION_PROMPT = "Describe the image."
@@ -225,7 +239,7 @@ class Pipeline:
         """
         registry = registry or plugins_mod.load()
         if not isinstance(layout, layouts_mod.Layout):
-            layout = layouts_mod.resolve(layout, layout_file, overrides, options)
+            layout = layouts_mod.resolve(layout, layout_file, overrides, options, registry.presets)
         layout = layouts_mod.validate(layout, registry, stages)
         images = [load_image(img) if isinstance(img, (str, os.PathLike)) else img for img, _ in requests]
         if not isinstance(store, ArtifactStore):
@@ -238,7 +252,7 @@ class Pipeline:
         for stage in stages if layout.bundle is None else ():  # a bundle's runtime checks itself as it loads
             assignment = layout.stages[stage]
             registry.hook.preflight(backend=assignment.backend, stage=stage, model=fvlm,
-                                    options=dict(assignment.options))
+                                    options=registry.stage_options(assignment.backend, stage, assignment.options))
         pipe = cls(fvlm, layout, registry, store, {}, progress)
         if "decoder" in stages:
             for image, (_, prompt) in zip(images, requests):
@@ -250,7 +264,7 @@ class Pipeline:
     def _load(self, stage: str, rebuild: bool) -> object:
         assignment = self.layout.stages[stage]
         ctx = StageContext(
-            assignment.backend, stage, self.model, dict(assignment.options), self.store, self.registry,
+            assignment.backend, stage, self.model, assignment.options, self.store, self.registry,
             rebuild, self.progress, self.layout.bundle,
         )
         handle = self.registry.hook.load_stage(backend=assignment.backend, stage=stage, ctx=ctx)
@@ -268,16 +282,15 @@ class Pipeline:
     @property
     def context_length(self) -> int:
         """The decoder's context: its handle's ``context_length`` (compiled backends fix it), else the
-        layout option, else the model's ``max_position_embeddings``."""
+        layout option or its backend's declared default (before the handle exists, for early checks), else the
+        model's ``max_position_embeddings``."""
         fixed = context_of(self.handles.get("decoder"))
-        opts = self.layout.stages["decoder"].options
-        return int(fixed or opts.get("context_length") or self._declared_context() or self.model.max_context)
+        return int(fixed or self.stage_options("decoder")["context_length"] or self.model.max_context)
 
-    def _declared_context(self) -> int | None:
-        """The decoder backend's declared default context (before its handle exists, for early checks)."""
-        known = self.registry.options.for_stage(self.layout.backend("decoder"), "decoder")
-        default = known["context_length"].default if "context_length" in known else None
-        return int(default) if isinstance(default, int) else None
+    def stage_options(self, stage: str) -> StageOptions:
+        """The options the hooks of ``stage`` read: the layout's, every declared default filled in, read-only."""
+        a = self.layout.stages[stage]
+        return self.registry.stage_options(a.backend, stage, a.options)
 
     # -- single stages -------------------------------------------------------------------------------
     def run_stage(self, stage: str, inputs: Mapping[str, np.ndarray], producer: str = "the caller") -> dict:

@@ -4,6 +4,10 @@
 A plugin that raises on import, implements a hook that does not exist (a misspelt name: pluggy's
 ``check_pending``) or fails to describe itself or its options is recorded in `Registry.failures` with one
 line and skipped, never fatal; ``vlmrun plugins`` shows it.
+
+`Registry.hook` calls the hooks. The hooks that take one stage's ``options`` argument (`STAGE_OPTION_HOOKS`) get
+them filled and frozen there (`Registry.stage_options`), whoever calls them; ``load_stage`` and ``load_probe`` get
+them the same way in ``ctx.options`` (`vlmrun.pipeline.StageContext`).
 """
 
 from __future__ import annotations
@@ -11,17 +15,21 @@ from __future__ import annotations
 import importlib.metadata
 import difflib
 import os
-from typing import Iterable
+from types import MappingProxyType
+from typing import Iterable, Mapping
 
 import attrs
 import pluggy
 
 from . import hookspecs
 from .errors import UsageError
-from .options import Option, OptionTable
+from .options import Option, OptionTable, StageOptions
+from .stages import STAGES
 
 ENTRY_POINT_GROUP = "vlmrun"
 ENV_PLUGINS = "VLMRUN_PLUGINS"
+#: the hooks with ``backend``, ``stage`` and ``options`` arguments: `Registry.hook` fills their options
+STAGE_OPTION_HOOKS = frozenset({"preflight", "layer_precisions"})
 
 
 @attrs.frozen
@@ -35,6 +43,21 @@ class BackendInfo:
     # several generations may run at once on its loaded stages (thread-safe handles, no single device to share);
     # ``vlmrun serve`` runs one request at a time on a layout with any backend that does not say so
     concurrent: bool = False
+
+
+@attrs.frozen
+class Preset:
+    """A named layout a plugin declares (``register_presets``): the backend of every stage."""
+
+    name: str
+    stages: Mapping[str, str] = attrs.field(converter=lambda m: MappingProxyType(dict(m)))
+    summary: str = ""
+    reference: bool = False  # the layout others are diffed and scored against (the core's ``reference``)
+
+    def __attrs_post_init__(self):
+        if set(self.stages) != set(STAGES):
+            raise RuntimeError(f"preset '{self.name}' must name a backend for each of {', '.join(STAGES)};"
+                               f" it names {', '.join(self.stages) or 'none'}")
 
 
 @attrs.frozen
@@ -68,6 +91,7 @@ class Registry:
     plugins: dict[str, PluginRecord] = attrs.field(factory=dict)
     failures: dict[str, str] = attrs.field(factory=dict)
     declared: list[Option] = attrs.field(factory=list)
+    presets: dict[str, Preset] = attrs.field(factory=dict)
 
     @property
     def options(self) -> OptionTable:
@@ -75,8 +99,14 @@ class Registry:
         return OptionTable.of(self.declared)
 
     @property
-    def hook(self):
-        return self.pm.hook
+    def hook(self) -> "HookRelay":
+        """The hooks, called by name (``registry.hook.load_stage(backend=..., stage=..., ctx=...)``)."""
+        return HookRelay(self)
+
+    def stage_options(self, backend: str, stage: str, options) -> StageOptions:
+        """``options`` of ``stage`` on ``backend`` as its hooks read them: every declared default filled in,
+        read-only (`vlmrun.options.OptionTable.fill`)."""
+        return self.options.fill(stage, backend, options)
 
     def backends(self) -> dict[str, BackendInfo]:
         return {b.name: b for p in self.plugins.values() for b in p.backends}
@@ -103,6 +133,33 @@ class Registry:
         if not backends:
             return f"none (install a plugin such as vlmrun-ort-reference, or check {ENV_PLUGINS})"
         return "; ".join(f"{b.name} ({', '.join(b.stages)})" for b in backends.values())
+
+
+class HookRelay:
+    """`Registry.hook`: pluggy's hook relay, except that the hooks in `STAGE_OPTION_HOOKS` get their ``options``
+    filled and frozen (`Registry.stage_options`) for the ``backend`` and ``stage`` they are called with."""
+
+    def __init__(self, registry: Registry):
+        self._registry = registry
+
+    def __getattr__(self, name: str):
+        caller = getattr(self._registry.pm.hook, name)
+        return FilledOptionsCaller(caller, self._registry) if name in STAGE_OPTION_HOOKS else caller
+
+
+class FilledOptionsCaller:
+    """A pluggy hook caller whose ``options`` argument reaches the plugins filled; anything else is the caller's."""
+
+    def __init__(self, caller, registry: Registry):
+        self._caller = caller
+        self._registry = registry
+
+    def __call__(self, **kwargs):
+        options = self._registry.stage_options(kwargs["backend"], kwargs["stage"], kwargs.get("options"))
+        return self._caller(**{**kwargs, "options": options})
+
+    def __getattr__(self, name: str):
+        return getattr(self._caller, name)
 
 
 def _allowed(env: str | None) -> set[str] | None:
@@ -183,11 +240,43 @@ def _register(registry: Registry, plugin: object, name: str, version: str) -> No
             if not isinstance(o, Option) or o.backend not in mine_:
                 raise RuntimeError(f"register_options() declared {o!r}, not an Option of its own backends"
                                    f" ({', '.join(sorted(mine_)) or 'none'})")
+        presets = _declared_presets(plugin, registry)
     except BaseException:
         pm.unregister(plugin)
         raise
+    registry.presets.update({p.name: p for p in presets})
     stages_of = {b.name: b.stages for b in infos}
     registry.declared.extend(o if o.stages is not None else attrs.evolve(o, stages=stages_of[o.backend])
                              for o in declared)
     hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or []))
     registry.plugins[name] = PluginRecord(name, version, getattr(plugin, "__name__", name), infos, hooks)
+
+
+def _declared_presets(plugin: object, registry: Registry) -> list[Preset]:
+    """The presets ``plugin`` declares (``register_presets``); a name another plugin took is an error."""
+    impl = getattr(plugin, "register_presets", None)
+    presets: list[Preset] = []
+    if impl is None:
+        return presets
+    try:
+        impl(presets.append)
+    except Exception as exc:
+        raise RuntimeError(f"register_presets() failed: {exc}") from exc
+    for p in presets:
+        if not isinstance(p, Preset):
+            raise RuntimeError(f"register_presets() declared {p!r}, not a vlmrun.plugins.Preset")
+        if p.name in registry.presets:
+            raise RuntimeError(f"preset '{p.name}' is already declared by another plugin")
+    return presets
+
+
+_default: Registry | None = None
+
+
+def default() -> Registry:
+    """The installed plugins, loaded once per process (the commands' registry: their declared options become
+    flags, their presets the layouts ``--layout`` names)."""
+    global _default
+    if _default is None:
+        _default = load()
+    return _default

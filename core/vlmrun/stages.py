@@ -210,7 +210,9 @@ class BundleRequest:
     :ivar out_dir: an empty temporary directory; the core renames it to the user's folder on success.
     :ivar target: ``local`` (this machine's runtime) or ``android`` (a phone).
     :ivar context: ``context(stage, options=None)`` -> a `vlmrun.pipeline.StageContext` for the stage (its
-        layout options, or ``options``), whose ``exported`` / ``compiled`` cache artifacts in the store.
+        layout options, or ``options``), whose ``exported`` / ``compiled`` cache artifacts in the store; its
+        ``options`` are filled and frozen (`vlmrun.options.StageOptions`), while ``layout`` keeps what the user
+        set (what the bundle's manifest records).
     :ivar progress: ``progress(label)`` context manager for long steps.
     """
 
@@ -221,6 +223,11 @@ class BundleRequest:
     context: Callable
     progress: Callable
 
+    def stage_options(self, stage: str) -> Mapping[str, object]:
+        """The options of ``stage`` as its hooks read them: the layout's, every declared default filled in,
+        read-only (``context(stage).options``)."""
+        return self.context(stage).options
+
 
 @attrs.frozen
 class CompileRequest:
@@ -230,8 +237,9 @@ class CompileRequest:
     :ivar model: the `vlmrun.model.FastVLMModel`.
     :ivar source: the `vlmrun.store.Artifact` of the exported ONNX stage.
     :ivar options: the options that key the binary (what the loading backend passed to ``ctx.compiled``).
-    :ivar stage_options: all of the stage's layout options, checked against the declarations (a remote
-        compiler's device or timeout live here).
+    :ivar stage_options: all of the stage's options (a `vlmrun.options.StageOptions`: checked against the
+        declarations, every declared default filled in, read-only; ``stage_options.given`` what the layout set): a
+        remote compiler's device or timeout live here.
     :ivar target: the backend that will load the result.
     :ivar compiler: the plugin asked to compile (the stage's ``compiler`` option, else ``target``).
     :ivar out_dir: an empty temporary directory; it becomes the artifact if the hook returns normally.

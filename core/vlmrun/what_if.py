@@ -105,8 +105,8 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     if option not in declared:
         raise UsageError(f"--what-if: backend '{a.backend}' has no per-layer precision {precision} for {stage} (it"
                          f" declares no '{option}' option)")
-    info = dev_pipe.registry.backend(a.backend)
-    dev_precision = str(a.options.get("precision") or getattr(info, "precision", None) or "fp32")
+    backend_precision = dev_pipe.registry.backend(a.backend).precision  # a backend that declares no precision option
+    dev_precision = str(dev_pipe.stage_options(stage).get("precision") or backend_precision)
     if dev_precision in ("fp32", "fp16"):
         raise UsageError(f"--what-if: the device's {stage} runs at {dev_precision}; keeping a layer at higher precision"
                          " applies to quantized precisions (int8, a16w8, ...)")

@@ -79,7 +79,7 @@ class LayoutSpec:
         """The validated `vlmrun.layouts.Layout`."""
         from .. import layouts
 
-        layout = layouts.resolve(self.base, self.file, self.overrides, self.options)
+        layout = layouts.resolve(self.base, self.file, self.overrides, self.options, registry.presets)
         return layouts.validate(layout, registry)
 
 

@@ -42,9 +42,9 @@ class VisionSession(vlmrun.StageHandle):
 def load_stage(backend, stage, ctx):
     if not vlmrun.mine(backend, NAME):
         return None
-    # ctx.options holds only declared options, already converted (threads is an int >= 1)
+    # ctx.options holds every declared option, converted, its default filled in (threads is an int >= 1)
     artifact = ctx.exported(vlmrun.ExportForm.of("vision"))  # the ONNX export, cached in the artifact store
-    return VisionSession(artifact, ctx.options.get("threads", 1))
+    return VisionSession(artifact, ctx.options["threads"])
 
 
 @vlmrun.hookimpl

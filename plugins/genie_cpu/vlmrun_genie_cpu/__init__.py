@@ -4,7 +4,9 @@ Compile: the SDK's genai-transformer composer turns the model's Qwen2 weights (e
 checkpoint into a plain Qwen2 directory) into a model bin (``--quantize none|z8|q4``); the artifact also holds
 the float32 LUT [V,H] (``-t``) and tokenizer.json. Decode: libGenie in a worker process when
 libQnnGenAiTransformer.so and libGenie.so are found on the host, else ``genie-t2t-run`` on the host SDK, or on a
-phone over adb with ``target = "android"``. Genie's profile becomes ``handle.last_timings``.
+phone over adb with ``target = "android"``. Genie's profile becomes ``handle.last_timings``. Conversations on a
+phone keep Genie's dialog state there between turns (genie-app's dialog save/restore, ``decoder_state``); on this
+host every turn runs from the start.
 
 Per-stage options: ``quantize`` (none, z8, q4), ``context_length`` (default 1024), ``sdk_root`` (else
 ``$QAIRT_SDK_ROOT`` / ``$QNN_SDK_ROOT``), ``runner`` (auto, libgenie, t2t), ``target`` (local, android) with
@@ -17,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmrun import hookimpl
-from vlmrun.plugins import BackendInfo, Check, mine
+from vlmrun.plugins import BackendInfo, Check, Preset, mine
 
 from vlmrun.options import Option
 from vlmrun_qualcomm import sdk
@@ -49,6 +51,12 @@ def doctor():
         if label not in ("composer",):
             checks.append(Check(f"{label} (android)", path is not None, str(path) if path else "not found"))
     return checks
+
+
+@hookimpl
+def register_presets(register):
+    register(Preset("hybrid", {"vision": "qnn_htp", "projector": "qnn_htp", "embed": "qnn_htp", "decoder": NAME},
+                    "vision, projector and embed on the NPU (qnn_htp); the decoder on Genie's CPU backend"))
 
 
 @hookimpl
@@ -120,3 +128,12 @@ def decode(backend, handle, request):
     if not mine(backend, NAME):
         return None
     return handle.generate(request)
+
+
+@hookimpl
+def decoder_state(backend, handle):
+    """On a phone with the SDK's genie-app: Genie's dialog state saved there after each turn and restored by the
+    next (`vlmrun_genie_cpu.runner.GenieCpuDecoder.dialog_state`); else ``None`` (every turn from the start)."""
+    if not mine(backend, NAME):
+        return None
+    return handle.dialog_state()

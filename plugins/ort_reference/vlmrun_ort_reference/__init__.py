@@ -7,7 +7,7 @@ other backend builds on.
 from __future__ import annotations
 
 from vlmrun import hookimpl
-from vlmrun.plugins import BackendInfo, Check, mine
+from vlmrun.plugins import BackendInfo, Check, Preset, mine
 from vlmrun.stages import STAGES, ExportForm
 
 from .engine import KVDecoder, KVState, Session
@@ -30,6 +30,12 @@ FORMS = {
 def describe():
     return BackendInfo(NAME, STAGES, "ONNX Runtime on the CPU: the reference every device is compared with",
                        concurrent=True)  # sessions are thread-safe; each generation keeps its own KV cache
+
+
+@hookimpl
+def register_presets(register):
+    register(Preset("reference", dict.fromkeys(STAGES, NAME), "every stage on ONNX Runtime's CPU provider, float32:"
+                    " the layout others are diffed and scored against", reference=True))
 
 
 @hookimpl

@@ -109,9 +109,8 @@ def register_options(register):
 def preflight(backend, stage, model, options):
     """A stage compiled on the hub for another backend (``--compiler qaihub``) takes no per-layer precision: refused
     here, before anything is exported or uploaded (``options.check_per_layer_precision``)."""
-    o = dict(options or {})
-    if str(o.get("compiler") or backend) == NAME and backend != NAME:
-        check_per_layer_precision(stage, o)
+    if str(options["compiler"] or backend) == NAME and backend != NAME:
+        check_per_layer_precision(stage, options.given, options["precision"])
 
 
 @hookimpl

@@ -27,13 +27,14 @@ from .reattach import forgotten, rerun_note
 def compile_request(request) -> dict:
     """The ``compile`` hook's work: ``request`` (a stage to compile for qaihub or, with ``--compiler qaihub``, for
     another backend) compiled on the hub; returns the manifest."""
-    merged = {**dict(request.stage_options or {}), **dict(request.options or {})}
-    if request.target != NAME:
-        check_per_layer_precision(request.stage, merged)  # preflight skipped (a StageContext built by hand)
+    merged = {**request.stage_options, **request.options}
+    if request.target != NAME:  # preflight skipped (a StageContext built by hand)
+        check_per_layer_precision(request.stage, {**request.stage_options.given, **request.options},
+                                  merged["precision"])
         # for another backend `device` is its own (qnn_htp: the adb serial of a phone); the hub device is
         # `hub_device`, or `device` when that backend's stage stays on this machine
         device = merged.pop("device", None)
-        if not merged.get("hub_device") and str(merged.get("target") or "local") == "local" and device:
+        if not merged.get("hub_device") and merged.get("target") in (None, "local") and device:
             merged["hub_device"] = device
     return compile_on_hub(hub_for(merged), request.stage, request.model, request.source, merged,
                           Path(request.out_dir), request.target, artifact=request.artifact,
@@ -67,7 +68,7 @@ def _upload_dir(source, work: Path) -> Path:
 def calibration_data(stage, model, io_in: list[dict], options: dict) -> dict:
     """Calibration samples per input: images for ``pixel_values`` when given, else seeded random data."""
     rng = np.random.default_rng(0)
-    n = int(options.get("calibration_samples") or 8)
+    n = int(options["calibration_samples"])
     data: dict[str, list[np.ndarray]] = {}
     images = options.get("calibration_images")
     for t in io_in:
@@ -105,7 +106,7 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
     if parts.is_parts(source):  # qnn_htp's decoder parts form: compile jobs per graph, a link job per part
         return parts.compile_parts_on_hub(hub, model, source, options, out_dir, target, state_dir=state_dir,
                                           rebuild=rebuild)
-    precision = str(options.get("precision") or "fp16").lower()
+    precision = str(options["precision"]).lower()
     qairt = qairt_version_of(options)
     hub_opts = compile_options(precision, str(options.get("hub_options") or ""), qairt)
     spec = device_of(options)

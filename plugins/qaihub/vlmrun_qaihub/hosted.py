@@ -18,8 +18,7 @@ from . import hub as hubmod
 from .devices import make_device
 from .figures import merge_figures, profile_figures
 from .hub import HubJobTimeout, HubNotFound, HubTooLarge, HubUnreachable
-from .options import (DEFAULT_BATCH_MB, DEFAULT_EMBED_SEQ, HOSTED_STAGES, compile_options, device_of, hub_for,
-                      qairt_version_of)
+from .options import DEFAULT_BATCH_MB, HOSTED_STAGES, compile_options, device_of, hub_for, qairt_version_of
 from .reattach import REATTACH, forgotten
 
 BATCH_JOBS_KEPT = 32  # finished batch jobs the ledger remembers per artifact (a rerun downloads their outputs)
@@ -356,7 +355,7 @@ class HostedStage(StageHandle):
 
 def forms(stage: str, options) -> ExportForm:
     if stage == "embed":
-        return ExportForm.of("embed", seq=int(options.get("embed_seq") or DEFAULT_EMBED_SEQ))
+        return ExportForm.of("embed", seq=int(options["embed_seq"]))
     return ExportForm.of(stage)
 
 
@@ -365,19 +364,20 @@ def load_hosted_stage(stage, ctx) -> HostedStage:
     keyed by precision, device, QAIRT version, hub options and calibration), as a HostedStage."""
     if stage not in HOSTED_STAGES:
         raise UsageError(f"qaihub runs {', '.join(HOSTED_STAGES)} on hosted devices, not '{stage}'")
-    o = dict(ctx.options)
-    precision = str(o.get("precision") or "fp16").lower()
+    o = ctx.options
+    precision = str(o["precision"]).lower()
     qairt = qairt_version_of(o)
     compile_options(precision)  # validates
     device = device_of(o)
     form = forms(stage, o)
     src = ctx.exported(form)
     key_opts = {"precision": precision, "device": device, "hub_options": str(o.get("hub_options") or ""),
-                "soc": o.get("soc"), "calibration_images": o.get("calibration_images"), "qairt_version": qairt,
-                "calibration_samples": o.get("calibration_samples") if precision != "fp16" else None}
+                "soc": o["soc"], "calibration_images": o["calibration_images"], "qairt_version": qairt,
+                # keyed as given: the default sample count keys the artifacts it always did
+                "calibration_samples": o.given.get("calibration_samples") if precision != "fp16" else None}
     key_opts = {k: v for k, v in key_opts.items() if v}
     art = ctx.compiled(src, key_opts, f"{form.label()}-{precision}-{device.replace(' ', '_')}")
     hub = hub_for(o)
     state_dir = Path(ctx.store.root) / "state" / art.path.name  # the artifact's state directory (its job ledger)
     return HostedStage(hub, art, stage, device, form.get("seq") if stage == "embed" else None,
-                       state_dir=state_dir, qairt=qairt, batch_mb=o.get("batch_mb"))
+                       state_dir=state_dir, qairt=qairt, batch_mb=o["batch_mb"])

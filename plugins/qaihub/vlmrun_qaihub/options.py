@@ -56,13 +56,14 @@ def declared_options() -> list[Option]:
                      f" [default: from soc; env {ENV_DEVICE}]"),
         _option(NAME, "hub_device", str, flag="--hub-device", stages=COMPILE_STAGES,  # keyed through device
                 help="AI Hub device when qaihub compiles for another backend (--compiler qaihub) [default: from soc]"),
-        Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
-               help="target Snapdragon SoC (picks the hub's reference device)"),
-        Option(NAME, "precision", str, choices=PRECISIONS, default="fp16", flag="--precision",
+        Option(NAME, "soc", str, choices=tuple(socs.SOCS), flag="--soc",
+               help="target Snapdragon SoC (picks the hub's reference device) [default: the named device's own;"
+                    f" {socs.DEFAULT_SOC} when no device is named]"),
+        Option(NAME, "precision", str, choices=PRECISIONS, default="fp16", flag="--precision", stages=COMPILE_STAGES,
                help="numeric precision (hub-side quantization with calibration data)"),
         Option(NAME, "calibration_images", Path, flag="--calibration-images",
                help="folder of images to calibrate int8 (default: seeded random data)"),
-        _option(NAME, "calibration_samples", int, default=8, minimum=1, keyed=True,
+        _option(NAME, "calibration_samples", int, default=8, minimum=1, keyed=True, stages=COMPILE_STAGES,
                 help="calibration samples per input"),
         Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
                help="static sequence length of the embed graph"),
@@ -142,21 +143,23 @@ def compile_options(precision: str, extra: str = "", qairt: str | None = None) -
     return " ".join(opts)
 
 
-def check_per_layer_precision(stage: str, options) -> None:
-    """A one-line UsageError when a stage compiled on the hub asks for per-layer precision (qnn_htp's ``keep_fp`` /
-    ``keep_a16w16``, which ``vlmrun diff --what-if`` sets): the hub quantizes the stage itself, as a whole, and
-    vlmrun sends it no per-layer precision, so the option would be ignored (the same binary compiled again)."""
-    o = dict(options or {})
+def check_per_layer_precision(stage: str, asked, precision: str) -> None:
+    """A one-line UsageError when a stage compiled on the hub at ``precision`` asks for per-layer precision
+    (qnn_htp's ``keep_fp`` / ``keep_a16w16``, which ``vlmrun diff --what-if`` sets) or for qnn_htp's own quantizer:
+    the hub quantizes the stage itself, as a whole, and vlmrun sends it no per-layer precision, so the option would
+    be ignored (the same binary compiled again). ``asked``: the options the layout set (``options.given``: a
+    recipe option at its declared default asks for nothing)."""
+    o = dict(asked or {})
     recipe = [k for k in RECIPE if o.get(k) not in (None, "") and not (k == "quantizer" and o[k] == "onnxruntime")]
     if recipe:
         raise UsageError(f"{stage}: {recipe[0]} = {o[recipe[0]]!r} chooses qnn_htp's own quantizer, which"
                          " --compiler qaihub does not run (AI Hub quantizes the stage itself); drop --compiler qaihub"
                          " to quantize locally, or drop the option")
-    asked = [k for k in PER_LAYER if o.get(k) not in (None, "", (), [])]
-    if not asked:
+    per_layer = [k for k in PER_LAYER if o.get(k) not in (None, "", (), [])]
+    if not per_layer:
         return
-    opt = asked[0]
-    precision = str(o.get("precision") or "fp16").lower()
+    opt = per_layer[0]
+    precision = str(precision).lower()
     how = f" ({QUANT_FLAGS[precision]})" if precision in QUANT_FLAGS else " (at int8 or a16w8)"
     alt = (", or quantize the whole stage with 16-bit activations on the hub (precision = \"a16w8\")"
            if precision == "int8" else "")

@@ -156,9 +156,9 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     from qai_hub.client import ModelMetadataKey
 
     t0 = time.perf_counter()
-    precision = str(options.get("precision") or "fp16").lower()
+    precision = str(options["precision"]).lower()
     check_precision(precision)
-    share = str(options.get("weight_sharing") or "on").lower() != "off"
+    share = str(options["weight_sharing"]).lower() != "off"  # qnn_htp's "auto" is "on" for a hub compile
     qairt = qairt_version_of(options)
     extra = str(options.get("hub_options") or "").strip()
     spec = device_of(options)
@@ -168,7 +168,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
-    limit = int(options.get("part_limit_mb") or qparts.DEFAULT_PART_LIMIT_MB) * 1_000_000
+    limit = int(options["part_limit_mb"]) * 1_000_000
     runtime = "qnn_dlc" if share else "qnn_context_binary"
     link_opts = f"--qairt_version {qairt}" if qairt else ""
     ledger = hubmod.Ledger(state_dir)

@@ -65,7 +65,7 @@ import numpy as np
 from vlmrun import hookimpl
 from vlmrun.errors import BackendError, UsageError
 from vlmrun.options import Option
-from vlmrun.plugins import BackendInfo, Check, mine
+from vlmrun.plugins import BackendInfo, Check, Preset, mine
 from vlmrun.stages import STAGES, ExportForm
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.genie_session import DialogState
@@ -76,8 +76,9 @@ from . import bundle_run, calibration, ep, image_encoder, recipe
 from .decoder import FixedKVDecoder, FixedKVState
 from .handles import ChunkedEmbed, DecoderHandle, LocalStage
 from .layers import LAYER_OPTIONS
-from .options import (DECODER_FORMS, DEFAULT_CONTEXT, DEFAULT_EMBED_SEQ, DEFAULT_PREFILL_AR, ENGINES, NAME,
-                      PRECISIONS, RMSNORMS, TOOLCHAINS, binary_version, compiled_artifact, forms, stage_options)
+from .options import (DECODER_FORMS, DEFAULT_CONTEXT, DEFAULT_EMBED_SEQ, DEFAULT_FOLLOWUP_AR,
+                      DEFAULT_PARTS_PREFILL_AR, DEFAULT_PREFILL_AR, ENGINES, NAME, PRECISIONS, RMSNORMS, TOOLCHAINS,
+                      binary_version, compiled_artifact, forms, stage_options)
 from .quantizer import io_quant, quantize
 
 __version__ = "0.1.0"
@@ -85,6 +86,11 @@ __version__ = "0.1.0"
 
 # -- hooks -------------------------------------------------------------------------------------------------
 Q_STAGES = ("vision", "projector", "embed", "decoder")
+
+
+@hookimpl
+def register_presets(register):
+    register(Preset("all-npu", dict.fromkeys(STAGES, NAME), "every stage on the Hexagon NPU (QNN HTP)"))
 
 
 @hookimpl
@@ -98,18 +104,24 @@ def register_options(register):
                help="folder of images to calibrate int8 (default: random data, labelled so in the manifest)"),
         Option(NAME, "context_length", int, stages=("decoder",), default=DEFAULT_CONTEXT, minimum=8,
                flag="--context-length", help="decoder context the graphs are compiled for"),
-        Option(NAME, "prefill_ar", int, stages=("decoder",), default=DEFAULT_PREFILL_AR, minimum=1,
-               help="decoder prefill chunk (AR-N); parts form: default 128, capped at the hidden size"),
-        Option(NAME, "engine", str, stages=("decoder",), choices=ENGINES, default="host", flag="--decoder-engine",
-               help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie;"
-                    " the default on a phone)"),
+        Option(NAME, "prefill_ar", int, stages=("decoder",), minimum=1,
+               help=f"decoder prefill chunk (AR-N); default: {DEFAULT_PARTS_PREFILL_AR} in the parts form (capped at the"
+                    f" hidden size), {DEFAULT_PREFILL_AR} in the fixed form"),
+        Option(NAME, "followup_ar", int, stages=("decoder",), default=DEFAULT_FOLLOWUP_AR, minimum=0,
+               help="parts form: rows of a second, smaller prompt graph per part, compiled beside the AR-N and AR-1"
+                    " graphs (in the same binary when weight-shared) for prompts it covers, such as a"
+                    f" conversation's follow-up turn (default {DEFAULT_FOLLOWUP_AR}; 0 = none; ignored unless below"
+                    " prefill_ar)"),
+        Option(NAME, "engine", str, stages=("decoder",), choices=ENGINES, flag="--decoder-engine",
+               help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie);"
+                    " default: genie for the parts form on a phone, host otherwise"),
         Option(NAME, "rmsnorm", str, stages=("decoder",), choices=RMSNORMS, default="safe",
                help="decoder RMSNorm: safe (rows scaled by their max |x| before squaring: no fp16 overflow on"
                     " massive activations) or plain (overflows in fp16 once |x| > 256)"),
-        Option(NAME, "decoder_form", str, stages=("decoder",), choices=DECODER_FORMS, default="parts",
-               flag="--decoder-form", help="decoder graphs: parts (the default, Qualcomm's shipping form: parts of"
-                    " layers, prompt + token graphs per part in one weight-shared binary, Genie layout; int8 picks"
-                    " fixed) or fixed (one graph per binary, AR-N + AR-1)"),
+        Option(NAME, "decoder_form", str, stages=("decoder",), choices=DECODER_FORMS,
+               flag="--decoder-form", help="decoder graphs: parts (Qualcomm's shipping form: parts of layers, prompt"
+                    " + token graphs per part in one weight-shared binary, Genie layout) or fixed (one graph per"
+                    " binary, AR-N + AR-1); default: fixed for precision int8, parts otherwise"),
         Option(NAME, "embeds_input", str, stages=("decoder",), default="float",
                help="parts form: the decoder's inputs_embeds as float, or uint16:LO:HI (quantized over [LO, HI], as"
                     " a bundle compiles it so Genie's generator takes a 16-bit LUT)"),
@@ -132,8 +144,9 @@ def register_options(register):
         Option(NAME, "weight_scheme", str, stages=Q_STAGES, choices=recipe.WEIGHT_SCHEMES,
                help="weights: per_channel, or lpbq (4-bit blocks along the input channel, AIMET, w4a16; the"
                     " default there)"),
-        Option(NAME, "block_size", int, stages=("decoder",), default=recipe.DEFAULT_BLOCK_SIZE, minimum=1,
-               flag="--block-size", help="LPBQ block size along the input channel (must divide it)"),
+        Option(NAME, "block_size", int, stages=("decoder",), minimum=1, flag="--block-size",
+               help=f"LPBQ block size along the input channel (must divide it); default {recipe.DEFAULT_BLOCK_SIZE}"
+                    " with weight_scheme lpbq, refused with any other scheme"),
         Option(NAME, "algorithm", str, stages=Q_STAGES, choices=recipe.ALGORITHMS, default="minmax",
                flag="--quant-algorithm", help="how weight encodings are chosen: minmax, seq_mse (Sequential MSE)"
                     " or adaround (AIMET)"),
@@ -325,16 +338,12 @@ def load_stage(backend, stage, ctx):
     opts = stage_options(stage, ctx.options)
     soc = socs.soc(opts["soc"])
     if opts.get("decoder_form") == "parts":
-        from .options import parts_plan
-
+        from .parts_compile import parts_artifact
         from .parts_run import load_parts
 
-        p = parts_plan(ctx.model, opts)
-        form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],
-                             layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
         from .genie_phone import attach  # engine genie + --target android: genie-t2t-run on the phone
 
-        return attach(load_parts(ctx, opts, soc, compiled_artifact(ctx, stage, opts, form)), ctx, opts, soc)
+        return attach(load_parts(ctx, opts, soc, parts_artifact(ctx, opts)), ctx, opts, soc)
     arts = [compiled_artifact(ctx, stage, opts, f) for f in forms(stage, opts)]
     for art in arts:
         ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
@@ -486,11 +495,14 @@ def decode(backend, handle, request):
 @hookimpl
 def decoder_state(backend, handle):
     """A conversation's state kept between turns: the host engine's KV buffers (fixed and parts forms); with engine
-    ``genie``, Genie's dialog alive in its worker (`vlmrun_qualcomm.genie_session.DialogState`). Each turn
-    feeds its new rows only. A phone's genie-t2t-run answers each turn from the start (``None``); a bundle keeps its
-    conversation through ``request_state``."""
-    if not mine(backend, NAME) or getattr(handle, "phone", None) is not None or hasattr(handle, "runtime"):
+    ``genie``, Genie's dialog alive in its worker (`vlmrun_qualcomm.genie_session.DialogState`); on a phone, Genie's
+    dialog state saved there by genie-app after each turn and restored by the next
+    (`vlmrun_qualcomm.genie_app.AppDialogState`; ``None`` when the SDK has no genie-app: every turn from the start).
+    Each turn feeds its new rows only. A bundle keeps its conversation through ``request_state``."""
+    if not mine(backend, NAME) or hasattr(handle, "runtime"):
         return None
+    if getattr(handle, "phone", None) is not None:  # engine genie on a phone (.genie_phone)
+        return handle.phone.dialog_state(handle)
     if hasattr(handle, "genie_generate"):  # engine genie: the dialog kept in its worker between turns
         return DialogState(handle.lib.path, getattr(handle, "dialog_config", handle.config), handle.lut_npy,
                            handle.facts.hidden, handle.timeout)

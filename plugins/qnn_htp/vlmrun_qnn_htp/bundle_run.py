@@ -433,7 +433,8 @@ class BundleStage(DecoderHandle):
 
     def engine_decode(self, request):
         """vlmrun's host engine over the bundle's decoder binaries (the store's byte-identical compile), step by step
-        as Genie runs them: the prompt graph, then the token graph per token."""
+        as Genie runs them: the smallest prompt graph covering the prompt (AR-128, or the follow-up AR-32), then the
+        token graph per token."""
         return self.decoder.generate(request) if self.stage == "decoder" else None
 
     def run(self, inputs: dict) -> dict:
@@ -445,15 +446,16 @@ class BundleStage(DecoderHandle):
 def load_bundle_stage(stage: str, ctx) -> BundleStage:
     from .bundle_phone import RUNTIME_OPTIONS
 
-    fixed = sorted(set(ctx.options) - RUNTIME_OPTIONS)
+    fixed = sorted(set(ctx.options.given) - RUNTIME_OPTIONS)  # what the layout set, not the filled defaults
     if fixed:
         raise UsageError(f"a bundle runs as it was written: {', '.join(fixed)} cannot change (write another bundle"
                          f" with it); a bundle takes only {', '.join(sorted(RUNTIME_OPTIONS))}")
     path = str(Path(ctx.bundle).resolve())
-    key = (path, tuple(sorted((k, str(v)) for k, v in ctx.options.items())))
+    runtime = {k: v for k, v in ctx.options.given.items() if k in RUNTIME_OPTIONS}  # one runtime for all stages
+    key = (path, tuple(sorted((k, str(v)) for k, v in runtime.items())))
     rt = _RUNTIMES.get(key)
     if rt is None or rt.model is not ctx.model:
-        rt = _RUNTIMES[key] = BundleRuntime(Path(path), ctx.model, dict(ctx.options))
+        rt = _RUNTIMES[key] = BundleRuntime(Path(path), ctx.model, runtime)
     return BundleStage(rt, stage, ctx)
 
 

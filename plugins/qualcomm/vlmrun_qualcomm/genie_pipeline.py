@@ -38,6 +38,7 @@ from .genie_binding import capture_fd, status_name
 from .genie_sampler import LogitsRows, LogitsTap
 from .genie_session import WorkerSession
 from .genie_worker import WorkerLines
+from .worker_protocol import Replies, pipeline_text, serve_commands
 
 # GenieNode_IOName_t
 TEXT_GENERATOR_TEXT_INPUT, TEXT_GENERATOR_EMBEDDING_INPUT, TEXT_GENERATOR_TEXT_OUTPUT = 0, 1, 2
@@ -276,8 +277,7 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--session", action="store_true",
                     help="keep the pipeline: then read TURN {inputs, embeddings_out} / RESET lines on stdin until EOF")
     a = ap.parse_args(argv)
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # native code's stdout goes to stderr; the protocol has its own fd
+    out = Replies()
     req = json.loads(Path(a.request).read_text())
     embeds: list = []
 
@@ -291,11 +291,11 @@ def _worker(argv: Sequence[str] | None = None) -> int:
             raw, dims = embeds.pop()
             embeds.clear()
             np.save(req["embeddings_out"], raw)
-            out.write(f"EMBEDDINGS {json.dumps(dims)}\n")
+            out.write("EMBEDDINGS", json.dumps(dims))
 
     def on_text(text, code):
         flush_embeddings()
-        out.write(f"TEXT {json.dumps([text, code])}\n")
+        out.write("TEXT", json.dumps([text, code]))
 
     if a.session:
         return _session(a.lib, req, out, embeds, flush_embeddings, on_text, on_embedding)
@@ -304,45 +304,36 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         tap = None
         if req.get("logits"):  # the generator's sampler block names this callback (genie_sampler.py)
             t = req["logits"]
-            tap = LogitsTap(lib.lib, out, t["rows"], t.get("forced") or (), t.get("vocab_limit"))
+            tap = LogitsTap(lib.lib, out.out, t["rows"], t.get("forced") or (), t.get("vocab_limit"))
         run_pipeline(lib, req["nodes"], req["connections"], req["inputs"], on_text, on_embedding)
         flush_embeddings()
         if tap is not None:
             tap.close()
-        out.write("DONE\n")
+        out.write("DONE")
         return 0
     except BackendError as exc:
-        out.write(f"ERROR {exc}\n")
-        return 3
+        return out.failed(exc)
 
 
-def _session(lib_path: str, req: dict, out, embeds: list, flush_embeddings, on_text, on_embedding) -> int:
+def _session(lib_path: str, req: dict, out: Replies, embeds: list, flush_embeddings, on_text, on_embedding) -> int:
     """The worker of a `PipelineSession`: one pipeline for a whole conversation. ``READY`` once it is made;
     then per stdin line ``TURN {"inputs": [...], "embeddings_out": PATH}`` (those inputs, execute: the generator
     continues from its KV cache) or ``RESET``; each answered by ``DONE`` or ``ERROR reason``; EOF ends it."""
     try:
         run = PipelineRun(PipelineLibrary(lib_path), req["nodes"], req["connections"], on_text, on_embedding)
     except BackendError as exc:
-        out.write(f"ERROR {exc}\n")
-        return 3
-    out.write("READY\n")
+        return out.failed(exc)
+
+    def turn(rest: str) -> None:
+        turn = json.loads(rest)
+        req["embeddings_out"] = turn.get("embeddings_out")
+        embeds.clear()
+        run.run(turn["inputs"])
+        flush_embeddings()
+
+    out.write("READY")
     try:
-        for line in sys.stdin:
-            word, _, rest = line.strip().partition(" ")
-            try:
-                if word == "TURN":
-                    turn = json.loads(rest)
-                    req["embeddings_out"] = turn.get("embeddings_out")
-                    embeds.clear()
-                    run.run(turn["inputs"])
-                    flush_embeddings()
-                elif word == "RESET":
-                    run.reset()
-                else:
-                    raise BackendError(f"unknown command {word!r}")
-                out.write("DONE\n")
-            except BackendError as exc:
-                out.write(f"ERROR {exc}\n")
+        serve_commands(out, {"TURN": turn, "RESET": lambda _: run.reset()})
     finally:
         run.close()
     return 0
@@ -367,13 +358,7 @@ class PipelineSession(WorkerSession):
         """This turn's inputs, executed on top of the kept state: its text pieces; ``result`` as
         `stream_pipeline`'s."""
         self.send("TURN " + json.dumps({"inputs": [list(i) for i in inputs], "embeddings_out": embeddings_out}))
-        for word, rest in self.events():
-            if word == "TEXT":
-                text, _ = json.loads(rest)
-                if text:
-                    yield text
-            elif word == "EMBEDDINGS":
-                result["embeddings_dims"] = json.loads(rest)
+        yield from pipeline_text(self.events(), result)
 
 
 def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str | os.PathLike, timeout: float = 600.0,
@@ -389,24 +374,12 @@ def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str |
     argv = [sys.executable, "-m", "vlmrun_qualcomm.genie_pipeline", "--lib", str(lib_path), "--request", str(req_path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
     run = WorkerLines(argv, timeout=timeout, what="the Genie pipeline worker", env=env, cwd=cwd)
-    done, error = False, None
     result = result if result is not None else {}
     try:
-        for word, rest in run:
-            if word == "TEXT":
-                text, _ = json.loads(rest)
-                if text:
-                    yield text
-            elif word == "EMBEDDINGS":
-                result["embeddings_dims"] = json.loads(rest)
-            elif word == "LOGITS" and logits is not None:
-                logits.event(rest)
-            elif word == "DONE":
-                done = True
-            elif word == "ERROR":
-                error = rest
+        yield from pipeline_text(run, result, logits)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    done, error = result.pop("done", False), result.pop("error", None)
     if run.timed_out and not done:
         raise BackendError(f"the Genie pipeline timed out after {timeout:g} s (worker killed); raise --option"
                            " timeout or check the bundle with vlmrun bundle --verify")

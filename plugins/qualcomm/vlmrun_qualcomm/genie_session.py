@@ -34,6 +34,7 @@ from vlmrun.handles import DecoderState
 
 from .genie import ContextLimitError, _last_error_line, write_embeddings
 from .genie_binding import GenieLibrary
+from .worker_protocol import Replies, serve_commands
 
 
 class WorkerSession:
@@ -233,32 +234,21 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--lut", required=True, help=".npy float32 [V,H]")
     a = ap.parse_args(argv)
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # native code's stdout goes to stderr; the protocol has its own fd
+    out = Replies()
     try:
         lut = np.load(a.lut, mmap_mode="r")
         dialog = GenieLibrary(a.lib).dialog(Path(a.config).read_text(), profile=False)
     except BackendError as exc:
-        out.write(f"ERROR {exc}\n")
-        return 3
-    out.write("READY\n")
+        return out.failed(exc)
+
+    def query(path: str) -> None:
+        emb = np.fromfile(path, dtype=np.float32).reshape(-1, lut.shape[1])
+        for tok in dialog.stream_tokens(emb, lut):
+            out.write("TOKEN", tok)
+
+    out.write("READY")
     with dialog:
-        for line in sys.stdin:
-            word, _, rest = line.strip().partition(" ")
-            try:
-                if word == "QUERY":
-                    emb = np.fromfile(rest, dtype=np.float32).reshape(-1, lut.shape[1])
-                    for tok in dialog.stream_tokens(emb, lut):
-                        out.write(f"TOKEN {tok}\n")
-                elif word == "RESET":
-                    dialog.reset()
-                else:
-                    raise BackendError(f"unknown command {word!r}")
-                out.write("DONE\n")
-            except ContextLimitError as exc:
-                out.write(f"CONTEXT {exc}\n")
-            except BackendError as exc:
-                out.write(f"ERROR {exc}\n")
+        serve_commands(out, {"QUERY": query, "RESET": lambda _: dialog.reset()})
     return 0
 
 

@@ -33,6 +33,7 @@ from vlmrun.errors import BackendError
 from .genie import ContextLimitError, _last_error_line, parse_profile, write_embeddings
 from .genie_binding import GenieLibrary
 from .genie_sampler import LogitsRows, LogitsTap, custom_sampler_block
+from .worker_protocol import Replies
 
 #: the name a diff gives Genie when it generates over binaries vlmrun's host engine also runs
 RUNTIME_NAME = "Genie (libGenie dialog)"
@@ -55,8 +56,7 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--tap", help="JSON: the logits tap (rows file, forced tokens, vocab limit), genie_sampler.py")
     a = ap.parse_args(argv)
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # anything native code prints on stdout goes to stderr; the protocol has its own fd
+    out = Replies()
     try:
         lut = np.load(a.lut, mmap_mode="r")
         emb = np.fromfile(a.embeddings, dtype=np.float32).reshape(-1, lut.shape[1])
@@ -65,22 +65,18 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         tap = None
         if a.tap:  # registered before the dialog exists; the config's sampler block names it
             t = json.loads(Path(a.tap).read_text())
-            tap = LogitsTap(lib.lib, out, t["rows"], t.get("forced") or (), t.get("vocab_limit"))
+            tap = LogitsTap(lib.lib, out.out, t["rows"], t.get("forced") or (), t.get("vocab_limit"))
         with lib.dialog(cfg, profile=bool(a.profile)) as dialog:
             for tok in dialog.stream_tokens(emb, lut):
-                out.write(f"TOKEN {tok}\n")
+                out.write("TOKEN", tok)
             if a.profile:
                 Path(a.profile).write_text(json.dumps(dialog.profile()))
         if tap is not None:
             tap.close()
-        out.write("DONE\n")
+        out.write("DONE")
         return 0
-    except ContextLimitError as exc:
-        out.write(f"CONTEXT {exc}\n")
-        return 3
-    except BackendError as exc:
-        out.write(f"ERROR {exc}\n")
-        return 3
+    except BackendError as exc:  # ContextLimitError too: one CONTEXT line
+        return out.failed(exc)
 
 
 class WorkerLines:

@@ -21,6 +21,7 @@ from pathlib import Path
 import attrs
 
 from vlmrun.errors import BackendError
+from vlmrun.options import Option
 
 ENV_ROOTS = ("QAIRT_SDK_ROOT", "QNN_SDK_ROOT")
 ENV_NDK = ("ANDROID_NDK_ROOT", "ANDROID_NDK_HOME", "ANDROID_NDK")
@@ -259,18 +260,14 @@ class Sdk:
 
 def phone_options(backend: str, stages=None) -> list:
     """The options of a backend that can run on a phone over adb with the SDK's tools (qnn_htp, genie_cpu)."""
-    from pathlib import Path as _Path
-
-    from vlmrun.options import Option
-
     return [
         Option(backend, "target", str, choices=("local", "android"), stages=stages, default="local",
                flag="--target", help="where compiled stages run: this machine, or a phone over adb (needs the"
                                      " QNN SDK: QAIRT_SDK_ROOT)"),
         Option(backend, "device", str, stages=stages, flag="--device",
                help="adb serial of the phone, when more than one is connected"),
-        Option(backend, "adb", _Path, stages=stages, help="the adb executable (default: $VLMRUN_ADB, else adb on PATH)"),
-        Option(backend, "sdk_root", _Path, stages=stages,
+        Option(backend, "adb", Path, stages=stages, help="the adb executable (default: $VLMRUN_ADB, else adb on PATH)"),
+        Option(backend, "sdk_root", Path, stages=stages,
                help="the unpacked QAIRT SDK (default: $QAIRT_SDK_ROOT, else $QNN_SDK_ROOT)"),
         Option(backend, "adb_timeout", float, stages=stages, default=120.0, minimum=1,
                help="seconds for one adb transfer or command"),
