@@ -671,8 +671,8 @@ def test_qnn_htp_parts_form_boundaries_then_inside_the_worst_part(model, store, 
 
 
 def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean):
-    """keep_fp / keep_a16w16 in the parts form: a decoder layer's nodes are found in its part's prompt AND token
-    graphs (the same node count in both, none in the other part), the binaries are keyed by them, and keeping every
+    """keep_fp / keep_a16w16 in the parts form: a decoder layer's nodes are found in its part's prompt, follow-up AND
+    token graphs (the same node count in each, none in the other part), the binaries are keyed by them, and keeping every
     layer in float takes the w8a16 logits most of the way to fp16 (the nodes really left quantization); the
     what-if on the located layer rebuilds the parts and reports the change; prefixes and unknown layers are usage
     errors."""
@@ -707,11 +707,12 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
     art = kept_pipe.handles["decoder"].artifacts[0]
     per_graph = art.manifest["quantization"]["kept_fp"]
     ranges = [tuple(p["layers"]) for p in art.manifest["decoder_parts"]["parts"]]
-    assert sorted(per_graph) == ["part1_prompt", "part1_token", "part2_prompt", "part2_token"]
+    assert sorted(per_graph) == [f"part{k}_{g}" for k in (1, 2) for g in ("followup", "prompt", "token")]
     for k, (lo, hi) in enumerate(ranges, start=1):
         layers = [f"decoder.layer{i}" for i in range(lo, hi)] + (["decoder.norm", "decoder.lm_head"] if k == 2 else [])
-        assert per_graph[f"part{k}_prompt"]["layers"] == per_graph[f"part{k}_token"]["layers"] == layers
-        assert per_graph[f"part{k}_prompt"]["nodes"] == per_graph[f"part{k}_token"]["nodes"] > 0
+        graphs = [per_graph[f"part{k}_{g}"] for g in ("prompt", "followup", "token")]
+        assert all(g["layers"] == layers for g in graphs)
+        assert graphs[0]["nodes"] == graphs[1]["nodes"] == graphs[2]["nodes"] > 0
     assert art.path != plain_pipe.handles["decoder"].artifacts[0].path  # keyed: its own binaries
     # measured on the trained tiny model: w8a16 49.1 dB, every layer kept in float 52.4 dB (fp16 parts ~55 dB); before
     # its conversation training: 32.1 and 43.0 dB
@@ -720,11 +721,11 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
     one = f"decoder.layer{ranges[0][0] + 1 if ranges[0][1] - ranges[0][0] > 1 else ranges[0][0]}"
     wide_pipe = parts_on_htp(keep_a16w16=one)
     q = wide_pipe.handles["decoder"].artifacts[0].manifest["quantization"]["a16w16"]
-    assert sorted(q) == ["part1_prompt", "part1_token"]  # only the part holding the layer
-    for kind in ("prompt", "token"):
+    assert sorted(q) == ["part1_followup", "part1_prompt", "part1_token"]  # only the part holding the layer
+    for kind in ("prompt", "followup", "token"):
         assert q[f"part1_{kind}"]["layers"] == [one]
         assert q[f"part1_{kind}"]["weights"] == 7  # q, k, v, o, gate, up, down projections at int16
-    assert q["part1_prompt"]["nodes"] == q["part1_token"]["nodes"] > 0
+    assert q["part1_prompt"]["nodes"] == q["part1_followup"]["nodes"] == q["part1_token"]["nodes"] > 0
 
     found = loc.locate(ref, plain_pipe, "decoder", run.reference, {"decoder": {"sqnr_db": 60.0, "cosine": 0.99999}})
     target = found.first_failing or found.largest_drop
