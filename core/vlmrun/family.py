@@ -202,22 +202,15 @@ def _vision_and_projector(model, image_size: int, seed: int) -> dict[str, Any]:
     (projector scaled so image embeddings have the token embeddings' std); their bf16 tensors by native name."""
     import torch
 
-    from .tiny import _init_linear, _init_vision, _quantize_scale
+    from .tiny import _init_projector, _init_vision
 
     inner = model.model
     inner.vision_tower.to_empty(device="cpu")
     inner.multi_modal_projector.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(int(seed))
     _init_vision(inner.vision_tower.timm_model, gen)
+    _init_projector(model, gen, image_size, 0.02)
     proj = inner.multi_modal_projector
-    with torch.no_grad():
-        _init_linear(proj.linear_1, gen, 1.0 / math.sqrt(proj.linear_1.in_features))
-        _init_linear(proj.linear_2, gen, 1.0 / math.sqrt(proj.linear_2.in_features))
-        pixels = torch.rand((1, 3, image_size, image_size), generator=gen)
-        embeds = model.get_image_features(pixel_values=pixels).pooler_output
-        scale = _quantize_scale(0.02 / float(embeds.std()))
-        proj.linear_2.weight.mul_(scale)
-        proj.linear_2.bias.mul_(scale)
     out = {}
     for prefix, module in (("model.vision_tower.", inner.vision_tower), ("model.multi_modal_projector.", proj)):
         for key, t in module.state_dict().items():

@@ -284,6 +284,22 @@ def _text_kwargs(full_size: bool, vocab_rows: int) -> dict[str, Any]:
 # weights
 
 
+def _init_projector(model, gen, image_size: int, embed_std: float) -> None:
+    """Initialise the projector, then scale ``linear_2`` so image embeddings have the token embeddings' std
+    (``embed_std``), measured on one random picture through the (already initialised) vision tower."""
+    import torch
+
+    projector = model.model.multi_modal_projector
+    with torch.no_grad():
+        _init_linear(projector.linear_1, gen, 1.0 / math.sqrt(projector.linear_1.in_features))
+        _init_linear(projector.linear_2, gen, 1.0 / math.sqrt(projector.linear_2.in_features))
+        pixels = torch.rand((1, 3, image_size, image_size), generator=gen)
+        embeds = model.get_image_features(pixel_values=pixels).pooler_output
+        scale = _quantize_scale(embed_std / float(embeds.std()))
+        projector.linear_2.weight.mul_(scale)
+        projector.linear_2.bias.mul_(scale)
+
+
 def _init_vision(timm_model, gen) -> None:
     """Variance-preserving re-init of the FastViTHD tower (timm's init scales every residual branch by 1e-5)."""
     import torch
@@ -548,16 +564,7 @@ def build_model(
     embed_std = 0.02
     _init_vision(inner.vision_tower.timm_model, gen)
     _init_text(inner.language_model, gen, n_tokens, embed_std)
-    projector = inner.multi_modal_projector
-    with torch.no_grad():
-        _init_linear(projector.linear_1, gen, 1.0 / math.sqrt(projector.linear_1.in_features))
-        _init_linear(projector.linear_2, gen, 1.0 / math.sqrt(projector.linear_2.in_features))
-        # calibrate linear_2 so image embeddings have the std of the token embeddings
-        pixels = torch.rand((1, 3, image_size, image_size), generator=gen)
-        embeds = model.get_image_features(pixel_values=pixels).pooler_output
-        scale = _quantize_scale(embed_std / float(embeds.std()))
-        projector.linear_2.weight.mul_(scale)
-        projector.linear_2.bias.mul_(scale)
+    _init_projector(model, gen, image_size, embed_std)
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise AssertionError(f"{name} was not initialised")
