@@ -123,23 +123,26 @@ def test_a_weight_shared_part_holds_its_three_graphs_in_one_binary(tiny_model, s
     assert set(p["graphs"]) == {"prompt", "token", "followup"}
 
 
-def test_a_follow_up_runs_through_the_small_graph_with_the_tokens_from_scratch(npu_pipe):
+def converse(pipe, keep: bool) -> list[tuple]:
+    """`QUESTIONS` as one conversation about the demo picture (state kept between turns, or each turn from
+    scratch): per turn the text, the token ids, the prefilled rows and the prompt-graph calls per AR."""
     from vlmrun.demo_image import demo_image
 
+    h = pipe.handles["decoder"]
+    chat = pipe.chat(settings=SETTINGS, keep_state=keep)
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        before = h.calls_per_ar
+        g = chat.ask(q, image=demo_image() if i == 0 else None).run()
+        after = h.calls_per_ar
+        calls = {ar: after[ar] - before.get(ar, 0) for ar in after if ar > 1}
+        out.append((g.text, list(g.token_ids), g.timings["prefill_tokens"], calls))
+    return out
+
+
+def test_a_follow_up_runs_through_the_small_graph_with_the_tokens_from_scratch(npu_pipe):
     h = npu_pipe.handles["decoder"]
-    picture = demo_image()
-    turns = {}
-    for keep in (True, False):
-        chat = npu_pipe.chat(settings=SETTINGS, keep_state=keep)
-        out = []
-        for i, q in enumerate(QUESTIONS):
-            before = h.calls_per_ar
-            g = chat.ask(q, image=picture if i == 0 else None).run()
-            after = h.calls_per_ar
-            calls = {ar: after[ar] - before.get(ar, 0) for ar in after if ar > 1}
-            out.append((g.text, list(g.token_ids), g.timings["prefill_tokens"], calls))
-        turns[keep] = out
-    kept, scratch = turns[True], turns[False]
+    kept, scratch = converse(npu_pipe, True), converse(npu_pipe, False)
     ar = h.artifact.manifest["decoder_parts"]["ar"]
     assert ar >= 68  # the default AR-128 (capped at the hidden size, 128): a first turn in one call
     assert [t[:2] for t in kept] == [t[:2] for t in scratch]  # the same text and tokens, turn by turn
@@ -169,7 +172,6 @@ def test_a_quantized_follow_up_graph_is_calibrated_on_its_own_calls(tiny_model, 
     """w8a16: the follow-up graphs get calibration feeds of their own (the host loop through the float AR-32 graphs),
     and the quantized conversation's follow-up goes through them with the tokens computed from scratch."""
     from vlmrun import Pipeline, layouts
-    from vlmrun.demo_image import demo_image
 
     pipe = Pipeline.build(tiny_model, layouts.resolve("all-npu", options={"decoder": {"precision": "w8a16"}}),
                           store=store)
@@ -178,14 +180,6 @@ def test_a_quantized_follow_up_graph_is_calibrated_on_its_own_calls(tiny_model, 
     assert (m["precision"], m["decoder_parts"]["followup_ar"]) == ("w8a16", 32)
     feeds = re.search(r"(\d+) prompt / (\d+) token / (\d+) follow-up feeds per part", m["quantization"]["calibration"])
     assert feeds and int(feeds.group(3)) > 0, m["quantization"]["calibration"]
-    turns = {}
-    for keep in (True, False):
-        chat = pipe.chat(settings=SETTINGS, keep_state=keep)
-        out = []
-        for i, q in enumerate(QUESTIONS):
-            before = h.calls_per_ar
-            g = chat.ask(q, image=demo_image() if i == 0 else None).run()
-            out.append((list(g.token_ids), h.calls_per_ar.get(32, 0) - before.get(32, 0)))
-        turns[keep] = out
-    assert [t[0] for t in turns[True]] == [t[0] for t in turns[False]]
-    assert turns[True][1][1] == 1  # the follow-up: one call of the quantized AR-32 graph
+    kept, scratch = converse(pipe, True), converse(pipe, False)
+    assert [t[1] for t in kept] == [t[1] for t in scratch]
+    assert kept[1][3].get(32) == 1  # the follow-up: one call of the quantized AR-32 graph
