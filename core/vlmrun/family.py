@@ -202,7 +202,7 @@ def _vision_and_projector(model, image_size: int, seed: int) -> dict[str, Any]:
     (projector scaled so image embeddings have the token embeddings' std); their bf16 tensors by native name."""
     import torch
 
-    from .tiny import _init_projector, _init_vision
+    from .tiny_weights import _init_projector, _init_vision
 
     inner = model.model
     inner.vision_tower.to_empty(device="cpu")
@@ -224,7 +224,7 @@ def _specs(size: FamilySize, image_size: int, seed: int, tokenizer) -> tuple[lis
 
     from .checkpoint_keys import APPLE_HEAD_PROJ, native_key_to_apple
     from .checkpoint_shards import TensorSpec
-    from .tiny import SPECIAL_TOKENS
+    from .tiny_tokenizer import SPECIAL_TOKENS
 
     bos, _, eos, image = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     model = _native_model_on_meta(size, image_size, {"bos": bos, "eos": eos, "image": image})
@@ -272,7 +272,7 @@ def _write_random(tmp: pathlib.Path, size: FamilySize, image_size: int, seed: in
     from .checkpoint_shards import write_shards
     from .checkpoint_to_apple import apple_config, write_apple_tokenizer
     from .fastvlm_files import fastvlm_image_processor
-    from .tiny import _make_tokenizer
+    from .tiny_tokenizer import _make_tokenizer
 
     tokenizer = _make_tokenizer()
     native_tok = tmp / ".native-tokenizer"

@@ -7,6 +7,10 @@
 ...     print(piece, end="", flush=True)
 >>> gen.token_ids, gen.timings                               # afterwards
 >>> pipe.capture("photo.jpg", "Describe the image.")         # every stage-boundary tensor (for diffs)
+
+Also here: `StageContext`, what the ``load_stage`` hook gets, and the cached ONNX export (`export_artifact`). How
+`Pipeline.capture` teacher-forces the decoder is in `vlmrun.teacher_forcing`; the reference activations a compiler
+asks for (`StageCompileContext`) in `vlmrun.compile_context`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import numpy as np
 
 from . import layouts as layouts_mod
 from . import plugins as plugins_mod
+from . import teacher_forcing
+from .compile_context import ReferenceCompileContext
 from .errors import BackendError, InputError
 from .conversation import Chat, ChatGeneration, KeptState
 from .generation import Generation, GenerationSettings, Prepared
@@ -29,8 +35,7 @@ from .model import FastVLMModel, open_model
 from .options import StageOptions
 from .progress import no_progress
 from .preprocess import load_image, preprocess_image, render_messages, render_prompt, splice, tokenize_prompt
-from .sampling import ForcedSampler, Sampler
-from .stages import (CONTRACTS, STAGES, CompileContext, CompileRequest, DecodeRequest, ExportForm, check_tensor)
+from .stages import (CONTRACTS, STAGES, CompileRequest, ExportForm, check_tensor)
 from .store import Artifact, ArtifactStore
 
 Progress = Callable[[str], ContextManager]
@@ -119,63 +124,14 @@ class StageContext:
         return keyed
 
 
-CALIBRATION_PROMPT = "Describe the image."
-
-
-class StageCompileContext(CompileContext):
+class StageCompileContext(ReferenceCompileContext):
     """The core's side of a compile (see `vlmrun.stages.CompileContext`): reference activations come
     from a ``reference``-layout pipeline over the same model and store, built on first use."""
 
-    def __init__(self, stage_ctx: StageContext, artifact: str):
-        self._ctx = stage_ctx
-        self._artifact = artifact
-        self._pipe: "Pipeline | None" = None
-
-    def _reference(self) -> "Pipeline":
-        if self._pipe is None:
-            c = self._ctx
-            upstream = {"vision": (), "projector": ("vision",), "embed": (),
-                        "decoder": ("vision", "projector", "embed")}[c.stage]
-            self._pipe = Pipeline.build(c.model, "reference", store=c.store, registry=c.registry,
-                                        stages=upstream or ("embed",), progress=c.progress)
-        return self._pipe
-
-    def reference_inputs(self, images=None, prompts=None) -> list[dict[str, np.ndarray]]:
-        from .demo_image import demo_image
-
+    def build_reference(self, stages: tuple[str, ...]) -> "Pipeline":
         c = self._ctx
-        images = list(images or [demo_image()])
-        prompts = list(prompts or [CALIBRATION_PROMPT])
-        n = max(len(images), len(prompts))
-        pairs = [(images[i % len(images)], prompts[i % len(prompts)]) for i in range(n)]
-        out = []
-        for img, prompt in pairs:
-            if c.stage == "vision":
-                if isinstance(img, (str, os.PathLike)):
-                    img = load_image(img)
-                out.append({"pixel_values": preprocess_image(img, c.model.image_processor_config)})
-                continue
-            pipe = self._reference()
-            prepared = pipe.prepare(img, prompt)
-            if c.stage == "projector":
-                out.append({"image_features": pipe.run_stage("vision", {"pixel_values": prepared.pixel_values})[
-                    "image_features"]})
-            elif c.stage == "embed":
-                out.append({"input_ids": prepared.input_ids})
-            else:
-                out.append({"inputs_embeds": pipe.embed_prompt(prepared)})
-        return out
-
-    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
-        return self._reference().embed_tokens(ids)
-
-    def state_dir(self) -> Path:
-        d = self._ctx.store.root / "state" / self._artifact
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
-    def progress(self, label: str):
-        return self._ctx.progress(label)
+        return Pipeline.build(c.model, "reference", store=c.store, registry=c.registry, stages=stages,
+                              progress=c.progress)
 
 
 def export_artifact(registry, store, model, form: ExportForm, progress: Progress = no_progress, rebuild=False):
@@ -465,27 +421,6 @@ class Pipeline:
         a vendor runtime over binaries vlmrun's host engine also runs): see `vlmrun.handles.DecoderHandle.runtime_name`."""
         return runtime_of(self.handles.get("decoder"))
 
-    def _forced_rows(self, embeds: np.ndarray, forced: list[int], settings: GenerationSettings,
-                     engine: bool = False) -> list:
-        """The decoder's rows teacher-forced on ``forced``, decoding step by step as it generates: through the
-        ``decode`` hook, or (``engine``) the handle's ``engine_decode``; [] when that path reports no logits."""
-        handle = self.handles["decoder"]
-        rows: list[np.ndarray] = []
-        if not forced or (engine and not hasattr(handle, "engine_decode")):
-            return rows
-        base = Sampler(settings.sampling, vocab_limit=self.model.vocab_limit)
-        request = DecodeRequest(inputs_embeds=embeds, max_new_tokens=len(forced), sampler=ForcedSampler(forced, base),
-                                stop_ids=frozenset(), embed_tokens=self.embed_tokens,
-                                context_length=self.context_length, on_logits=lambda r: rows.append(np.array(r)),
-                                teacher_tokens=forced)
-        if engine:
-            tokens = handle.engine_decode(request)
-        else:
-            tokens = self.registry.hook.decode(backend=self.layout.backend("decoder"), handle=handle, request=request)
-        for _ in tokens or ():
-            pass
-        return rows
-
     def capture(self, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
                 teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
         """Every stage-boundary tensor of one request, for diffs.
@@ -500,41 +435,4 @@ class Pipeline:
         the same binaries, and ``runtime_logits`` are the runtime's own, teacher-forced through it on the same
         tokens (its ``teacher_tokens``): the two sides of the runtime boundary.
         """
-        runtime = self.runtime_name
-        gen = self.generate(image, prompt, settings, keep_logits=runtime is None).run()
-        p, embeds = gen.prepared, gen.tensors["inputs_embeds"]
-        forced = list(teacher_tokens if teacher_tokens is not None else gen.token_ids)
-        n = max(len(forced), 1)
-        rows = gen.step_logits or []
-        extra: dict[str, np.ndarray] = {}
-        if forced == gen.token_ids[: len(forced)] and len(rows) >= n:
-            logits = np.stack(rows[:n])[None].astype(np.float32)
-        elif rows and runtime is None and len(again := self._forced_rows(embeds, forced, settings)) >= n:
-            # a decoder that reports its logits, teacher-forced the way it generates (its step-by-step path: the
-            # graphs that made the free-running tokens, which the check of those tokens compares them with)
-            logits = np.stack(again[:n])[None].astype(np.float32)
-        else:
-            tail = self.embed_tokens(np.asarray(forced, dtype=np.int64)) if forced else embeds[:, :0]
-            full = np.concatenate([embeds, tail], axis=1)
-            logits = self.run_stage("decoder", {"inputs_embeds": full})["logits"][:, embeds.shape[1] - 1 :][:, :n]
-        if runtime is not None:
-            engine_rows = self._forced_rows(embeds, forced, settings, engine=True)
-            if engine_rows:  # the engine step by step, as the runtime runs the binaries
-                logits = np.stack(engine_rows[:n])[None].astype(np.float32)
-            # the runtime's own logits, teacher-forced on the same tokens through the runtime itself; a budget of
-            # exactly the forced tokens, stop tokens kept (a forced stop token ends it where the forced list ends)
-            budget = attrs.evolve(settings, max_new_tokens=max(len(forced), 1))
-            tf = self.generate_prepared(p, budget, keep_logits=True, teacher_tokens=forced or None).run()
-            got = tf.step_logits or []
-            if not got:
-                raise BackendError(f"the decoder's runtime ({runtime}) reported no logits under teacher forcing")
-            extra["runtime_logits"] = np.stack(got[:n])[None].astype(np.float32)
-            extra["runtime_tokens"] = np.asarray(tf.token_ids, dtype=np.int64)
-        return {
-            "pixel_values": p.pixel_values,
-            "input_ids": p.input_ids,
-            **gen.tensors,
-            "logits": logits,
-            "tokens": np.asarray(gen.token_ids, dtype=np.int64),
-            **extra,
-        }
+        return teacher_forcing.capture(self, image, prompt, settings, teacher_tokens)

@@ -59,7 +59,10 @@ This module holds the hook implementations only; the work is in:
 * ``figures.py``: the device's profile figures with units in their names;
 * ``reattach.py``: what vlmrun says about jobs in the ledger (re-attaching, ``--rebuild``, forgotten jobs);
 * ``doctor_checks.py``: ``vlmrun doctor``'s checks of the client, its configuration and the hub;
-* ``hub.py``: the ``qai-hub`` client as vlmrun calls it (network budget, waiting, the job ledger).
+* ``hub.py``: the ``qai-hub`` client as vlmrun calls it (network budget, waiting for jobs);
+* ``errors.py``: the hub's errors, each client message as one line, the API token redacted;
+* ``ledger.py``: the job ledger (``qaihub-jobs.json``) a rerun re-attaches from;
+* ``downloads.py``: compiled models downloaded safely, their I/O as manifest entries.
 """
 
 from __future__ import annotations

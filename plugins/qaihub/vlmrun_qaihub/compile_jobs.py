@@ -19,7 +19,9 @@ from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 from . import hub as hubmod
 from . import parts
 from .devices import built_for, check_device_soc, expected_soc, make_device, resolve_device
-from .hub import HubJobTimeout, HubNotFound, HubUnreachable
+from .downloads import download_model_into, spec_entry
+from .errors import HubJobTimeout, HubNotFound, HubUnreachable
+from .ledger import Ledger
 from .options import NAME, check_per_layer_precision, compile_options, device_of, hub_for, qairt_version_of
 from .reattach import forgotten, rerun_note
 
@@ -95,7 +97,7 @@ def _spec_list(io_spec) -> tuple[list[dict], str | None]:
     out, graph = [], None
     for g, tensors in (io_spec or {}).items():
         graph = graph or g
-        out += [hubmod.spec_entry(t) for t in tensors]
+        out += [spec_entry(t) for t in tensors]
     return out, graph
 
 
@@ -113,7 +115,7 @@ def compile_on_hub(hub: hubmod.Hub, stage, model, source, options: dict, out_dir
     want = expected_soc(options, target)
     dev = resolve_device(hub, spec)  # an unknown device or a SoC mismatch stops here, before any upload
     check_device_soc(dev, want)
-    ledger = hubmod.Ledger(state_dir)
+    ledger = Ledger(state_dir)
     key = f"compile|{hub.api_url}|{spec}|{hub_opts}"
     rerun = rerun_note(rebuild)
     t0 = time.perf_counter()
@@ -209,7 +211,7 @@ def _finish_compile(hub, job, dev, want, stage, source, options, precision, hub_
     out_spec, _ = _spec_list(hub.call("target model outputs", lambda: target_model.output_spec))
     meta = hub.call("target model metadata", lambda: target_model.metadata) or {}
     bin_name = f"{name}_ctx_qnn.bin"
-    _, got_name = hubmod.download_model_into(hub, target_model, out_dir, bin_name)
+    _, got_name = download_model_into(hub, target_model, out_dir, bin_name)
 
     qnn = meta.get(ModelMetadataKey.QAIRT_SDK_VERSION) or meta.get(ModelMetadataKey.QNN_SDK_VERSION)
     if not qnn and qairt and qairt[0].isdigit():

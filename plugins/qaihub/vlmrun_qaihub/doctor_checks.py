@@ -10,7 +10,7 @@ from vlmrun.plugins import Check
 from vlmrun_qualcomm import socs
 
 from . import hub as hubmod
-from .hub import HubAuthError, HubUnreachable
+from .errors import HubAuthError, HubUnreachable
 
 DOCTOR_NETWORK_TIMEOUT_S = 5.0
 

@@ -16,8 +16,9 @@ from vlmrun.stages import ExportForm
 
 from . import hub as hubmod
 from .devices import make_device
+from .errors import HubJobTimeout, HubNotFound, HubTooLarge, HubUnreachable
 from .figures import merge_figures, profile_figures
-from .hub import HubJobTimeout, HubNotFound, HubTooLarge, HubUnreachable
+from .ledger import Ledger
 from .options import DEFAULT_BATCH_MB, HOSTED_STAGES, compile_options, device_of, hub_for, qairt_version_of
 from .reattach import REATTACH, forgotten
 
@@ -63,7 +64,7 @@ class HostedStage(StageHandle):
         self.embed_seq = embed_seq
         self.qairt = qairt
         self.batch_bytes = int(float(batch_mb or DEFAULT_BATCH_MB) * 1e6)
-        self.ledger = hubmod.Ledger(state_dir) if state_dir else None
+        self.ledger = Ledger(state_dir) if state_dir else None
         self.load_s = 0.0
         self.last_profile: dict = {}
         self.last_job: str | None = None

@@ -1,6 +1,6 @@
 """The Qualcomm AI Hub client, made safe for vlmrun: one-line errors, one network deadline per operation, waits
-with a timeout and a progress display, a job ledger for re-attaching, downloads that cannot escape their
-directory.
+with a timeout and a progress display. The errors and their wording are in `errors`, the job ledger for
+re-attaching in `ledger`, downloads that cannot escape their directory in `downloads`.
 
 Network failures. The ``qai-hub`` client retries inside every call, in two layers (urllib3 and a backoff
 decorator), which made one call to an unreachable hub take about 46 s to 5 min. While vlmrun runs an operation
@@ -12,7 +12,7 @@ retry loops never see a transient error, so they add no time.
 
 Configuration is the client's own: ``~/.qai_hub/client.ini`` or the file named by ``QAIHUB_CLIENT_INI``. The
 API token is never printed, logged or written anywhere by this module: every message that leaves it goes
-through ``redact``.
+through ``redact`` (`errors`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import io
-import json
-import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,76 +30,15 @@ from urllib.parse import urlparse
 
 from vlmrun.errors import BackendError, VlmrunError
 
-LEDGER = "qaihub-jobs.json"
+from .downloads import download_model_into, safe_name  # noqa: F401  (re-exported for tests/test_qaihub.py)
+from .errors import (_SECRETS, HubAuthError, HubJobFailed, HubJobTimeout, HubNotFound, HubTooLarge, HubUnreachable,
+                     one_line, redact)
+
 DEFAULT_NETWORK_TIMEOUT_S = 30.0
 DEFAULT_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 8.0
 DEFAULT_JOB_TIMEOUT_S = 3 * 3600.0
 RETRIABLE_STATUSES = frozenset({500, 502, 503, 504})
-
-_SECRETS: set[str] = set()
-
-
-# -- errors ----------------------------------------------------------------------------------------------------
-class HubUnreachable(BackendError):
-    """The hub did not answer (refused, unresolvable, timed out, 5xx) for the whole network budget."""
-
-
-class HubNotFound(BackendError):
-    """The hub does not know the job or model (deleted, expired, another account, a restarted hub)."""
-
-
-class HubAuthError(BackendError):
-    """The hub rejected the API token."""
-
-
-class HubJobFailed(BackendError):
-    """A job ended FAILED on the hub (the message holds the hub's reason)."""
-
-
-class HubJobTimeout(BackendError):
-    """A job did not finish within the job timeout (it keeps running on the hub)."""
-
-
-class HubTooLarge(BackendError):
-    """The hub refused an upload as too large (HTTP 413; the client says "The uploaded asset is too large")."""
-
-
-def redact(text: object) -> str:
-    """``text`` with any known API token replaced by ``***``."""
-    s = str(text)
-    for secret in _SECRETS:
-        if secret:
-            s = s.replace(secret, "***")
-    return re.sub(r"(?i)(token\s+)[A-Za-z0-9._-]{8,}", r"\1***", s)
-
-
-_BOX_ROW = re.compile(r"^\s*[|│] ?(.*?) ?[|│]\s*$")
-_BOX_EDGE = re.compile(r"^\s*[┌└][─]*[┐┘]\s*$")
-
-
-def one_line(exc: BaseException | str) -> str:
-    """A client exception as one line.
-
-    The client draws boxes around multi-line messages, wrapping them at a fixed width and breaking long words
-    (URLs) across rows: the rows are joined back, without a space where a URL or path was broken.
-    """
-    text = str(exc) or type(exc).__name__
-    rows = [(_BOX_ROW.match(line), line) for line in text.splitlines() if not _BOX_EDGE.match(line)]
-    rows = [(m, (m.group(1) if m else line).strip()) for m, line in rows]
-    rows = [(m, c) for m, c in rows if c]
-    width = max((len(m.group(1)) for m, _ in rows if m), default=0)
-    out = ""
-    for i, (m, content) in enumerate(rows):
-        prev_m, prev = rows[i - 1] if i else (None, "")
-        # textwrap broke a word only if it was longer than a row: the row before is full, and its last word and
-        # this row's first word make one word too long for a row (a URL); or it broke after a hyphen
-        last, first = (prev.split() or [""])[-1], content.split()[0]
-        glue = bool(prev_m and m) and len(prev) >= width and (
-            len(last) + len(first) > width or (last.endswith("-") and len(last) > 1))
-        out += ("" if glue or not out else " ") + content
-    out = " ".join(out.split()).replace("Internal API failure. ", "")
-    return redact(out)[:400]
 
 
 def config_path() -> Path:
@@ -453,129 +389,3 @@ class Hub:
             reason = " ".join((status.message or "no reason given").split())
             raise HubJobFailed(f"AI Hub {kind} job {job.job_id} failed: {redact(reason)} ({url})")
         return status
-
-
-# -- safe downloads --------------------------------------------------------------------------------------------
-_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def safe_name(name: str, default: str = "download") -> str:
-    """A server-given file name reduced to a plain file name (no directories, no ``..``)."""
-    base = os.path.basename(str(name).replace("\\", "/"))
-    base = _SAFE_NAME.sub("_", base).lstrip(".")
-    return base or default
-
-
-def download_model_into(hub: Hub, model, out_dir: Path, final_name: str) -> tuple[Path, str]:
-    """Download ``model`` into ``out_dir/final_name`` whatever name the server gives the file.
-
-    The client is handed a *file* path inside a private directory (never a directory: the client would join
-    the server's file name onto it), and the result must resolve inside that directory.
-    :return: (path, the name the client gave the file (with the server's extension), sanitized)
-    """
-    out_dir = Path(out_dir)
-    private = Path(tempfile.mkdtemp(prefix=".hub-dl-", dir=out_dir))
-    try:
-        target = private / "model"
-        got = hub.call(f"download of model {model.model_id}", model.download, str(target))
-        got_path = Path(str(got)).resolve()
-        if got_path.parent != private.resolve() or not got_path.is_file():
-            raise BackendError(f"AI Hub download of model {model.model_id} wrote outside its directory ({got_path.name});"
-                               " refusing it")
-        if got_path.stat().st_size == 0:
-            raise BackendError(f"AI Hub returned an empty file for model {model.model_id}")
-        final = out_dir / final_name
-        os.replace(got_path, final)
-        return final, safe_name(got_path.name)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
-
-
-# -- the job ledger --------------------------------------------------------------------------------------------
-class Ledger:
-    """``<state dir>/qaihub-jobs.json``: key -> {job_id, model_id, state, ...}, so a rerun re-attaches to a job
-    an interrupted run submitted instead of uploading and submitting again. Written atomically under a lock.
-    The state directory is the artifact's own (``vlmrun.stages.CompileContext.state_dir``); keys name the
-    hub (api_url), the device and the options."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self.path = self.root / LEDGER
-
-    @contextlib.contextmanager
-    def _locked(self):
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = open(self.root / (LEDGER + ".lock"), "a+")
-        try:
-            try:
-                import fcntl
-
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            except ImportError:  # pragma: no cover (Windows)
-                pass
-            yield
-        finally:
-            lock.close()
-
-    def _read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def _write(self, data: dict) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".qaihub-jobs-", dir=self.root)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        os.replace(tmp, self.path)
-
-    def get(self, key: str) -> dict | None:
-        with self._locked():
-            return self._read().get(key)
-
-    def entries(self, prefix: str = "") -> dict[str, dict]:
-        """The entries whose keys start with ``prefix`` (one read)."""
-        with self._locked():
-            return {k: v for k, v in self._read().items() if k.startswith(prefix) and isinstance(v, dict)}
-
-    def keys(self, prefix: str = "") -> list[str]:
-        """The keys starting with ``prefix``."""
-        with self._locked():
-            return sorted(k for k in self._read() if k.startswith(prefix))
-
-    def update(self, key: str, **fields) -> dict:
-        with self._locked():
-            data = self._read()
-            entry = {**data.get(key, {}), **{k: v for k, v in fields.items()}, "updated": time.time()}
-            data[key] = entry
-            self._write(data)
-            return entry
-
-    def prune(self, prefix: str, keep: int, state: str = "done") -> list[str]:
-        """Forget all but the ``keep`` most recently updated entries in ``state`` under ``prefix``; their keys."""
-        with self._locked():
-            data = self._read()
-            old = sorted((k for k, v in data.items() if k.startswith(prefix) and isinstance(v, dict)
-                          and v.get("state") == state), key=lambda k: data[k].get("updated", 0), reverse=True)
-            gone = old[max(0, keep):]
-            for k in gone:
-                data.pop(k)
-            if gone:
-                self._write(data)
-            return gone
-
-    def drop(self, key: str) -> None:
-        with self._locked():
-            data = self._read()
-            if data.pop(key, None) is not None:
-                self._write(data)
-
-
-def spec_entry(tensor) -> dict:
-    """One tensor of a client IOSpec (a qai_hub TensorSpec) as a manifest I/O entry: name, shape, dtype and, when
-    quantized, its scale and offset."""
-    e = {"name": tensor.name, "shape": list(tensor.shape or []), "dtype": tensor.dtype}
-    if tensor.scale is not None:
-        e["quant"] = {"scale": tensor.scale, "offset": tensor.zero_point}
-    return e

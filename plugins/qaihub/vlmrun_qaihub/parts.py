@@ -46,7 +46,9 @@ from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
 from . import hub as hubmod
 from .devices import built_for, check_device_soc, expected_soc, make_device, resolve_device
-from .hub import HubJobFailed, HubJobTimeout, HubNotFound, HubUnreachable
+from .downloads import download_model_into, spec_entry
+from .errors import HubJobFailed, HubJobTimeout, HubNotFound, HubUnreachable
+from .ledger import Ledger
 from .options import device_of, qairt_version_of
 from .reattach import forgotten, rerun_note
 
@@ -101,7 +103,7 @@ def _spec(io_spec, graph: str | None) -> tuple[list[dict], list[str]]:
     """The tensors of ``graph`` in a client IOSpec ({graph: [TensorSpec]}), and the graph names it has."""
     names = [g for g in (io_spec or {}) if g]
     tensors = (io_spec or {}).get(graph) or []
-    return [hubmod.spec_entry(t) for t in tensors], names
+    return [spec_entry(t) for t in tensors], names
 
 
 class _Steps:
@@ -171,7 +173,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     limit = int(options["part_limit_mb"]) * 1_000_000
     runtime = "qnn_dlc" if share else "qnn_context_binary"
     link_opts = f"--qairt_version {qairt}" if qairt else ""
-    ledger = hubmod.Ledger(state_dir)
+    ledger = Ledger(state_dir)
     base = f"parts|{hub.api_url}|{spec}|{runtime}|{qairt or ''}|{extra}"
     steps = _Steps(hub, ledger, base, dev, rerun_note(rebuild), P)
     if rebuild:
@@ -259,7 +261,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
         for only, job, bin_name in pieces:
             what = f"decoder part {k}/{P}" + (f" {only} graph" if only else "")
             tm = steps.target(job, what)
-            hubmod.download_model_into(hub, tm, out_dir, bin_name)
+            download_model_into(hub, tm, out_dir, bin_name)
             meta = hub.call("target model metadata", lambda: tm.metadata) or {}
             in_spec = hub.call("target model inputs", lambda: tm.input_spec)
             out_spec = hub.call("target model outputs", lambda: tm.output_spec)
