@@ -280,49 +280,7 @@ OPTION_READERS = re.compile(r"^(o|opts|options|stage_options|\w+_opts|\w+_option
 #: the filled value plainly (or, for a default that depends on other options, its declaration becomes
 #: ``default=None`` and the plugin derives it in one place). The test fails when an entry matches nothing any more:
 #: the list only shrinks.
-PENDING = {
-    # core: its command module
-    "core/vlmrun/cli_bundle.py:target",
-    # genie_cpu
-    "plugins/genie_cpu/vlmrun_genie_cpu/compose.py:compose_timeout",
-    "plugins/genie_cpu/vlmrun_genie_cpu/compose.py:context_length",  # min(1024, max_context); declared 1024
-    "plugins/genie_cpu/vlmrun_genie_cpu/runner.py:context_length",  # min(1024, max_context); declared 1024
-    "plugins/genie_cpu/vlmrun_genie_cpu/runner.py:remote_dir",
-    "plugins/genie_cpu/vlmrun_genie_cpu/runner.py:runner",
-    "plugins/genie_cpu/vlmrun_genie_cpu/runner.py:target",
-    "plugins/genie_cpu/vlmrun_genie_cpu/runner.py:timeout",
-    # qnn_htp
-    "plugins/qnn_htp/vlmrun_qnn_htp/__init__.py:adb_timeout",
-    "plugins/qnn_htp/vlmrun_qnn_htp/__init__.py:precision",
-    "plugins/qnn_htp/vlmrun_qnn_htp/__init__.py:timeout",  # 300 at one site; declared 600
-    "plugins/qnn_htp/vlmrun_qnn_htp/bundle_phone.py:adb_timeout",
-    "plugins/qnn_htp/vlmrun_qnn_htp/bundle_phone.py:timeout",
-    "plugins/qnn_htp/vlmrun_qnn_htp/bundle_run.py:target",
-    "plugins/qnn_htp/vlmrun_qnn_htp/bundle_run.py:timeout",
-    "plugins/qnn_htp/vlmrun_qnn_htp/genie_phone.py:adb_timeout",
-    "plugins/qnn_htp/vlmrun_qnn_htp/genie_phone.py:timeout",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:context_length",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:embed_seq",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:embeds_input",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:followup_ar",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:part_limit_mb",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:parts",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:precision",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:rmsnorm",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:target",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:toolchain",
-    "plugins/qnn_htp/vlmrun_qnn_htp/options.py:weight_sharing",
-    "plugins/qnn_htp/vlmrun_qnn_htp/parts_compile.py:part_limit_mb",
-    "plugins/qnn_htp/vlmrun_qnn_htp/parts_compile.py:rmsnorm",
-    "plugins/qnn_htp/vlmrun_qnn_htp/parts_compile.py:weight_sharing",  # "on"; declared auto
-    "plugins/qnn_htp/vlmrun_qnn_htp/parts_run.py:timeout",
-    "plugins/qnn_htp/vlmrun_qnn_htp/probe.py:rmsnorm",
-    "plugins/qnn_htp/vlmrun_qnn_htp/recipe.py:adaround_iterations",
-    "plugins/qnn_htp/vlmrun_qnn_htp/recipe.py:algorithm",
-    "plugins/qnn_htp/vlmrun_qnn_htp/recipe.py:precision",
-    "plugins/qnn_htp/vlmrun_qnn_htp/recipe.py:quantizer",
-    "plugins/qnn_htp/vlmrun_qnn_htp/recipe.py:seq_mse_candidates",
-}
+PENDING: set[str] = set()
 
 
 def _defaults_declared() -> dict[str, set[str]]:

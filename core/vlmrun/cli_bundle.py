@@ -65,10 +65,13 @@ def bundle_command(out, layout, layout_file, verify_items, verify_only, model_di
     opts = {**flag_opts, "layout": layout, "layout_file": layout_file}
     base = layouts_mod.resolve(layout, layout_file)
     lay = layouts_mod.resolve(layout, layout_file, None, layout_overrides(opts, base, STAGES))
-    # --target android: weight-shared part binaries and the extensions config for a phone; local: this machine
-    target = str(lay.stages["decoder"].options.get("target") or "local")
-    manifest = write(lay, out, model=model_dir, store=cache_dir, target=target, image_size=image_size, progress=step,
-                     reg=registry(), verify_items=verify_items)
+    # --target android: weight-shared part binaries and the extensions config for a phone; local: this machine. The
+    # decoder's target as its backend reads it (its declared default when not given); a backend without one: local
+    reg = registry()
+    decoder = reg.stage_options(lay.backend("decoder"), "decoder", lay.stages["decoder"].options)
+    where = {"target": str(decoder["target"])} if "target" in decoder else {}
+    manifest = write(lay, out, model=model_dir, store=cache_dir, image_size=image_size, progress=step, reg=reg,
+                     verify_items=verify_items, **where)
     if as_json:
         click.echo(json.dumps(manifest))
         return

@@ -16,16 +16,13 @@ Per-stage options: ``quantize`` (none, z8, q4), ``context_length`` (default 1024
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vlmrun import hookimpl
 from vlmrun.plugins import BackendInfo, Check, Preset, mine
 
-from vlmrun.options import Option
 from vlmrun_qualcomm import sdk
-from vlmrun_qualcomm.sdk import phone_options
 
-NAME = "genie_cpu"
+from .options import NAME, DecoderPlan, declarations
+
 __version__ = "0.1.0"
 
 
@@ -61,26 +58,7 @@ def register_presets(register):
 
 @hookimpl
 def register_options(register):
-    from .compose import QUANTIZE
-    from .runner import DEFAULT_CONTEXT, REMOTE_DIR, RUNNERS
-
-    for o in (
-        Option(NAME, "quantize", str, choices=QUANTIZE, default="none", flag="--quantize",
-               help="model-bin weight quantization by the SDK composer (none, z8, q4)"),
-        Option(NAME, "context_length", int, default=DEFAULT_CONTEXT, minimum=8, flag="--context-length",
-               help="Genie dialog context (prompt plus generated tokens)"),
-        Option(NAME, "runner", str, choices=RUNNERS, default="auto",
-               help="libgenie (in a worker process), t2t (the SDK's genie-t2t-run) or auto"),
-        Option(NAME, "remote_dir", str, default=REMOTE_DIR, help="working directory on the phone"),
-        Option(NAME, "timeout", float, default=600.0, minimum=1, help="seconds for one generation"),
-        Option(NAME, "compose_timeout", float, default=3600.0, minimum=1, help="seconds for the composer"),
-        Option(NAME, "composer_python", Path,
-               help="the Python that runs the SDK's composer (default: the composer's own #! line, i.e. python3 on"
-                    " PATH); it needs the SDK's Python dependencies"),
-        Option(NAME, "ndk_root", Path,
-               help="the Android NDK whose libc++_shared.so goes to the phone (default: $ANDROID_NDK_ROOT)"),
-        *phone_options(NAME),
-    ):
+    for o in declarations():  # .options: each option's default lives in its declaration only
         register(o)
 
 
@@ -91,8 +69,8 @@ def compile(backend, request):
     from .compose import compile_decoder
 
     # the key options (quantize, context, SDK) decide the bytes; the stage's other options say how to run the tool
-    return compile_decoder(request.model, request.source, {**request.stage_options, **request.options},
-                           request.out_dir)
+    plan = DecoderPlan.of({**request.stage_options, **request.options})
+    return compile_decoder(request.model, request.source, plan, request.out_dir)
 
 
 @hookimpl

@@ -158,15 +158,16 @@ def composer_argv(composer: str, model_dir: Path, config_file: Path, outfile: Pa
     return argv
 
 
-def compile_decoder(model, source, options: dict, out_dir: Path) -> dict:
+def compile_decoder(model, source, plan, out_dir: Path) -> dict:
+    """The model bin of ``model`` composed into ``out_dir`` as ``plan`` (a `.options.DecoderPlan`) says."""
     out_dir = Path(out_dir)
-    quantize = quantize_option(options.get("quantize"))
-    sdk = Sdk.find(options.get("sdk_root"))
+    quantize = plan.quantize
+    sdk = Sdk.find(plan.sdk_root)
     composer = sdk.tools("local")["composer"]
     if composer is None:
         sdk.require("local")  # raises the one-line error
-    context = int(options.get("context_length") or min(1024, model.max_context))
-    timeout = float(options.get("compose_timeout") or 3600)
+    context = plan.context_length
+    timeout = plan.compose_timeout
     work = Path(tempfile.mkdtemp(prefix="vlmrun-genie-compose-"))
     try:
         qwen, names = write_qwen2_dir(model, work / "qwen2")
@@ -174,8 +175,7 @@ def compile_decoder(model, source, options: dict, out_dir: Path) -> dict:
         cfg_path.write_text(json.dumps(composer_config(model.text_config, names, context), indent=1))
         composed = work / "out"
         composed.mkdir()
-        argv = composer_argv(str(composer), qwen, cfg_path, composed / "model.bin", quantize,
-                             options.get("composer_python"))
+        argv = composer_argv(str(composer), qwen, cfg_path, composed / "model.bin", quantize, plan.composer_python)
         t0 = time.perf_counter()
         res = procs.run(argv, timeout=timeout, what="the genai-transformer composer", cwd=composed,
                         env=sdk.env(), hint="raise the compose_timeout option")

@@ -19,75 +19,57 @@ from typing import Iterator
 
 from vlmrun.handles import DecoderHandle
 from vlmrun_qualcomm import genie, genie_config, genie_t2t, genie_worker
-from vlmrun.errors import BackendError, InputError, UsageError
+from vlmrun.errors import BackendError, InputError
 from vlmrun.stages import ExportForm
 
-from .compose import quantize_option
+from .options import DecoderPlan
 from vlmrun_qualcomm.adb import Adb
 from vlmrun_qualcomm.genie_app import APP, AppDevice, AppDialogState
 from vlmrun_qualcomm.sdk import ANDROID, GENIE_CPU_LIBS, LIBCXX, Sdk
-
-RUNNERS = ("auto", "libgenie", "t2t")
-DEFAULT_CONTEXT = 1024
-REMOTE_DIR = "/data/local/tmp/vlmrun/genie"
 #: what a phone needs beside the model files, in push order (genie-t2t-run links libGenie.so and the NDK's
 #: libc++_shared.so; Genie opens the QnnGenAiTransformer backend, its model library and its op package)
 DEVICE_FILES = ("genie-t2t-run", *GENIE_CPU_LIBS, LIBCXX)
 
 
-def decoder_options(options, model) -> dict:
-    o = dict(options or {})
-    runner = str(o.get("runner") or "auto").lower()
-    if runner not in RUNNERS:
-        raise UsageError(f"genie_cpu runner '{runner}' is not one of {', '.join(RUNNERS)}")
-    target = str(o.get("target") or "local").lower()
-    if target not in ("local", "android"):
-        raise UsageError(f"target '{target}' is not one of local, android")
-    ctx = int(o.get("context_length") or min(DEFAULT_CONTEXT, model.max_context))
-    return {"quantize": quantize_option(o.get("quantize")), "context_length": ctx, "runner": runner,
-            "target": target, "timeout": float(o.get("timeout") or 600), "sdk_root": o.get("sdk_root"),
-            "device": o.get("device"), "adb": o.get("adb"), "remote_dir": o.get("remote_dir") or REMOTE_DIR,
-            "ndk_root": o.get("ndk_root"), "composer_python": o.get("composer_python")}
-
-
 def require_tools(options, model):
-    """The SDK and the tools this decoder needs, or one error line naming what is missing and where we looked."""
-    opts = decoder_options(options, model)
-    sdk = Sdk.find(opts["sdk_root"])
-    return opts, sdk, sdk.require(opts["target"], opts["runner"], opts["ndk_root"])
+    """The decoder's plan (`.options.DecoderPlan`), the SDK and the tools this decoder needs, or one error line
+    naming what is missing and where we looked."""
+    plan = DecoderPlan.of(options)
+    sdk = Sdk.find(plan.sdk_root)
+    return plan, sdk, sdk.require(plan.target, plan.runner, plan.ndk_root)
 
 
 def load_decoder(ctx):
-    opts, sdk, tools = require_tools(ctx.options, ctx.model)
+    plan, sdk, tools = require_tools(ctx.options, ctx.model)
     src = ctx.exported(ExportForm.of("embed", "embed/lut"))
     # the composer's architecture config states the context (size.context), so the model bin is keyed by it
-    key = {"quantize": opts["quantize"], "composer": str(tools["composer"].name), "context_length": opts["context_length"],
+    key = {"quantize": plan.quantize, "composer": str(tools["composer"].name), "context_length": plan.context_length,
            "sdk_version": sdk.version()}
-    art = ctx.compiled(src, {**key, "sdk_root": str(sdk.root) if opts["sdk_root"] else None},
-                       f"genai-transformer-{opts['quantize']}")
+    art = ctx.compiled(src, {**key, "sdk_root": str(sdk.root) if plan.sdk_root else None},
+                       f"genai-transformer-{plan.quantize}")
     adb = None
-    if opts["target"] == "android":
-        adb = Adb.connect(opts["device"], opts["adb"])
+    if plan.target == "android":
+        adb = Adb.connect(plan.device, plan.adb)
         app = sdk.root / "bin" / ANDROID / APP
         if app.is_file():  # genie-app keeps a conversation's dialog state on the phone
             tools = {**tools, APP: app}
-    return GenieCpuDecoder(ctx.model, art, opts, tools, adb)
+    return GenieCpuDecoder(ctx.model, art, plan, tools, adb)
 
 
 class GenieCpuDecoder(DecoderHandle):
-    def __init__(self, model, artifact, opts: dict, tools: dict, adb=None):
-        self.model, self.artifact, self.opts, self.tools, self.adb = model, artifact, opts, tools, adb
+    def __init__(self, model, artifact, plan: DecoderPlan, tools: dict, adb=None):
+        self.model, self.artifact, self.plan, self.tools, self.adb = model, artifact, plan, tools, adb
         self.artifacts = (artifact,)
         self.facts = genie_config.GenieModel.from_model(model)
-        self.ctx = int(opts["context_length"])
+        self.ctx = int(plan.context_length)
         self.load_s = 0.0
         self.last_timings: dict = {}
         self.last_text = ""
         self._placed = False  # the phone holds the tools and the model's files
         in_proc = all(n in tools for n in GENIE_CPU_LIBS)
-        if opts["target"] == "android":
+        if plan.target == "android":
             self.mode = "adb"
-        elif opts["runner"] == "t2t" or (opts["runner"] == "auto" and not in_proc):
+        elif plan.runner == "t2t" or (plan.runner == "auto" and not in_proc):
             self.mode = "t2t"
         else:
             self.mode = "libgenie"
@@ -108,9 +90,9 @@ class GenieCpuDecoder(DecoderHandle):
         if self.no_state:
             return None
         self._place_on_phone()
-        rd = self.opts["remote_dir"]
+        rd = self.plan.remote_dir
         device = AppDevice(self.adb, rd, "embed_lut_f32.raw", {"LD_LIBRARY_PATH": rd, "ADSP_LIBRARY_PATH": rd},
-                           self.opts["timeout"])
+                           self.plan.timeout)
         return AppDialogState(device, lambda request: self.config(request, "model.bin", "tokenizer.json"),
                               hidden=int(self.model.hidden_size), tokenizer=self.model.tokenizer,
                               context_length=self.ctx)
@@ -148,7 +130,7 @@ class GenieCpuDecoder(DecoderHandle):
             cfg = self.config(request, str(self.artifact.file("model.bin")), str(self.artifact.file("tokenizer.json")))
             yield from genie_worker.stream_tokens_worker(self.tools["libGenie.so"], cfg, request.inputs_embeds,
                                                          self.artifact.file("embed_lut_f32.npy"),
-                                                         timeout=self.opts["timeout"], profile_out=self.last_timings,
+                                                         timeout=self.plan.timeout, profile_out=self.last_timings,
                                                          env=env, **genie_worker.tap_arguments(request, self.model))
             return
         result = self._run_adb(request) if self.mode == "adb" else self._run_local(request)
@@ -171,7 +153,7 @@ class GenieCpuDecoder(DecoderHandle):
                                       profile=str(profile))
             lib_dir = exe.parent.parent.parent / "lib" / exe.parent.name
             env = {"LD_LIBRARY_PATH": f"{lib_dir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
-            return genie_t2t.run_t2t(argv, timeout=self.opts["timeout"], cwd=tmp, env=env, profile=profile)
+            return genie_t2t.run_t2t(argv, timeout=self.plan.timeout, cwd=tmp, env=env, profile=profile)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -180,7 +162,7 @@ class GenieCpuDecoder(DecoderHandle):
         (each skipped when the phone's copy has the same sha256)."""
         if self._placed:
             return
-        adb, rd, t = self.adb, self.opts["remote_dir"], self.opts["timeout"]
+        adb, rd, t = self.adb, self.plan.remote_dir, self.plan.timeout
         missing = [n for n in DEVICE_FILES if n not in self.tools]
         if missing:  # preflight names them first; never start a phone run without them
             raise BackendError(f"genie_cpu on a phone needs {', '.join(missing)}; see vlmrun doctor")
@@ -195,7 +177,7 @@ class GenieCpuDecoder(DecoderHandle):
         self._placed = True
 
     def _run_adb(self, request) -> genie_t2t.T2TResult:
-        adb, rd, t = self.adb, self.opts["remote_dir"], self.opts["timeout"]
+        adb, rd, t = self.adb, self.plan.remote_dir, self.plan.timeout
         self._place_on_phone()
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-adb-"))
         try:

@@ -64,28 +64,26 @@ import numpy as np
 
 from vlmrun import hookimpl
 from vlmrun.errors import BackendError, UsageError
-from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, Preset, mine
 from vlmrun.stages import STAGES, ExportForm
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.genie_session import DialogState
 from vlmrun_qualcomm.manifest import ContextManifest
-from vlmrun_qualcomm.sdk import Sdk, newer_than, phone_options
+from vlmrun_qualcomm.sdk import Sdk, newer_than
 
 from . import bundle_run, calibration, ep, image_encoder, recipe
 from .decoder import FixedKVDecoder, FixedKVState
 from .handles import ChunkedEmbed, DecoderHandle, LocalStage
 from .layers import LAYER_OPTIONS
-from .options import (DECODER_FORMS, DEFAULT_CONTEXT, DEFAULT_EMBED_SEQ, DEFAULT_FOLLOWUP_AR,
-                      DEFAULT_PARTS_PREFILL_AR, DEFAULT_PREFILL_AR, ENGINES, NAME, PRECISIONS, RMSNORMS, TOOLCHAINS,
-                      binary_version, compiled_artifact, forms, stage_options)
+from .options import NAME, binary_version, compiled_artifact, declarations, forms
+from .options import Q_STAGES, stage_options  # noqa: F401 (vlmrun_qnn_htp.stage_options: tests, scripts)
+from .plan import StagePlan
 from .quantizer import io_quant, quantize
 
 __version__ = "0.1.0"
 
 
 # -- hooks -------------------------------------------------------------------------------------------------
-Q_STAGES = ("vision", "projector", "embed", "decoder")
 
 
 @hookimpl
@@ -95,81 +93,7 @@ def register_presets(register):
 
 @hookimpl
 def register_options(register):
-    for o in (
-        Option(NAME, "precision", str, choices=PRECISIONS, default="fp16", flag="--precision",
-               help="numeric precision: fp16, int8 (a8w8, 16-bit Softmax) or a16w8"),
-        Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
-               help="target Snapdragon SoC"),
-        Option(NAME, "calibration_images", Path, flag="--calibration-images",
-               help="folder of images to calibrate int8 (default: random data, labelled so in the manifest)"),
-        Option(NAME, "context_length", int, stages=("decoder",), default=DEFAULT_CONTEXT, minimum=8,
-               flag="--context-length", help="decoder context the graphs are compiled for"),
-        Option(NAME, "prefill_ar", int, stages=("decoder",), minimum=1,
-               help=f"decoder prefill chunk (AR-N); default: {DEFAULT_PARTS_PREFILL_AR} in the parts form (capped at the"
-                    f" hidden size), {DEFAULT_PREFILL_AR} in the fixed form"),
-        Option(NAME, "followup_ar", int, stages=("decoder",), default=DEFAULT_FOLLOWUP_AR, minimum=0,
-               help="parts form: rows of a second, smaller prompt graph per part, compiled beside the AR-N and AR-1"
-                    " graphs (in the same binary when weight-shared) for prompts it covers, such as a"
-                    f" conversation's follow-up turn (default {DEFAULT_FOLLOWUP_AR}; 0 = none; ignored unless below"
-                    " prefill_ar)"),
-        Option(NAME, "engine", str, stages=("decoder",), choices=ENGINES, flag="--decoder-engine",
-               help="how the compiled decoder graphs are driven: vlmrun's host loop or Qualcomm's Genie (libGenie);"
-                    " default: genie for the parts form on a phone, host otherwise"),
-        Option(NAME, "rmsnorm", str, stages=("decoder",), choices=RMSNORMS, default="safe",
-               help="decoder RMSNorm: safe (rows scaled by their max |x| before squaring: no fp16 overflow on"
-                    " massive activations) or plain (overflows in fp16 once |x| > 256)"),
-        Option(NAME, "decoder_form", str, stages=("decoder",), choices=DECODER_FORMS,
-               flag="--decoder-form", help="decoder graphs: parts (Qualcomm's shipping form: parts of layers, prompt"
-                    " + token graphs per part in one weight-shared binary, Genie layout) or fixed (one graph per"
-                    " binary, AR-N + AR-1); default: fixed for precision int8, parts otherwise"),
-        Option(NAME, "embeds_input", str, stages=("decoder",), default="float",
-               help="parts form: the decoder's inputs_embeds as float, or uint16:LO:HI (quantized over [LO, HI], as"
-                    " a bundle compiles it so Genie's generator takes a 16-bit LUT)"),
-        Option(NAME, "parts", int, stages=("decoder",), default=0, minimum=0,
-               help="parts form: number of parts (0 = the fewest whose binaries stay under part_limit_mb)"),
-        Option(NAME, "part_limit_mb", int, stages=("decoder",), default=1000, minimum=1,
-               help="parts form: largest part binary, MB (the HTP maps one context into a 32-bit address space)"),
-        Option(NAME, "weight_sharing", str, stages=("decoder",), choices=("auto", "on", "off"), default="auto",
-               help="parts form: a part's prompt and token graphs in one binary sharing weights (on), one binary per"
-                    " graph (off), or on except on the x86_64 emulator, which cannot load shared binaries (auto)"),
-        Option(NAME, "keep_fp", str, stages=("vision", "projector", "decoder"),
-               help="int8/a16w8: layers kept in fp16, comma-separated: names as vlmrun diff --locate prints them"
-                    " (vision.stage2, decoder.layer1) or node-name prefixes starting with /"),
-        Option(NAME, "keep_a16w16", str, stages=("vision", "projector", "decoder"),
-               help="int8/a16w8: layers quantized at 16 bits (activations and weights), comma-separated: names as"
-                    " vlmrun diff --locate prints them or node-name prefixes starting with /"),
-        Option(NAME, "quantizer", str, stages=Q_STAGES, choices=recipe.QUANTIZERS, default="onnxruntime",
-               flag="--quantizer", help="quantization engine: onnxruntime (QDQ tools, min-max) or aimet (AIMET-ONNX,"
-                    f" Qualcomm's toolkit: LPBQ, Sequential MSE, AdaRound; {recipe.AIMET_EXTRA})"),
-        Option(NAME, "weight_scheme", str, stages=Q_STAGES, choices=recipe.WEIGHT_SCHEMES,
-               help="weights: per_channel, or lpbq (4-bit blocks along the input channel, AIMET, w4a16; the"
-                    " default there)"),
-        Option(NAME, "block_size", int, stages=("decoder",), minimum=1, flag="--block-size",
-               help=f"LPBQ block size along the input channel (must divide it); default {recipe.DEFAULT_BLOCK_SIZE}"
-                    " with weight_scheme lpbq, refused with any other scheme"),
-        Option(NAME, "algorithm", str, stages=Q_STAGES, choices=recipe.ALGORITHMS, default="minmax",
-               flag="--quant-algorithm", help="how weight encodings are chosen: minmax, seq_mse (Sequential MSE)"
-                    " or adaround (AIMET)"),
-        Option(NAME, "seq_mse_candidates", int, stages=Q_STAGES, default=recipe.DEFAULT_SEQ_MSE_CANDIDATES,
-               minimum=1, help="Sequential MSE: encoding candidates tried per weight"),
-        Option(NAME, "adaround_iterations", int, stages=Q_STAGES, default=recipe.DEFAULT_ADAROUND_ITERATIONS,
-               minimum=1, help="AdaRound: optimisation steps per layer"),
-        Option(NAME, "layer_precision", str, stages=("vision", "projector", "decoder"),
-               help="per-layer precision map, LAYER=fp16|a16w16|w8|w4 comma-separated (e.g. decoder.lm_head=w8):"
-                    " what vlmrun tune writes"),
-        Option(NAME, "embed_seq", int, stages=("embed",), default=DEFAULT_EMBED_SEQ, minimum=1,
-               help="static sequence length of the embed graph; longer inputs run in chunks"),
-        Option(NAME, "native_outputs", bool, default=False,
-               help="qnn-net-run --use_native_output_files: quantized outputs arrive quantized (phone)"),
-        Option(NAME, "timeout", float, default=600.0, minimum=1, help="seconds for one stage run (phone, Genie)"),
-        Option(NAME, "toolchain", str, choices=TOOLCHAINS, default="onnxruntime", flag="--toolchain",
-               help="what compiles the context binaries: onnxruntime-qnn (QNN 2.51, default) or sdk, the QAIRT"
-                    " SDK's own tools (binaries for that SDK's QNN version, e.g. an older phone runtime)"),
-        Option(NAME, "ndk_root", Path, stages=("decoder",),
-               help="engine genie on a phone: the Android NDK whose libc++_shared.so goes to the phone with"
-                    " genie-t2t-run, when the SDK has none (default: $ANDROID_NDK_ROOT)"),
-        *phone_options(NAME),
-    ):
+    for o in declarations():  # .options: each option's default lives in its declaration only
         register(o)
 
 
@@ -225,31 +149,30 @@ def preflight(backend, stage, model, options):
     files and a QNN version no older than the binary the compiler will make."""
     if not mine(backend, NAME):
         return
-    opts = stage_options(stage, options)
-    o = dict(options or {})
+    plan = StagePlan.of(stage, options)
+    opts, rt = plan.opts, plan.runtime
     if stage == "decoder":  # an LPBQ block that does not divide the weights' input channels: before any export
-        recipe.check_block_size(recipe.from_key(opts), model)
-    if opts["toolchain"] == "sdk" and str(o.get("compiler") or NAME) == NAME:
+        recipe.check_block_size(plan.recipe, model)
+    if plan.toolchain == "sdk" and plan.compiled_here:
         sdk = Sdk.find(opts.get("sdk_root"))
         sdk.require_compile_tools('for toolchain = "sdk"')
         if not sdk.version():
             raise BackendError(f"cannot read the QNN version of the SDK at {sdk.root} (no sdk.yaml): binaries made"
                                " with toolchain = \"sdk\" must record it; use a complete QAIRT SDK")
-    if opts["target"] == "android":
+    if plan.target == "android":
         from .netrun import check_runtime, device_files, phone_sdk
 
-        sdk = phone_sdk(o.get("sdk_root"))
+        sdk = phone_sdk(rt.sdk_root)
         if stage == "decoder":  # engine genie: genie-t2t-run and the HTP runtime (genie_phone), not qnn-net-run
             from .genie_phone import device_files as genie_device_files
 
-            genie_device_files(sdk, socs.soc(opts["soc"]), o.get("ndk_root"))
+            genie_device_files(sdk, plan.soc, rt.ndk_root)
         else:
-            device_files(sdk.root, socs.soc(opts["soc"]).arch)
+            device_files(sdk.root, plan.soc.arch)
         built = binary_version(opts, options)
-        compiler = str(o.get("compiler") or NAME)
         if built:
-            check_runtime({"qnn_version": built, "compiler": compiler if compiler != NAME else
-                           ("qnn_htp with the SDK's tools" if opts["toolchain"] == "sdk" else "onnxruntime-qnn")},
+            check_runtime({"qnn_version": built, "compiler": plan.compiler if not plan.compiled_here else
+                           ("qnn_htp with the SDK's tools" if plan.toolchain == "sdk" else "onnxruntime-qnn")},
                           sdk, stage)
 
 
@@ -281,7 +204,7 @@ def compile_stage(stage, model, source, options, out_dir: Path, context=None) ->
 
         return compile_parts(model, source, options, out_dir, context=context)
     soc = socs.soc(options.get("soc"))
-    precision = options.get("precision", "fp16")
+    precision = options["precision"]  # the compile key (.options.compile_key) always names it
     form = source.manifest.get("form", stage)
     name = "".join(c if c.isalnum() else "_" for c in form).strip("_")
     what = f"stage '{stage}' ({form}, {precision})"
@@ -335,20 +258,20 @@ def load_stage(backend, stage, ctx):
         from .bundle_run import load_bundle_stage
 
         return load_bundle_stage(stage, ctx)
-    opts = stage_options(stage, ctx.options)
-    soc = socs.soc(opts["soc"])
-    if opts.get("decoder_form") == "parts":
+    plan = StagePlan.of(stage, ctx.options)
+    opts, soc, rt = plan.opts, plan.soc, plan.runtime
+    if plan.form == "parts":
         from .parts_compile import parts_artifact
         from .parts_run import load_parts
 
         from .genie_phone import attach  # engine genie + --target android: genie-t2t-run on the phone
 
-        return attach(load_parts(ctx, opts, soc, parts_artifact(ctx, opts)), ctx, opts, soc)
+        return attach(load_parts(ctx, plan, parts_artifact(ctx, plan)), ctx, plan)
     arts = [compiled_artifact(ctx, stage, opts, f) for f in forms(stage, opts)]
     for art in arts:
         ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
         ep.check_binary(art.manifest, art.file(), soc, f"{stage} ({art.path.name})")
-    if str(ctx.options.get("compiler") or NAME) == NAME:  # another compiler's binary for this stage goes unused: say so
+    if plan.compiled_here:  # another compiler's binary for this stage goes unused: say so
         import json
         import sys
 
@@ -364,15 +287,15 @@ def load_stage(backend, stage, ctx):
                 print(f"qnn_htp: {stage} runs {arts[0].path.name} (compiled here); {k['compiler']} compiled"
                       f" {mf.parent.name} for it too: add --compiler {k['compiler']} to run that one", file=sys.stderr)
                 break
-    if stage == "decoder" and opts["engine"] == "genie":
+    if stage == "decoder" and plan.engine == "genie":
         from .genie_engine import GenieHtpHandle
 
         lut = ctx.exported(ExportForm.of("embed", "embed/lut")).file("embed_lut_f32.npy")
         handle = GenieHtpHandle(ctx.model, [(int(f.get("ar")), a) for f, a in zip(forms(stage, opts), arts)],
-                                opts["context_length"], soc, lut, float(ctx.options.get("timeout") or 600))
+                                opts["context_length"], soc, lut, rt.timeout)
         from .genie_phone import attach  # --target android: genie-t2t-run on the phone (handle.phone)
 
-        return attach(handle, ctx, opts, soc)
+        return attach(handle, ctx, plan)
     if stage == "decoder":
         from .decoder import FixedKVDecoder
 
@@ -383,17 +306,15 @@ def load_stage(backend, stage, ctx):
             load_s += s.load_s
         return DecoderHandle(FixedKVDecoder(sessions, opts["context_length"], ctx.model), arts, load_s)
     art = arts[0]
-    if opts["target"] == "android":
+    if plan.target == "android":
         from vlmrun_qualcomm.adb import Adb
 
         from .netrun import NetRunStage, check_runtime, phone_sdk
 
-        o = dict(ctx.options)
-        sdk = phone_sdk(o.get("sdk_root"))
+        sdk = phone_sdk(rt.sdk_root)
         check_runtime(art.manifest, sdk, f"{stage} ({art.path.name})")  # before adb is even asked for a device
-        adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
-        runner = NetRunStage(art, stage, sdk=sdk, adb=adb, native_outputs=bool(o.get("native_outputs")),
-                             timeout=float(o.get("timeout") or 300))
+        adb = Adb.connect(rt.device, rt.adb, timeout=rt.adb_timeout)
+        runner = NetRunStage(art, stage, sdk=sdk, adb=adb, native_outputs=rt.native_outputs, timeout=rt.timeout)
     else:
         runner = LocalStage(ep.HtpSession(art.file(), soc, f"{stage} ({art.path.name})"), art)
     if stage == "embed":
@@ -416,7 +337,7 @@ def layer_precisions(backend, stage, options):
     layers go to 8-bit weights, then 16-bit activations and weights; other quantized precisions to a16w16."""
     if not mine(backend, NAME):
         return None
-    return list(recipe.TUNE_LADDERS.get(str(options.get("precision") or "fp16"), ())) if stage != "embed" else []
+    return list(recipe.TUNE_LADDERS.get(str(options["precision"]), ())) if stage != "embed" else []
 
 
 @hookimpl
@@ -469,8 +390,8 @@ def load_probe(backend, stage, ctx):
         return None
     from .probe import load_probe as load
 
-    opts = stage_options(stage, ctx.options)
-    return load(ctx, stage, opts, socs.soc(opts["soc"]), lambda form: compiled_artifact(ctx, stage, opts, form),
+    plan = StagePlan.of(stage, ctx.options)
+    return load(ctx, plan, lambda form: compiled_artifact(ctx, stage, plan.opts, form),
                 lambda: load_stage(backend, stage, ctx))
 
 

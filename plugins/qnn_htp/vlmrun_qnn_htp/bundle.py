@@ -34,8 +34,9 @@ from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
 
 from . import ep, image_encoder
-from .options import NAME, compiled_artifact, stage_options
+from .options import NAME, compiled_artifact
 from .parts_compile import parts_artifact
+from .plan import StagePlan
 
 MANIFEST = BUNDLE_MANIFEST
 FORMAT = 1
@@ -195,24 +196,23 @@ def write_bundle(request) -> dict:
     from vlmrun.demo_image import demo_image
     from vlmrun.preprocess import preprocess_image
     from vlmrun.stages import ExportForm
-    from vlmrun_qualcomm import socs
 
 
     model, out, target = request.model, Path(request.out_dir), request.target
     vis_ctx = request.context("vision")
-    vis_opts = stage_options("vision", vis_ctx.options)
-    soc = socs.soc(vis_opts["soc"])
-    enc_art = compiled_artifact(vis_ctx, "vision", vis_opts, ExportForm.of("vision", image_encoder.FORM))
+    vis = StagePlan.of("vision", vis_ctx.options)
+    soc = vis.soc
+    enc_art = compiled_artifact(vis_ctx, "vision", vis.opts, ExportForm.of("vision", image_encoder.FORM))
     lut_art = vis_ctx.exported(ExportForm.of("embed", "embed/lut"))
     lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
     embeds = embeds_encoding(model, request, lut)
     dec_options = {**decoder_options(dict(request.layout.stages["decoder"].options), target),
                    "embeds_input": embeds["option"]}
     dec_ctx = request.context("decoder", dec_options)
-    dec_opts = stage_options("decoder", dec_ctx.options)
-    if socs.soc(dec_opts["soc"]).name != soc.name:
-        raise UsageError(f"the bundle's stages are compiled for two SoCs ({soc.name}, {dec_opts['soc']}); give one")
-    dec_art = parts_artifact(dec_ctx, dec_opts)  # prompt (AR-128), token (AR-1) and follow-up (AR-32) graphs
+    dec = StagePlan.of("decoder", dec_ctx.options)
+    if dec.soc.name != soc.name:
+        raise UsageError(f"the bundle's stages are compiled for two SoCs ({soc.name}, {dec.soc.name}); give one")
+    dec_art = parts_artifact(dec_ctx, dec)  # prompt (AR-128), token (AR-1) and follow-up (AR-32) graphs
     with request.progress("writing the bundle"):
         shutil.copyfile(enc_art.path / next(f for f in enc_art.manifest["files"] if f.endswith(".bin")), out / IMAGE_BIN)
         parts = dec_art.manifest["decoder_parts"]

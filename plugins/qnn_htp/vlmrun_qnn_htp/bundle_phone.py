@@ -56,12 +56,13 @@ def device_files(sdk: Sdk, arch: str, ndk_root=None) -> dict[str, Path]:
 class BundlePhone:
     """A bundle placed on a phone; `generate` runs one query through genie-app."""
 
-    def __init__(self, runtime, options: dict):
+    def __init__(self, runtime, rt):
+        """``runtime``: the `.bundle_run.BundleRuntime`; ``rt``: its runtime options (a `.plan.Runtime`)."""
         from .bundle import verify_bundle
 
         m = runtime.manifest
-        self.runtime, self.timeout = runtime, float(options.get("timeout") or 600)
-        sdk = phone_sdk(options.get("sdk_root"))
+        self.runtime, self.timeout = runtime, rt.timeout
+        sdk = phone_sdk(rt.sdk_root)
         if newer_than(m["qnn_version"], sdk.version()):  # before adb is even asked for a device
             raise BackendError(f"bundle {runtime.path.name} holds binaries from QNN {m['qnn_version']}, newer than"
                                f" the phone's SDK ({sdk.version()}): use a QAIRT SDK >= {m['qnn_version']}")
@@ -69,11 +70,10 @@ class BundlePhone:
         if not m.get("weight_sharing"):
             raise BackendError(f"bundle {runtime.path.name} was written for this machine (unshared part binaries);"
                                " write one for the phone: vlmrun bundle OUT --target android")
-        self.files = device_files(sdk, m["arch"], options.get("ndk_root"))
+        self.files = device_files(sdk, m["arch"], rt.ndk_root)
         self.arch, self.soc = m["arch"], m["soc"]
         self.rd = f"{REMOTE_ROOT}/bundles/{runtime.path.name}"
-        self.adb = Adb.connect(options.get("device"), options.get("adb"),
-                               timeout=float(options.get("adb_timeout") or 120))
+        self.adb = Adb.connect(rt.device, rt.adb, timeout=rt.adb_timeout)
         t0 = time.perf_counter()
         self.adb.mkdir(f"{self.rd}/{QUERY}")
         dirs = set()

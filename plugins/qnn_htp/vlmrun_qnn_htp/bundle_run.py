@@ -25,24 +25,27 @@ from vlmrun_qualcomm.genie_pipeline import PipelineSession
 from vlmrun.layouts import bundle_manifest
 
 from .bundle import CONNECTIONS, LUT, NODES, _split, sha256
+from .plan import Runtime
 
 
 class BundleRuntime:
     """A bundle run by libGenie's pipeline API in a worker process whose working directory is the bundle."""
 
     def __init__(self, path: Path, model, options: dict | None = None):
-        options = dict(options or {})
+        """``options``: the runtime options the bundle runs with (`.bundle_phone.RUNTIME_OPTIONS`; the ones not
+        given at their declared defaults, `.plan.Runtime.of`)."""
+        rt = Runtime.of("decoder", options)
         self.path = Path(path).resolve()
         self.manifest = bundle_manifest(self.path)
         self.model = model
-        self.timeout = float(options.get("timeout") or 600)
+        self.timeout = rt.timeout
         self.last_timings: dict = {}
         self._lut = None
         self.phone = None
-        if str(options.get("target") or "local") == "android":  # genie-app on the phone (bundle_phone.py)
+        if rt.target == "android":  # genie-app on the phone (bundle_phone.py)
             from .bundle_phone import BundlePhone
 
-            self.phone = BundlePhone(self, options)
+            self.phone = BundlePhone(self, rt)
             return
         from .genie_engine import libgenie_path
 

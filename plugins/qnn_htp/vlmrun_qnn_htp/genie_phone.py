@@ -100,21 +100,20 @@ def lut_raw(ctx) -> Path:
     return ctx.store.get_or_build(key, build, rebuild=bool(getattr(ctx, "rebuild", False))).file(LUT_NAME)
 
 
-def attach(handle, ctx, opts: dict, soc):
+def attach(handle, ctx, plan):
     """``handle`` (a Genie-engine decoder handle: ``ctx_bins``, ``config(request)``, ``artifacts``, ``model``) as
-    loaded for ``opts["target"]``: unchanged locally; on a phone it gets ``handle.phone`` (a `GeniePhone`,
-    which the ``decode`` hook uses) after the QNN-version check and the pushes."""
-    if opts.get("target") != "android":
+    loaded for the target of ``plan`` (the decoder's `.plan.StagePlan`): unchanged locally; on a phone it gets
+    ``handle.phone`` (a `GeniePhone`, which the ``decode`` hook uses) after the QNN-version check and the pushes."""
+    rt, soc = plan.runtime, plan.soc
+    if rt.target != "android":
         return handle
-    o = dict(ctx.options)
-    sdk = phone_sdk(o.get("sdk_root"))
+    sdk = phone_sdk(rt.sdk_root)
     for art in handle.artifacts:  # before adb is even asked for a device
         check_runtime(art.manifest, sdk, f"decoder ({art.path.name})")
-    files = device_files(sdk, soc, o.get("ndk_root"))
+    files = device_files(sdk, soc, rt.ndk_root)
     lut = lut_raw(ctx)
-    adb = Adb.connect(o.get("device"), o.get("adb"), timeout=float(o.get("adb_timeout") or 120))
-    handle.phone = GeniePhone(handle, files=files, adb=adb, soc=soc, lut=lut,
-                              timeout=float(o.get("timeout") or 600), app=sdk_app(sdk))
+    adb = Adb.connect(rt.device, rt.adb, timeout=rt.adb_timeout)
+    handle.phone = GeniePhone(handle, files=files, adb=adb, soc=soc, lut=lut, timeout=rt.timeout, app=sdk_app(sdk))
     if handle.phone.app is None:
         handle.phone.no_state = (f"the QAIRT SDK at {sdk.root} has no bin/{ANDROID}/{APP}: each turn of a"
                                  " conversation runs from the start")

@@ -38,7 +38,7 @@ from pathlib import Path
 from vlmrun.errors import BackendError
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
-from vlmrun_qualcomm.parts import DEFAULT_PART_LIMIT_MB, check_part_limits, graph_digest, weight_bytes
+from vlmrun_qualcomm.parts import check_part_limits, graph_digest, weight_bytes
 
 from vlmrun.stages import ExportForm
 
@@ -46,7 +46,7 @@ from . import calibration, ep, image_encoder
 from .genie_names import genie_name, rename_graph, rewrite_wrapper
 from .layers import LAYER_OPTIONS, part_keep
 from .memory import peak_rss_mb, release_memory
-from .options import NAME, compiled_artifact, parts_plan
+from .options import compiled_artifact, parts_plan
 from .quantizer import quantize
 from .recipe import from_key
 
@@ -54,19 +54,22 @@ GRAPHS = ("prompt", "token")
 FOLLOWUP = "followup"  # the smaller prompt graph of a part (``followup_ar`` rows), when compiled
 
 
-def parts_form(plan: dict, ar: int, opts: dict) -> ExportForm:
-    """The ``decoder/parts`` export of ``plan`` (`.options.parts_plan`) with prompt graphs of ``ar`` rows."""
+def parts_form(plan: dict, ar: int, opts) -> ExportForm:
+    """The ``decoder/parts`` export of ``plan`` (`.options.parts_plan`) with prompt graphs of ``ar`` rows (``opts``:
+    the decoder's normalised options, `.options.stage_options`)."""
     return ExportForm.of("decoder", "decoder/parts", ar=ar, ctx=plan["ctx"], layers=",".join(map(str, plan["layers"])),
-                         rmsnorm=opts.get("rmsnorm") or "safe")
+                         rmsnorm=opts["rmsnorm"])
 
 
-def parts_artifact(ctx, opts: dict):
-    """The decoder's compiled parts artifact through the store (``ctx``: the stage's context): the export at the
-    plan's AR and, when the plan has a follow-up AR, the prompt graphs of the same export at that AR compiled into
-    the same artifact (the export's store name is passed as ``followup_source``: it keys the binary too). Another
-    compiler (``--compiler qaihub``) compiles the prompt and token graphs only: it is not asked for the third."""
+def parts_artifact(ctx, stage_plan):
+    """The decoder's compiled parts artifact through the store (``ctx``: the stage's context, ``stage_plan``: its
+    `.plan.StagePlan`): the export at the plan's AR and, when the plan has a follow-up AR, the prompt graphs of the
+    same export at that AR compiled into the same artifact (the export's store name is passed as
+    ``followup_source``: it keys the binary too). Another compiler (``--compiler qaihub``) compiles the prompt and
+    token graphs only: it is not asked for the third."""
+    opts = stage_plan.opts
     plan = parts_plan(ctx.model, opts)
-    if plan["followup_ar"] and str(ctx.options.get("compiler") or NAME) == NAME:
+    if plan["followup_ar"] and stage_plan.compiled_here:
         followup = ctx.exported(parts_form(plan, plan["followup_ar"], opts))
         opts = {**opts, "followup_ar": plan["followup_ar"], "followup_source": followup.path.name}
     return compiled_artifact(ctx, "decoder", opts, parts_form(plan, plan["ar"], opts))
@@ -131,7 +134,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     soc = socs.soc(options.get("soc"))
     precision = options["precision"]
     recipe = from_key(options)
-    share = options.get("weight_sharing", "on") == "on"
+    share = options["weight_sharing"] == "on"  # the parts form's compile key always names it, resolved
     embeds = image_encoder.parse_embeds_input(options.get("embeds_input"))
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
@@ -139,7 +142,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
         return compile_part_probe(model, source, options, out_dir, context=context)
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
     fu_dir, fdesc = followup_export(source, options, desc)
-    limit = int(options.get("part_limit_mb") or DEFAULT_PART_LIMIT_MB) * 1_000_000
+    limit = int(options["part_limit_mb"]) * 1_000_000
     work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-parts-"))
     extra: dict = {}
     t_all = time.perf_counter()

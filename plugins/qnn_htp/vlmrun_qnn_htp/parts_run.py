@@ -192,16 +192,17 @@ class GeniePartsHandle(PartsHandle):
                                                      **genie_worker.tap_arguments(request, self.model))
 
 
-def load_parts(ctx, opts: dict, soc, artifact) -> PartsHandle:
-    """The handle of a compiled parts artifact (``load_stage``)."""
+def load_parts(ctx, plan, artifact) -> PartsHandle:
+    """The handle of a compiled parts artifact (``load_stage``; ``plan``: the decoder's `.plan.StagePlan`)."""
     from vlmrun.stages import ExportForm
 
     if "decoder_parts" not in artifact.manifest:
         raise BackendError(f"decoder artifact {artifact.path.name} is not a parts artifact; compile it again with"
                            " --rebuild")
     ContextManifest.from_dict(artifact.manifest, f"decoder artifact {artifact.path.name}")
+    soc = plan.soc
     ep.check_binary(artifact.manifest, artifact.file(), soc, f"decoder ({artifact.path.name})")
-    if opts.get("engine") == "genie":
+    if plan.engine == "genie":
         lut = ctx.exported(ExportForm.of("embed", "embed/lut")).file("embed_lut_f32.npy")
-        return GeniePartsHandle(ctx.model, artifact, soc, lut, float(ctx.options.get("timeout") or 600))
+        return GeniePartsHandle(ctx.model, artifact, soc, lut, plan.runtime.timeout)
     return PartsHandle(ctx.model, artifact, soc)

@@ -96,27 +96,28 @@ class ProbeHandle(StageHandle):
         return probe_outputs("decoder", self.manifest, merged)
 
 
-def load_probe(ctx, stage: str, opts: dict, soc, compiled, stage_handle=None) -> ProbeHandle:
-    """The probe handle of ``stage`` (``opts`` from ``stage_options``; ``compiled(form)`` compiles like the stage;
-    ``stage_handle()`` loads the stage itself, whose part binaries probe the parts form)."""
+def load_probe(ctx, plan, compiled, stage_handle=None) -> ProbeHandle:
+    """The probe handle of the stage of ``plan`` (its `.plan.StagePlan`); ``compiled(form)`` compiles like the
+    stage; ``stage_handle()`` loads the stage itself, whose part binaries probe the parts form."""
     from . import ep
     from .options import forms
 
+    stage, opts, soc = plan.stage, plan.opts, plan.soc
     if stage not in PROBE_STAGES:
         raise UsageError(f"stage '{stage}' has no layers to probe")
-    if opts["target"] != "local":
+    if plan.target != "local":
         raise UsageError("probes run on the local HTP backend (target = \"local\"); a phone's qnn-net-run path"
                          " does not run them yet")
-    if stage == "decoder" and opts.get("decoder_form") == "parts":
+    if stage == "decoder" and plan.form == "parts":
         from vlmrun.stages import ExportForm
 
         from .options import parts_plan
 
         p = parts_plan(ctx.model, opts)  # the stage's own export form (as load_stage builds it)
         form = ExportForm.of("decoder", "decoder/parts", ar=p["ar"], ctx=p["ctx"],
-                             layers=",".join(map(str, p["layers"])), rmsnorm=opts.get("rmsnorm") or "safe")
+                             layers=",".join(map(str, p["layers"])), rmsnorm=opts["rmsnorm"])
         return PartsProbe(stage_handle(), form=form, compiled=compiled, exported=ctx.exported, soc=soc)
-    if stage == "decoder" and opts.get("engine") != "host":
+    if stage == "decoder" and plan.engine != "host":
         raise UsageError("decoder probes are the fixed form's host engine (engine = \"host\") or the parts form")
     form = forms(stage, opts)[0]  # the decoder: the prefill (AR-N) form comes first
     probe = form.probe()

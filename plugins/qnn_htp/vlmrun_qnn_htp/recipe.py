@@ -107,12 +107,13 @@ def require_aimet() -> None:
         raise UsageError(f"quantizer = \"aimet\" needs AIMET-ONNX, which is not installed: {AIMET_EXTRA}")
 
 
-def from_options(stage: str, o: dict, precision: str, form: str) -> Recipe | None:
-    """The recipe of a stage's raw options ``o`` (None at fp16); UsageError for values that cannot work.
-    ``form``: ``fixed`` or ``parts`` (the decoder's), ``fixed`` for other stages."""
-    quantizer = str(o.get("quantizer") or "onnxruntime").lower()
-    scheme = str(o.get("weight_scheme") or "").lower()
-    algorithm = str(o.get("algorithm") or "minmax").lower()
+def from_options(stage: str, o, precision: str, form: str) -> Recipe | None:
+    """The recipe of a stage's filled options ``o`` (every declared default in, `vlmrun_qnn_htp.options.fill`;
+    None at fp16); UsageError for values that cannot work. ``form``: ``fixed`` or ``parts`` (the decoder's),
+    ``fixed`` for other stages."""
+    quantizer = str(o["quantizer"]).lower()
+    scheme = str(o["weight_scheme"] or "").lower()  # declared without a default: it depends on the quantizer
+    algorithm = str(o["algorithm"]).lower()
     if precision == "fp16":  # nothing to quantize: a recipe flag given for every stage (--quantizer) has no effect
         return None
     if quantizer not in QUANTIZERS:
@@ -139,15 +140,14 @@ def from_options(stage: str, o: dict, precision: str, form: str) -> Recipe | Non
         if precision != "w4a16":
             raise UsageError(f"{stage}: weight_scheme lpbq is 4-bit blockwise weights: precision w4a16 (the"
                              " decoder's parts form), not " + precision)
-        block = int(o.get("block_size") or DEFAULT_BLOCK_SIZE)
+        block = int(o.get("block_size") or DEFAULT_BLOCK_SIZE)  # declared without a default: lpbq's only
         if block not in BLOCK_SIZES:
             raise UsageError(f"{stage}: block_size {block} is not one of {', '.join(map(str, BLOCK_SIZES))}")
     elif o.get("block_size"):
         raise UsageError(f"{stage}: block_size applies to weight_scheme = \"lpbq\"")
     return Recipe(precision=precision, quantizer=quantizer, weight_scheme=scheme, block_size=block,
                   algorithm=algorithm,
-                  seq_mse_candidates=int(o.get("seq_mse_candidates") or DEFAULT_SEQ_MSE_CANDIDATES),
-                  adaround_iterations=int(o.get("adaround_iterations") or DEFAULT_ADAROUND_ITERATIONS))
+                  seq_mse_candidates=int(o["seq_mse_candidates"]), adaround_iterations=int(o["adaround_iterations"]))
 
 
 def decoder_input_channels(model) -> dict[str, int]:
@@ -195,13 +195,15 @@ def parse_layer_precision(value, stage: str) -> dict[str, str]:
     return out
 
 
-def from_key(options: dict) -> Recipe | None:
-    """The recipe a compile request's options (the compile key, `Recipe.key`) name; None at fp16."""
-    precision = str(options.get("precision") or "fp16")
+#: the fields of a `Recipe` a compile key names (`Recipe.key`) when they differ from the default recipe's
+KEY_FIELDS = ("quantizer", "weight_scheme", "block_size", "algorithm", "seq_mse_candidates", "adaround_iterations")
+
+
+def from_key(key) -> Recipe | None:
+    """The recipe a compile key names (a compile request's options, or `vlmrun_qnn_htp.options.stage_options`'
+    result): its ``precision``, and the fields `Recipe.key` wrote, the default recipe's where it wrote none (the
+    default recipe keys nothing); None at fp16."""
+    precision = str(key["precision"])
     if precision == "fp16":
         return None
-    return Recipe(precision=precision, quantizer=str(options.get("quantizer") or "onnxruntime"),
-                  weight_scheme=str(options.get("weight_scheme") or "per_channel"),
-                  block_size=options.get("block_size"), algorithm=str(options.get("algorithm") or "minmax"),
-                  seq_mse_candidates=int(options.get("seq_mse_candidates") or DEFAULT_SEQ_MSE_CANDIDATES),
-                  adaround_iterations=int(options.get("adaround_iterations") or DEFAULT_ADAROUND_ITERATIONS))
+    return Recipe(precision=precision, **{f: key[f] for f in KEY_FIELDS if key.get(f) is not None})
