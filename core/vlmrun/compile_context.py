@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .preprocess import load_image, preprocess_image
 from .stages import CompileContext
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline, StageContext
 
 CALIBRATION_PROMPT = "Describe the image."
 
@@ -32,16 +28,16 @@ class ReferenceCompileContext(CompileContext):
     activations come from a reference pipeline of the stages upstream of it, built on first use by
     `build_reference`."""
 
-    def __init__(self, stage_ctx: "StageContext", artifact: str):
+    def __init__(self, stage_ctx, artifact: str):
         self._ctx = stage_ctx
         self._artifact = artifact
-        self._pipe: "Pipeline | None" = None
+        self._pipe = None  # the reference pipeline (`vlmrun.pipeline.Pipeline`), built on first use
 
-    def build_reference(self, stages: tuple[str, ...]) -> "Pipeline":
+    def build_reference(self, stages: tuple[str, ...]):
         """A ``reference``-layout pipeline of ``stages`` over the stage context's model and store."""
         raise NotImplementedError
 
-    def _reference(self) -> "Pipeline":
+    def _reference(self):
         if self._pipe is None:
             self._pipe = self.build_reference(UPSTREAM[self._ctx.stage] or ("embed",))
         return self._pipe

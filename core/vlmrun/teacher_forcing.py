@@ -9,8 +9,6 @@ captured: the engine's logits over the same binaries and the runtime's own, teac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 import numpy as np
 
@@ -19,11 +17,7 @@ from .generation import GenerationSettings
 from .sampling import ForcedSampler, Sampler
 from .stages import DecodeRequest
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
-
-
-def forced_rows(pipe: "Pipeline", embeds: np.ndarray, forced: list[int], settings: GenerationSettings,
+def forced_rows(pipe, embeds: np.ndarray, forced: list[int], settings: GenerationSettings,
                 engine: bool = False) -> list:
     """The decoder's rows teacher-forced on ``forced``, decoding step by step as it generates: through the
     ``decode`` hook, or (``engine``) the handle's ``engine_decode``; [] when that path reports no logits."""
@@ -45,7 +39,7 @@ def forced_rows(pipe: "Pipeline", embeds: np.ndarray, forced: list[int], setting
     return rows
 
 
-def capture(pipe: "Pipeline", image, prompt: str, settings: GenerationSettings = GenerationSettings(),
+def capture(pipe, image, prompt: str, settings: GenerationSettings = GenerationSettings(),
             teacher_tokens: list[int] | None = None) -> dict[str, np.ndarray]:
     """`vlmrun.pipeline.Pipeline.capture` on ``pipe`` (see there)."""
     runtime = pipe.runtime_name

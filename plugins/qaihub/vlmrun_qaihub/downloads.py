@@ -8,12 +8,8 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vlmrun.errors import BackendError
-
-if TYPE_CHECKING:
-    from .hub import Hub
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -25,7 +21,7 @@ def safe_name(name: str, default: str = "download") -> str:
     return base or default
 
 
-def download_model_into(hub: Hub, model, out_dir: Path, final_name: str) -> tuple[Path, str]:
+def download_model_into(hub, model, out_dir: Path, final_name: str) -> tuple[Path, str]:
     """Download ``model`` into ``out_dir/final_name`` whatever name the server gives the file.
 
     The client is handed a *file* path inside a private directory (never a directory: the client would join
