@@ -27,8 +27,9 @@ PROMPT = "What is in the picture?"
 # A test backend: ort_reference's probe graphs (ExportForm.probe()) with the output of one layer multiplied by
 # 1 + 4 * N(0, 1) (about -12 dB SQNR there; the random tiny model's later layers attenuate it, to 2-6 dB at the
 # stage output, enough to fail the stage at int8), which every later layer then carries. The perturbed graph serves
-# both its normal stage (main outputs only) and its probe. TARGET names the layer; a layer listed in the stage
-# option keep_fp is left alone (a "lossy layer" that higher precision fixes), which is what --what-if relies on.
+# both its normal stage (main outputs only) and its probe. TARGET names the layer; a layer the stage option
+# layer_precision sets to fp16 is left alone (a "lossy layer" that higher precision fixes), which is what --what-if
+# relies on.
 PERTURB_SRC = textwrap.dedent('''
     import os
     import tempfile
@@ -37,7 +38,7 @@ PERTURB_SRC = textwrap.dedent('''
     from vlmrun import hookimpl
     from vlmrun.options import Option
     from vlmrun.plugins import BackendInfo
-    from vlmrun.stages import STAGES, ExportForm, probe_outputs
+    from vlmrun.stages import STAGES, ExportForm, parse_layer_precision, probe_outputs
 
     NAME = "perturb"
     SCALE = float(os.environ.get("VLMRUN_TEST_PERTURB_SCALE", "4.0"))
@@ -54,7 +55,7 @@ PERTURB_SRC = textwrap.dedent('''
 
     @hookimpl
     def register_options(register):
-        register(Option(NAME, "keep_fp", str, help="layers left unperturbed"))
+        register(Option(NAME, "layer_precision", str, help="LAYER=fp16 entries: layers left unperturbed"))
 
 
     class Perturbed:
@@ -149,7 +150,7 @@ PERTURB_SRC = textwrap.dedent('''
 
 
     def _kept(ctx):
-        return TARGET in str(ctx.options.get("keep_fp") or "").replace(",", " ").split()
+        return parse_layer_precision(ctx.options.get("layer_precision")).get(TARGET) == "fp16"
 
 
     def _load(ctx, stage, hook):
@@ -362,7 +363,7 @@ def test_what_if_recovers_the_injected_fault(model, store):
     found = loc.locate(run.pipelines["reference"], run.pipelines["device"], "vision", run.reference,
                        run.result.thresholds)
     w = wi.what_if(run, found, eval_items=2)
-    assert w.layers == [target] and w.option == target
+    assert w.layers == [target] and w.option == f"{target}=fp16"
     # the eval before and after the fix: the fixed layout is the reference, so its answers are the reference's
     e = w.eval
     assert e["items"] == 2 and e["skipped"] == 0
@@ -373,7 +374,7 @@ def test_what_if_recovers_the_injected_fault(model, store):
     assert w.after["vision.image_features"]["sqnr_db"] == diff.SQNR_CAP_DB
     assert w.recovered["vision.image_features"] == pytest.approx(1.0)
     assert w.recovered["decoder.logits"] == pytest.approx(1.0)
-    assert 'keep_fp = "vision.stage2"' in w.snippet and 'backend = "perturb"' in w.snippet
+    assert 'layer_precision = "vision.stage2=fp16"' in w.snippet and 'backend = "perturb"' in w.snippet
     found.what_if = w
     assert "noise power recovered: 100%" in lr.format_location(found)
     assert "eval accuracy (2 held-out items): " in lr.format_location(found)
@@ -382,7 +383,7 @@ def test_what_if_recovers_the_injected_fault(model, store):
     import tomllib
 
     table = tomllib.loads(w.snippet)
-    assert table["vision"] == {"backend": "perturb", "keep_fp": target}
+    assert table["vision"] == {"backend": "perturb", "layer_precision": f"{target}=fp16"}
 
 
 def test_cli_locate_what_if_json_and_report(model, store, cache_dir, image_path, tmp_path):
@@ -410,7 +411,7 @@ def test_cli_locate_what_if_json_and_report(model, store, cache_dir, image_path,
     assert located["stage"] == "decoder" and located["first_failing"] == "decoder.layer0"
     assert [x["layer"] for x in located["layers"]][:1] == ["decoder.layer0"]
     assert located["what_if"]["recovered"]["decoder.logits"] == pytest.approx(1.0)
-    assert 'keep_fp = "decoder.layer0"' in located["what_if"]["layout_toml"]
+    assert 'layer_precision = "decoder.layer0=fp16"' in located["what_if"]["layout_toml"]
     page = (report / "index.html").read_text()
     assert "Layer by layer: decoder" in page and "decoder.layer0" in page and "eval accuracy (1 held-out items)" in page
     pngs = [s.split("'", 1)[0].split('"', 1)[0] for s in page.split("data:image/png;base64,")[1:]]
@@ -420,7 +421,7 @@ def test_cli_locate_what_if_json_and_report(model, store, cache_dir, image_path,
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 1, proc.stderr
     assert "located: decoder.layer0 is the first layer of decoder" in proc.stdout
-    assert "[decoder]" in proc.stdout and 'keep_fp = "decoder.layer0"' in proc.stdout
+    assert "[decoder]" in proc.stdout and 'layer_precision = "decoder.layer0=fp16"' in proc.stdout
     proc = subprocess.run([*args[:-2], "--what-if-eval", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 2 and "--what-if-eval N evaluates the fix --what-if makes" in proc.stderr
 
@@ -549,8 +550,8 @@ def test_qnn_htp_keep_a16w16_what_if(model, store, clean, capsys):
     found = loc.locate(ref, run.pipelines["device"], "vision", run.reference, run.result.thresholds)
     layer = found.largest_drop.name
     w16 = wi.what_if(run, found, [layer], precision="a16w16")
-    assert w16.precision == "a16w16" and w16.to_json()["option"] == {"keep_a16w16": layer}
-    assert f'keep_a16w16 = "{layer}"' in w16.snippet and "keep_fp" not in w16.snippet
+    assert w16.precision == "a16w16" and w16.to_json()["option"] == {"layer_precision": f"{layer}=a16w16"}
+    assert f'layer_precision = "{layer}=a16w16"' in w16.snippet and "keep_" not in w16.snippet
     assert "quantized at a16w16" in "\n".join(wi.format_what_if(w16))
     kept = vision_on_htp(("vision",), precision="int8", keep_a16w16=layer)
     art = kept.handles["vision"].artifacts[0]
@@ -731,7 +732,8 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
     target = found.first_failing or found.largest_drop
     assert target is not None and target.name in everything
     w = wi.what_if(run, found, [target.name])
-    assert w.option == target.name and 'decoder_form = "parts"' in w.snippet and f'keep_fp = "{target.name}"' in w.snippet
+    assert w.option == f"{target.name}=fp16" and 'decoder_form = "parts"' in w.snippet
+    assert f'layer_precision = "{target.name}=fp16"' in w.snippet
     after = w.after["decoder.logits"]["sqnr_db"]
     assert w.before["decoder.logits"]["sqnr_db"] == pytest.approx(plain["sqnr_db"])
     assert after != pytest.approx(plain["sqnr_db"], abs=1e-3)  # rebuilt with the layer in float: the logits moved

@@ -13,8 +13,8 @@ options; its binary runs on the local HTP emulator like the stage's. What is che
   (``--quantize_full_type int8``) with the same calibration samples. The fake hub does not quantize (it compiles
   the float graph whatever the options say), so the int8 numbers here are fp16's: what is proven at int8 is
   what the hub is asked to do, not how the real hub's quantizer treats a probe graph.
-* ``--what-if`` on the hub-quantized stage: qnn_htp's per-layer options (``keep_fp``, ``keep_a16w16``) are
-  declared for qnn_htp, so the core accepted them, rebuilt the stage with a new hub job with identical hub
+* ``--what-if`` on the hub-quantized stage: qnn_htp's per-layer options (``layer_precision``, which ``--what-if``
+  sets, and ``keep_fp``, ``keep_a16w16``) are declared for qnn_htp, so the core accepted them, rebuilt the stage with a new hub job with identical hub
   options (the hub quantizes the whole stage and vlmrun sends it no per-layer precision) and reported that
   keeping the layer recovered 0% of the error. The qaihub plugin now refuses them before any export or upload,
   with one line saying why and what to do; checked through the API, a layout, a hand-made compile and the CLI.
@@ -208,15 +208,15 @@ def check_refusal(msg: str, option: str) -> None:
     assert 'precision = "a16w8"' in msg
 
 
-@pytest.mark.parametrize("precision,option", [("fp", "keep_fp"), ("a16w16", "keep_a16w16")])
-def test_what_if_is_refused_before_any_upload(hub, int8, precision, option):
+@pytest.mark.parametrize("precision", ["fp", "a16w16"])
+def test_what_if_is_refused_before_any_upload(hub, int8, precision):
     run, _, found, _ = int8
     counts, jobs = uploads_and_jobs(hub), set(hub.jobs)
     t0 = time.monotonic()
     with pytest.raises(UsageError) as err:
         wi.what_if(run, found, ["vision.stage2"], precision=precision)
     took = time.monotonic() - t0
-    check_refusal(str(err.value), option)
+    check_refusal(str(err.value), "layer_precision")  # what --what-if sets
     assert uploads_and_jobs(hub) == counts and set(hub.jobs) == jobs  # nothing uploaded, no job
     assert took < 10  # refused in preflight, before any export or compile
 
@@ -263,5 +263,5 @@ def test_cli_what_if_on_a_hub_compiled_stage(hub, int8, store, tmp_path, capsys)
     lines = [x for x in out.err.splitlines() if x.startswith("vlmrun: error:")]
     assert code == 2, out.err[-2000:]
     assert len(lines) == 1, out.err[-2000:]
-    check_refusal(lines[0][len("vlmrun: error: "):], "keep_fp")
+    check_refusal(lines[0][len("vlmrun: error: "):], "layer_precision")
     assert uploads_and_jobs(hub) == counts  # the stage and its probe came from the store

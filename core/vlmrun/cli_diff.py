@@ -53,8 +53,8 @@ def _device_options(f):
               help="With --locate on a quantized device stage: rebuild it with the located layer (or the LAYERs"
                    " named) kept out of quantization and report what that recovers, with the layout lines.")
 @click.option("--what-if-precision", "what_if_precision", type=click.Choice(["fp", "a16w16"]), default=None,
-              help="With --what-if: what the layer gets: fp (kept out of quantization, option keep_fp) or a16w16"
-                   " (16-bit activations and weights, option keep_a16w16). [default: fp]")
+              help="With --what-if: what the layer gets, through the stage option layer_precision: fp (LAYER=fp16, kept"
+                   " out of quantization) or a16w16 (LAYER=a16w16, 16-bit activations and weights). [default: fp]")
 @click.option("--what-if-eval", "what_if_eval", type=click.IntRange(1), default=None, metavar="N",
               help="With --what-if: also run vlmrun eval on N items of the held-out set for the device layout before"
                    " and after the fix, and the reference, and report their accuracy (off by default: it runs the"

@@ -459,9 +459,10 @@ def layer_precisions(backend, stage, options):
 
     Called by ``vlmrun tune`` once per stage with layers (vision, projector, decoder) of its base layout, before
     anything is built; a stage with an empty answer is not tuned. A backend that implements it also declares the
-    stage option ``layer_precision`` (a map ``LAYER=PRECISION``, entries separated by ``;`` or ``,``; layers
-    named as the probes name them, ``decoder.layer0``), and takes every value returned here for every layer its
-    probe reports.
+    stage option ``layer_precision`` (`vlmrun.stages.LAYER_PRECISION`: a map ``LAYER=PRECISION``, entries separated
+    by ``;`` or ``,``; layers named as the probes name them, ``decoder.layer0``), and takes every value returned here
+    for every layer its probe reports. The same option is the one per-layer contract of ``vlmrun diff --what-if``,
+    which sets a located layer to ``fp16`` (kept out of quantization) or ``a16w16``.
 
     :param backend: the backend name; return ``None`` if it is not yours.
     :param stage: ``vision``, ``projector`` or ``decoder``.

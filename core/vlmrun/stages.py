@@ -138,6 +138,32 @@ class ExportForm:
         return bool(self.get("probe"))
 
 
+#: The stage option through which a backend takes per-layer precisions: ``LAYER=PRECISION`` entries separated by
+#: ``;`` or ``,`` (layers named as the probes name them, ``decoder.layer0``), or a TOML table. ``vlmrun tune`` writes
+#: the precisions the ``layer_precisions`` hook offers; ``vlmrun diff --what-if`` sets a located layer to ``fp16``
+#: (kept out of quantization) or ``a16w16``. A backend that takes per-layer precisions declares it.
+LAYER_PRECISION = "layer_precision"
+
+
+def parse_layer_precision(value) -> dict[str, str]:
+    """A `LAYER_PRECISION` value as ``{layer: precision}`` (entries without ``=`` are the backend's to refuse)."""
+    if not value:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(k).strip(): str(v).strip() for k, v in value.items()}
+    out = {}
+    for part in str(value).replace(";", ",").split(","):
+        name, sep, p = part.partition("=")
+        if sep:
+            out[name.strip()] = p.strip()
+    return out
+
+
+def layer_precision_text(layers: Mapping[str, str]) -> str:
+    """``{layer: precision}`` as a `LAYER_PRECISION` value (sorted by layer: equal maps key alike)."""
+    return ";".join(f"{k}={v}" for k, v in sorted(layers.items()))
+
+
 def probe_outputs(stage: str, manifest: Mapping[str, object], outputs: Mapping[str, object]) -> dict[str, object]:
     """What ``run_probe`` returns, from a probe graph's outputs keyed by graph output names.
 

@@ -2,8 +2,10 @@
 again, and (``--what-if-eval N``) evaluated before and after the fix.
 
 It sits above both `vlmrun.diff` (it captures and compares) and `vlmrun.eval` (it evaluates): neither imports it.
-The layers get their precision through the stage option ``keep_fp`` (``precision="fp"``: kept in float) or
-``keep_a16w16`` (16-bit activations and weights), which a backend that can keep layers out of quantization declares.
+The layers get their precision through the stage option ``layer_precision`` (`vlmrun.stages.LAYER_PRECISION`, the
+one per-layer contract `vlmrun tune` also writes): ``LAYER=fp16`` (``--what-if-precision fp``: kept out of
+quantization) or ``LAYER=a16w16`` (16-bit activations and weights); a backend that takes per-layer precisions
+declares that option.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from .errors import UsageError
 from .layouts import Layout, StageAssignment, layout_snippet, layout_toml
 from .pipeline import GenerationSettings, Pipeline
 from .progress import no_progress
+from .stages import LAYER_PRECISION, layer_precision_text, parse_layer_precision
 
-#: --what-if-precision -> the per-layer option that applies it, and what it does to the layer
-KEEP_OPTIONS = {"fp": "keep_fp", "a16w16": "keep_a16w16"}
+#: --what-if-precision -> the layer precision it sets (``LAYER=...`` in the stage's ``layer_precision``), and what
+#: that does to the layer
+WHAT_IF_PRECISIONS = {"fp": "fp16", "a16w16": "a16w16"}
 KEEP_WORDS = {"fp": "kept in float", "a16w16": "quantized at a16w16 (16-bit activations and weights)"}
 
 
@@ -38,7 +42,7 @@ class WhatIf:
 
     stage: str
     layers: list[str]
-    option: str  # the stage option's value that applies it
+    option: str  # the stage's layer_precision value that applies it (``LAYER=fp16;...``)
     before: dict  # checkpoint -> metrics (the original device side)
     after: dict
     recovered: dict  # checkpoint -> share of the noise power removed (1 = all)
@@ -47,11 +51,11 @@ class WhatIf:
     snippet: str
     result: object = None  # the DiffResult of the rebuilt side
     eval: dict | None = None
-    precision: str = "fp"  # what the layers got: fp (keep_fp) or a16w16 (keep_a16w16)
+    precision: str = "fp"  # what the layers got (--what-if-precision): fp (LAYER=fp16) or a16w16 (LAYER=a16w16)
 
     @property
     def option_name(self) -> str:
-        return KEEP_OPTIONS[self.precision]
+        return LAYER_PRECISION
 
     def to_json(self) -> dict:
         return {"stage": self.stage, "layers": self.layers, "precision": self.precision,
@@ -78,8 +82,9 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
             prompt: str | None = None, eval_items: int | None = None, dataset=None, precision: str = "fp"):
     """Rebuild the device side with ``layers`` (default: the located layer) kept out of quantization, diff again.
 
-    ``precision`` (``--what-if-precision``): ``fp`` keeps the layers in float (option ``keep_fp``), ``a16w16``
-    quantizes them with 16-bit activations and weights (option ``keep_a16w16``); the rest stays as it was.
+    ``precision`` (``--what-if-precision``): ``fp`` keeps the layers in float (``LAYER=fp16`` in the stage option
+    ``layer_precision``), ``a16w16`` quantizes them with 16-bit activations and weights (``LAYER=a16w16``); the
+    rest stays as it was (other layers' entries kept; a layer already listed gets the new precision).
 
     ``run`` is the `vlmrun.diff.DiffRun` whose device pipeline is rebuilt (``run.pipelines``).
     ``eval_items``: also evaluate the device layout before and after the fix, and the reference, on that many items
@@ -87,9 +92,9 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     """
 
     progress = progress or no_progress
-    if precision not in KEEP_OPTIONS:
-        raise UsageError(f"--what-if-precision {precision}: choose one of {', '.join(KEEP_OPTIONS)}")
-    option = KEEP_OPTIONS[precision]
+    if precision not in WHAT_IF_PRECISIONS:
+        raise UsageError(f"--what-if-precision {precision}: choose one of {', '.join(WHAT_IF_PRECISIONS)}")
+    option = LAYER_PRECISION
     dev_pipe = run.pipelines.get("device")
     if dev_pipe is None:
         raise UsageError("--what-if rebuilds the device side: it needs a live device layout (not --from captures)")
@@ -103,23 +108,17 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     a = dev_pipe.layout.stages[stage]
     declared = dev_pipe.registry.options.for_stage(a.backend, stage, str(a.options.get("compiler") or a.backend))
     if option not in declared:
-        raise UsageError(f"--what-if: backend '{a.backend}' has no per-layer precision {precision} for {stage} (it"
-                         f" declares no '{option}' option)")
+        raise UsageError(f"--what-if: backend '{a.backend}' takes no per-layer precision for {stage} (it declares"
+                         f" no '{option}' option)")
     backend_precision = dev_pipe.registry.backend(a.backend).precision  # a backend that declares no precision option
     dev_precision = str(dev_pipe.stage_options(stage).get("precision") or backend_precision)
     if dev_precision in ("fp32", "fp16"):
         raise UsageError(f"--what-if: the device's {stage} runs at {dev_precision}; keeping a layer at higher precision"
                          " applies to quantized precisions (int8, a16w8, ...)")
-    existing = [x.strip() for x in str(a.options.get(option) or "").replace(",", " ").split() if x.strip()]
-    value = ",".join(dict.fromkeys([*existing, *layers]))
+    merged = parse_layer_precision(a.options.get(option))
+    merged.update({layer: WHAT_IF_PRECISIONS[precision] for layer in layers})  # a layer gets one precision
+    value = layer_precision_text(merged)
     options = {**dict(a.options), option: value}
-    for other in KEEP_OPTIONS.values():  # a layer gets one precision: drop it from the other option
-        if other != option and a.options.get(other):
-            rest = [x for x in str(a.options[other]).replace(",", " ").split() if x not in layers]
-            if rest:
-                options[other] = ",".join(rest)
-            else:
-                options.pop(other)
     stages = {s: (StageAssignment(a.backend, options) if s == stage else dev_pipe.layout.stages[s])
               for s in dev_pipe.layout.stages}
     layout = Layout(f"{dev_pipe.layout.name}+{option}", stages)

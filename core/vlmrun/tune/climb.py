@@ -19,10 +19,10 @@ from ..diff.locate import locate
 from ..eval import LayoutSpec, evaluate
 from ..eval.engine import layout_key
 from ..pipeline import GenerationSettings, Pipeline
-from ..stages import STAGES
+from ..stages import LAYER_PRECISION, STAGES, layer_precision_text, parse_layer_precision
 
 TUNABLE = ("vision", "projector", "decoder")  # stages with layers (embed is a table lookup)
-LAYER_OPTION = "layer_precision"
+LAYER_OPTION = LAYER_PRECISION
 CACHE_VERSION = 1
 
 
@@ -112,23 +112,10 @@ def candidate_spec(base, candidate: Candidate):
         by_stage.setdefault(layer.split(".", 1)[0], {})[layer] = precision
     for stage, layers in by_stage.items():
         current = options.setdefault(stage, {})
-        merged = _parse_map(current.get(LAYER_OPTION))
+        merged = parse_layer_precision(current.get(LAYER_OPTION))
         merged.update(layers)
-        current[LAYER_OPTION] = ";".join(f"{k}={v}" for k, v in sorted(merged.items()))
+        current[LAYER_OPTION] = layer_precision_text(merged)
     return attrs.evolve(base, label=candidate.label, options=options)
-
-
-def _parse_map(value) -> dict[str, str]:
-    if not value:
-        return {}
-    if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
-    out = {}
-    for part in str(value).replace(";", ",").split(","):
-        name, sep, p = part.partition("=")
-        if sep:
-            out[name.strip()] = p.strip()
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -34,10 +34,11 @@ Per-stage options (``vlmrun plugins --options``):
 ``batch_mb``        megabytes of inputs one batch inference job uploads at most (default 1024, vlmrun's own cap)
 =================== ============================================================================================
 
-Per-layer precision (qnn_htp's ``keep_fp`` / ``keep_a16w16``, which ``vlmrun diff --what-if`` sets) is refused
-with ``--compiler qaihub``, before any export or upload (``options.check_per_layer_precision``): the hub quantizes the
-stage itself, as a whole (``--quantize_full_type``), and vlmrun sends it no per-layer precision, so a rebuild with
-those options would compile the same binary again and report that keeping the layer recovers nothing.
+Per-layer precision (qnn_htp's ``layer_precision``, which ``vlmrun diff --what-if`` sets, ``keep_fp``,
+``keep_a16w16``) is refused with ``--compiler qaihub``, before any export or upload
+(``options.check_per_layer_precision``): the hub quantizes the stage itself, as a whole (``--quantize_full_type``),
+and vlmrun sends it no per-layer precision, so a rebuild with those options would compile the same binary again and
+report that keeping the layer recovers nothing.
 ``vlmrun diff --locate`` itself works on hub-compiled stages: qnn_htp compiles the stage's probe form through the
 same compile hook, i.e. as one more compile job on the hub with the stage's options (``tests/test_qaihub_probe.py``).
 

@@ -29,7 +29,8 @@ ENV_TIMEOUT = "VLMRUN_QAIHUB_TIMEOUT"
 QAIRT_VERSION = re.compile(r"^(\d+\.\d+(\.\d+)*|latest|default)$")
 
 QUANT_FLAGS = {"int8": "--quantize_full_type int8", "a16w8": "--quantize_full_type w8a16"}
-#: qnn_htp's per-layer precision options (vlmrun diff --what-if) and what each would do to the layer
+#: qnn_htp's per-layer precision options (vlmrun diff --what-if and vlmrun tune set layer_precision) and what each
+#: would do to the layer
 PER_LAYER = {"keep_fp": "keeps layers out of quantization", "keep_a16w16": "quantizes layers at a16w16",
              "layer_precision": "sets precision per layer"}
 #: qnn_htp's quantization recipe (its quantizer and how it chooses weights): the hub quantizes with its own
@@ -145,7 +146,8 @@ def compile_options(precision: str, extra: str = "", qairt: str | None = None) -
 
 def check_per_layer_precision(stage: str, asked, precision: str) -> None:
     """A one-line UsageError when a stage compiled on the hub at ``precision`` asks for per-layer precision
-    (qnn_htp's ``keep_fp`` / ``keep_a16w16``, which ``vlmrun diff --what-if`` sets) or for qnn_htp's own quantizer:
+    (qnn_htp's ``layer_precision``, which ``vlmrun diff --what-if`` sets, or ``keep_fp`` / ``keep_a16w16``) or for
+    qnn_htp's own quantizer:
     the hub quantizes the stage itself, as a whole, and vlmrun sends it no per-layer precision, so the option would
     be ignored (the same binary compiled again). ``asked``: the options the layout set (``options.given``: a
     recipe option at its declared default asks for nothing)."""
@@ -163,8 +165,8 @@ def check_per_layer_precision(stage: str, asked, precision: str) -> None:
     how = f" ({QUANT_FLAGS[precision]})" if precision in QUANT_FLAGS else " (at int8 or a16w8)"
     alt = (", or quantize the whole stage with 16-bit activations on the hub (precision = \"a16w8\")"
            if precision == "int8" else "")
-    raise UsageError(f"{stage}: {opt} ({PER_LAYER[opt]}; vlmrun diff --what-if sets it) is not available with"
-                     f" --compiler qaihub: AI Hub quantizes the stage itself, as a whole{how}, and takes no"
-                     " per-layer precision from vlmrun, so the rebuilt binary would be the same; to try it, compile"
-                     f" {stage} locally with qnn_htp's quantizer (drop --compiler qaihub / compiler = \"qaihub\") and"
-                     f" locate against that build{alt}")
+    raise UsageError(f"{stage}: {opt} ({PER_LAYER[opt]}; vlmrun diff --what-if sets layer_precision) is not"
+                     f" available with --compiler qaihub: AI Hub quantizes the stage itself, as a whole{how}, and"
+                     " takes no per-layer precision from vlmrun, so the rebuilt binary would be the same; to try it,"
+                     f" compile {stage} locally with qnn_htp's quantizer (drop --compiler qaihub / compiler ="
+                     f" \"qaihub\") and locate against that build{alt}")
