@@ -281,3 +281,60 @@ def test_a_preset_must_name_every_stage_and_one_name_one_plugin():
                                plugin("two", lambda: [Preset("fast", every)])])
     assert "one" in reg.plugins and reg.presets["fast"].stages["vision"] == "one"
     assert reg.failures["two"] == "RuntimeError: preset 'fast' is already declared by another plugin"
+
+
+def test_precisions_come_from_the_plugins_with_their_thresholds():
+    """A precision and the diff's default thresholds at it are a plugin's declaration (``register_precisions``):
+    shared vocabularies may repeat one, a different declaration under a taken name or an alias to nothing fails
+    that plugin; a layout is judged by its most lenient declared precision."""
+    import types
+
+    from vlmrun import hookimpl
+    from vlmrun.diff import thresholds as th
+    from vlmrun.errors import UsageError
+    from vlmrun.plugins import BackendInfo, Precision, load
+
+    def plugin(name, precisions):
+        mod = types.ModuleType(name)
+        mod.describe = hookimpl(lambda: BackendInfo(name, ("vision",)))
+        mod.register_precisions = hookimpl(lambda register: [register(p) for p in precisions])
+        return mod
+
+    q8 = Precision("q8", sqnr_db=20.0, cosine=0.99, top1=0.8, top5=0.7, kl=0.1)
+    q4 = Precision("q4", sqnr_db=12.0, cosine=0.95, top1=0.5, top5=0.5, kl=0.3)
+    reg = load(only="", extra=[plugin("acme", [q8, q4, Precision("q8x", like="q8")]), plugin("acme2", [q8]),
+                               plugin("clash", [Precision("q8", sqnr_db=25.0)]),
+                               plugin("dangling", [Precision("q2", like="q1")])])
+    assert set(reg.plugins) == {"acme", "acme2"}
+    assert reg.failures["clash"] == ("RuntimeError: precision 'q8' is already declared by another plugin with other"
+                                     " thresholds")
+    assert reg.failures["dangling"] == ("RuntimeError: precision 'q2' is judged like 'q1', which no plugin declares"
+                                        " as a precision of its own")
+    assert th.precisions(reg) == ("fp32", "q8", "q4")  # strictest first; an alias has no thresholds of its own
+    t = th.thresholds_for("q8x", {"decoder": {"kl_mean": None}}, registry=reg)
+    assert t["vision"] == {"sqnr_db": 20.0, "cosine": 0.99} and "kl_mean" not in t["decoder"]
+    assert t["decoder"]["top1_agreement"] == 0.8 and "match_fraction" not in t["generation"]
+    assert th.thresholds_for("fp32", registry=reg)["generation"]["match_fraction"] == 1.0  # the core's own
+    assert th.infer_precision({"vision": {"precision": "q8x"}, "decoder": {"precision": "q4"}}, reg) == "q4"
+    assert th.infer_precision({"vision": {"precision": "q8x"}, "decoder": {}}, reg) == "q8"
+    assert th.infer_precision({"vision": {"precision": "nine"}}, reg) == "fp32"
+    with pytest.raises(UsageError, match="^unknown precision 'w4a16'; the installed plugins declare fp32, q8, q4, q8x"):
+        th.check_precision("w4a16", reg)
+    # the installed plugins: the precisions and floors the diff used to hard-code
+    assert th.precisions() == ("fp32", "fp16", "w8a16", "int8", "w4a16")
+    assert th.thresholds_for("a16w8") == th.thresholds_for("int8")
+
+
+def test_tune_starts_where_a_plugin_says():
+    from vlmrun.errors import UsageError
+    from vlmrun.plugins import Preset, load
+    from vlmrun.tune.search import default_base
+
+    assert default_base(load()) == "all-npu,vision.precision=int8,projector.precision=int8,decoder.precision=w4a16"
+    every = dict.fromkeys(("vision", "projector", "embed", "decoder"), "acme")
+    assert Preset("p", every, tune={"decoder": {"precision": "q4"}}).tune_spec == "p,decoder.precision=q4"
+    assert Preset("p", every).tune_spec is None
+    with pytest.raises(RuntimeError, match="sets options of unknown stage"):
+        Preset("p", every, tune={"vison": {"precision": "q4"}})
+    with pytest.raises(UsageError, match="no installed plugin declares a layout for vlmrun tune to start from"):
+        default_base(load(only=""))

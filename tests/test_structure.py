@@ -32,6 +32,20 @@ def test_core_names_no_vendor():
     assert not hits, "\n".join(hits)
 
 
+# the precisions and quantizers of a toolchain, which its plugins declare (``register_precisions``, their options);
+# generic words (fp32, fp16, int8, float) may appear in the core's help and examples
+PRECISION_WORDS = re.compile(r"\b(w4a16|w8a16|a16w8|a16w16|a8w8|w4|w8|lpbq|aimet)\b", re.I)
+
+
+def test_core_names_no_plugin_precision_or_quantizer():
+    hits = []
+    for path in sorted(CORE.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if PRECISION_WORDS.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
 def test_core_has_no_backend_flags():
     """Backend flags come from the plugins' declarations, not from the core's command modules."""
     for path in CORE.glob("cli*.py"):

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import attrs
 import click
 
 from . import procs
@@ -166,8 +167,10 @@ def plugins(show_options, as_json, debug):
                 for p in reg.plugins.values()
             ],
             "core_options": [_option_json(o) for o in table.get("vlmrun", {}).values()],
-            "presets": [{"name": p.name, "stages": dict(p.stages), "summary": p.summary, "reference": p.reference}
+            "presets": [{"name": p.name, "stages": dict(p.stages), "summary": p.summary, "reference": p.reference,
+                         "tune": p.tune_spec}
                         for p in reg.presets.values()],
+            "precisions": [attrs.asdict(p) for p in _precisions(reg).values()],
             "failed": reg.failures,
         }, indent=2, default=str))
         return
@@ -192,8 +195,21 @@ def plugins(show_options, as_json, debug):
         role = " (the reference)" if p.reference else ""
         click.echo(f"layout {p.name}{role}: " + " ".join(f"{s}={b}" for s, b in p.stages.items())
                    + (f" - {p.summary}" if p.summary else ""))
+        if p.tune is not None:
+            click.echo(f"  vlmrun tune starts from {p.tune_spec}")
+    for p in _precisions(reg).values():
+        judged = (f"judged like {p.like}" if p.like else f"diff floors: SQNR {p.sqnr_db:g} dB, cosine {p.cosine:g},"
+                  f" top-1 {p.top1:g}")
+        click.echo(f"precision {p.name}: {judged}" + (f" - {p.summary}" if p.summary else ""))
     for name, why in reg.failures.items():
         click.echo(f"{name} FAILED to load: {why}")
+
+
+def _precisions(reg) -> dict:
+    """fp32 and the precisions the plugins declare, with their default diff thresholds."""
+    from .diff.thresholds import declared
+
+    return declared(reg)
 
 
 @cli.command("make-tiny")

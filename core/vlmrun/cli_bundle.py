@@ -36,7 +36,7 @@ def bundle_command(out, layout, layout_file, verify_items, verify_only, model_di
 
     \b
       vlmrun bundle out/                               # all-npu, for this machine
-      vlmrun bundle out/ -o decoder.precision=w4a16    # the decoder in 4-bit weights (parts form)
+      vlmrun bundle out/ -o decoder.precision=P        # the decoder at another precision its backend declares
       vlmrun bundle out/ --target android              # for a phone
       vlmrun bundle --verify out/                      # files, hashes, configs: before anything runs
       vlmrun --bundle out/ --image I --prompt P        # run it, in the bundle's own runtime

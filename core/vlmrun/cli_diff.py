@@ -32,8 +32,9 @@ def _device_options(f):
 @click.option("--max-new-tokens", type=click.IntRange(1), default=None,
               help="Tokens to generate on each side. [default: 32, or what a --from reference used]")
 @click.option("--ignore-eos", is_flag=True, help="Generate all --max-new-tokens even past end-of-sequence.")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default=None,
-              help="Which default thresholds to use. [default: from the device layout's stage options, else fp32]")
+@click.option("--precision", default=None, metavar="PRECISION",
+              help="Which default thresholds to use: fp32 or a precision a plugin declares (vlmrun plugins lists"
+                   " them). [default: the most lenient of the device layout's stage precisions, else fp32]")
 @click.option("--threshold", "threshold_specs", multiple=True, metavar="STAGE.METRIC=VALUE",
               help="Override one threshold, e.g. projector.sqnr_db=25 or decoder.kl_mean=none (repeatable).")
 @click.option("--thresholds-file", type=click.Path(path_type=Path),
@@ -52,9 +53,10 @@ def _device_options(f):
 @click.option("--what-if", "what_if", is_flag=False, flag_value="auto", default=None, metavar="[LAYER,...]",
               help="With --locate on a quantized device stage: rebuild it with the located layer (or the LAYERs"
                    " named) kept out of quantization and report what that recovers, with the layout lines.")
-@click.option("--what-if-precision", "what_if_precision", type=click.Choice(["fp", "a16w16"]), default=None,
+@click.option("--what-if-precision", "what_if_precision", default=None, metavar="fp|PRECISION",
               help="With --what-if: what the layer gets, through the stage option layer_precision: fp (LAYER=fp16, kept"
-                   " out of quantization) or a16w16 (LAYER=a16w16, 16-bit activations and weights). [default: fp]")
+                   " out of quantization) or a per-layer precision the stage's backend offers above its own (its"
+                   " layer_precisions hook; --what-if names them). [default: fp]")
 @click.option("--what-if-eval", "what_if_eval", type=click.IntRange(1), default=None, metavar="N",
               help="With --what-if: also run vlmrun eval on N items of the held-out set for the device layout before"
                    " and after the fix, and the reference, and report their accuracy (off by default: it runs the"
@@ -77,7 +79,7 @@ def diff_command(ctx, reference, device, image, prompt, model_dir, image_size, c
       vlmrun diff --device-vision PLUGIN --precision fp16 --report out/
       vlmrun diff --from host/reference --from phone/device     # compare saved captures
       vlmrun diff --device L.toml --locate --what-if             # which layer drifts, and does fp16 there fix it
-      vlmrun diff --device L.toml --what-if --what-if-precision a16w16   # ... or 16 bits there
+      vlmrun diff --device L.toml --what-if --what-if-precision P   # ... or at a precision its backend offers
       vlmrun diff --device L.toml --what-if --what-if-eval 40    # ... and the eval accuracy it gives back
     Exit status: 0 every threshold holds, 1 some threshold fails, 2 usage error.
     """

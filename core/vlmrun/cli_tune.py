@@ -15,8 +15,8 @@ from .cli_options import model_options
 @click.argument("dataset", required=False, type=click.Path(path_type=Path))
 @click.option("--layout", "-L", "layout_spec", metavar="[LABEL=]BASE[,STAGE.KEY=V]...",
               help="The base layout, as vlmrun eval --layout takes it: the cheapest build, each quantized stage at"
-                   " the precision the search starts from. [default: all-npu, w4a16 decoder, int8 vision and"
-                   " projector]")
+                   " the precision the search starts from. [default: the preset a plugin declares for tuning; vlmrun"
+                   " plugins names it]")
 @click.option("--layout-file", type=click.Path(path_type=Path), help="The base layout as a TOML file.")
 @click.option("--limit", type=click.IntRange(1), default=8, show_default=True,
               help="Items of the data set each candidate is measured on.")
@@ -29,8 +29,8 @@ from .cli_options import model_options
 @click.option("--layers", metavar="LAYER[,LAYER]",
               help="Only these layers, named as vlmrun diff --locate names them (decoder.layer1, decoder.lm_head).")
 @click.option("--anchor", "anchors", multiple=True, metavar="SPEC",
-              help="Another layout to measure and place on the front (repeatable), e.g. the uniform 8-bit build"
-                   " 'w8=all-npu,decoder.precision=w8a16,vision.precision=a16w8,projector.precision=a16w8'.")
+              help="Another layout to measure and place on the front (repeatable), as --layout takes it, e.g. a"
+                   " uniform 8-bit build 'LABEL=PRESET,decoder.precision=P,vision.precision=P'.")
 @click.option("--max-candidates", type=click.IntRange(1), default=12, show_default=True,
               help="Builds measured at most (the base and anchors included).")
 @click.option("--beam", type=click.IntRange(1), default=1, show_default=True,
@@ -52,8 +52,8 @@ def tune_command(dataset, layout_spec, layout_file, limit, max_accuracy_drop, mi
 
     \b
     Ranks the layers of each quantized stage by their own error on the device (as diff --locate measures it),
-    then raises the most sensitive ones a rung at a time (the NPU backend: a w4a16 decoder layer to 8-bit weights, then
-    a16w16; an int8 vision layer to a16w16), building and evaluating each candidate with vlmrun eval on DATASET
+    then raises the most sensitive ones a rung at a time (to the precisions its backend offers a layer: vlmrun plugins),
+    building and evaluating each candidate with vlmrun eval on DATASET
     (default: the generated held-out set), until one meets the budget. Prints every point with the Pareto front
     (bytes on the device, accuracy, answers as the reference, logits SQNR) and writes the winner with --out.
     Measured points are kept in the store: an interrupted tune resumes, a finished one builds nothing again.

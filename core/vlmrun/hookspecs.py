@@ -17,6 +17,8 @@ The hooks below are grouped by phase, in the order the core calls them. For one 
     describe()                          once, when the plugin is loaded (the core calls the plugin's own function)
     register_options(register)          right after, once (each backend's per-stage options)
     register_presets(register)          right after, once (the named layouts its backends make)
+    register_precisions(register)       right after, once (the precisions its backends build at, with the
+                                        thresholds a diff judges them by)
     doctor()                            only for ``vlmrun doctor``
 
     load a pipeline (``Pipeline.build``: layout checked against the options, images read, model opened)
@@ -123,6 +125,21 @@ def register_presets(register):
     ``summary`` for ``vlmrun plugins``, and ``reference=True`` for the one layout other layouts are diffed and
     scored against (the core's default layout, ``reference``; one plugin declares it). Two plugins declaring the
     same name: the second fails to load.
+    """
+
+
+@hookspec
+def register_precisions(register):
+    """Name the precisions this plugin's backends build at, with the default thresholds ``vlmrun diff`` and
+    ``vlmrun eval`` judge a device at each by.
+
+    Called once, right after ``register_presets``, on this plugin's own function. Call ``register(precision)`` with
+    a `vlmrun.plugins.Precision` for each: its ``name`` (the value of a stage's ``precision`` option), the floors of
+    every tensor checkpoint (``sqnr_db``, ``cosine``), of the decoder under teacher forcing (``top1``, ``top5``,
+    ``kl``), ``generation`` (the share of the reference's free-running tokens the device must match, ``None`` when
+    a precision may legitimately diverge), or ``like`` another declared precision whose figures it shares. The
+    core declares ``fp32`` itself (two correct float32 implementations). Plugins that share a vocabulary may
+    declare the same precision with the same values; other values under a taken name fail the second plugin.
     """
 
 
@@ -462,13 +479,13 @@ def layer_precisions(backend, stage, options):
     stage option ``layer_precision`` (`vlmrun.stages.LAYER_PRECISION`: a map ``LAYER=PRECISION``, entries separated
     by ``;`` or ``,``; layers named as the probes name them, ``decoder.layer0``), and takes every value returned here
     for every layer its probe reports. The same option is the one per-layer contract of ``vlmrun diff --what-if``,
-    which sets a located layer to ``fp16`` (kept out of quantization) or ``a16w16``.
+    which sets a located layer to ``fp16`` (kept out of quantization) or to a precision returned here.
 
     :param backend: the backend name; return ``None`` if it is not yours.
     :param stage: ``vision``, ``projector`` or ``decoder``.
     :param options: the stage's options, filled and frozen (a `vlmrun.options.StageOptions`: ``precision`` is
                     the declared default when the layout does not set it).
-    :return: the precisions above the stage's own, in increasing bytes on the device (e.g. ``["w8", "a16w16"]``
-             for a w4a16 decoder); an empty list when the stage quantizes nothing (fp16); ``None`` if
+    :return: the precisions above the stage's own, in increasing bytes on the device (e.g. 8-bit weights,
+             then 16-bit activations and weights, for a decoder at 4-bit weights); an empty list when the stage quantizes nothing (fp16); ``None`` if
              ``backend`` is not yours.
     """

@@ -53,11 +53,52 @@ class Preset:
     stages: Mapping[str, str] = attrs.field(converter=lambda m: MappingProxyType(dict(m)))
     summary: str = ""
     reference: bool = False  # the layout others are diffed and scored against (the core's ``reference``)
+    #: the stage options ``vlmrun tune`` starts from on this preset when no layout is given (``{"decoder":
+    #: {"precision": ...}}``: each quantized stage at its cheapest precision); one plugin declares them
+    tune: Mapping[str, Mapping[str, object]] | None = attrs.field(
+        default=None, converter=lambda m: None if m is None else MappingProxyType(
+            {s: MappingProxyType(dict(o)) for s, o in dict(m).items()}))
+
+    @property
+    def tune_spec(self) -> str | None:
+        """The layout ``vlmrun tune`` starts from, written as every command takes one (``NAME,STAGE.KEY=V,...``);
+        ``None`` when the preset declares no tune start."""
+        if self.tune is None:
+            return None
+        return ",".join([self.name, *(f"{s}.{k}={v}" for s, o in self.tune.items() for k, v in o.items())])
 
     def __attrs_post_init__(self):
         if set(self.stages) != set(STAGES):
             raise RuntimeError(f"preset '{self.name}' must name a backend for each of {', '.join(STAGES)};"
                                f" it names {', '.join(self.stages) or 'none'}")
+        unknown = sorted(set(self.tune or {}) - set(STAGES))
+        if unknown:
+            raise RuntimeError(f"preset '{self.name}' sets options of unknown stage(s) {', '.join(unknown)}")
+
+
+@attrs.frozen
+class Precision:
+    """A precision a backend builds at (``register_precisions``), with the default thresholds a diff judges a
+    device at that precision by: the SQNR (dB) and cosine floors of every tensor checkpoint, the decoder's top-1
+    agreement, top-5 overlap and mean KL ceiling under teacher forcing, and ``generation``: the share of the
+    reference's free-running tokens the device must match (``None``: reported, not checked). ``like``: judged as
+    another declared precision (an alias, e.g. two spellings of one recipe). A layout is judged by the most lenient
+    precision among its stages: the lowest SQNR floor, then the lowest cosine floor."""
+
+    name: str
+    sqnr_db: float = 0.0
+    cosine: float = 0.0
+    top1: float = 0.0
+    top5: float = 0.0
+    kl: float = 0.0
+    generation: float | None = None
+    like: str | None = None
+    summary: str = ""
+
+    @property
+    def leniency(self) -> tuple[float, float]:
+        """Sorts the strictest first (highest floors)."""
+        return (-self.sqnr_db, -self.cosine)
 
 
 @attrs.frozen
@@ -92,6 +133,7 @@ class Registry:
     failures: dict[str, str] = attrs.field(factory=dict)
     declared: list[Option] = attrs.field(factory=list)
     presets: dict[str, Preset] = attrs.field(factory=dict)
+    precisions: dict[str, Precision] = attrs.field(factory=dict)
 
     @property
     def options(self) -> OptionTable:
@@ -241,10 +283,12 @@ def _register(registry: Registry, plugin: object, name: str, version: str) -> No
                 raise RuntimeError(f"register_options() declared {o!r}, not an Option of its own backends"
                                    f" ({', '.join(sorted(mine_)) or 'none'})")
         presets = _declared_presets(plugin, registry)
+        precisions = _declared_precisions(plugin, registry)
     except BaseException:
         pm.unregister(plugin)
         raise
     registry.presets.update({p.name: p for p in presets})
+    registry.precisions.update({p.name: p for p in precisions})
     stages_of = {b.name: b.stages for b in infos}
     registry.declared.extend(o if o.stages is not None else attrs.evolve(o, stages=stages_of[o.backend])
                              for o in declared)
@@ -268,6 +312,32 @@ def _declared_presets(plugin: object, registry: Registry) -> list[Preset]:
         if p.name in registry.presets:
             raise RuntimeError(f"preset '{p.name}' is already declared by another plugin")
     return presets
+
+
+def _declared_precisions(plugin: object, registry: Registry) -> list[Precision]:
+    """The precisions ``plugin`` declares (``register_precisions``). Plugins sharing a vocabulary may declare the
+    same precision; declaring a name another plugin gave other thresholds is an error, and so is an alias
+    (``like``) to a precision nobody declared."""
+    impl = getattr(plugin, "register_precisions", None)
+    declared: list[Precision] = []
+    if impl is None:
+        return declared
+    try:
+        impl(declared.append)
+    except Exception as exc:
+        raise RuntimeError(f"register_precisions() failed: {exc}") from exc
+    known = {**registry.precisions}
+    for p in declared:
+        if not isinstance(p, Precision):
+            raise RuntimeError(f"register_precisions() declared {p!r}, not a vlmrun.plugins.Precision")
+        if p.name in known and known[p.name] != p:
+            raise RuntimeError(f"precision '{p.name}' is already declared by another plugin with other thresholds")
+        known[p.name] = p
+    for p in declared:
+        if p.like is not None and (p.like not in known or known[p.like].like is not None):
+            raise RuntimeError(f"precision '{p.name}' is judged like '{p.like}', which no plugin declares as a"
+                               " precision of its own")
+    return declared
 
 
 _default: Registry | None = None

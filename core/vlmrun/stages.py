@@ -141,7 +141,7 @@ class ExportForm:
 #: The stage option through which a backend takes per-layer precisions: ``LAYER=PRECISION`` entries separated by
 #: ``;`` or ``,`` (layers named as the probes name them, ``decoder.layer0``), or a TOML table. ``vlmrun tune`` writes
 #: the precisions the ``layer_precisions`` hook offers; ``vlmrun diff --what-if`` sets a located layer to ``fp16``
-#: (kept out of quantization) or ``a16w16``. A backend that takes per-layer precisions declares it.
+#: (kept out of quantization) or to one of those. A backend that takes per-layer precisions declares it.
 LAYER_PRECISION = "layer_precision"
 
 

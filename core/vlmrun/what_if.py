@@ -4,8 +4,9 @@ again, and (``--what-if-eval N``) evaluated before and after the fix.
 It sits above both `vlmrun.diff` (it captures and compares) and `vlmrun.eval` (it evaluates): neither imports it.
 The layers get their precision through the stage option ``layer_precision`` (`vlmrun.stages.LAYER_PRECISION`, the
 one per-layer contract `vlmrun tune` also writes): ``LAYER=fp16`` (``--what-if-precision fp``: kept out of
-quantization) or ``LAYER=a16w16`` (16-bit activations and weights); a backend that takes per-layer precisions
-declares that option.
+quantization) or ``LAYER=P`` with ``P`` a per-layer precision the stage's backend offers above its own (its
+``layer_precisions`` hook, e.g. 16-bit activations and weights); a backend that takes per-layer precisions declares
+that option.
 """
 
 from __future__ import annotations
@@ -30,10 +31,15 @@ from .pipeline import GenerationSettings, Pipeline
 from .progress import no_progress
 from .stages import LAYER_PRECISION, layer_precision_text, parse_layer_precision
 
-#: --what-if-precision -> the layer precision it sets (``LAYER=...`` in the stage's ``layer_precision``), and what
-#: that does to the layer
-WHAT_IF_PRECISIONS = {"fp": "fp16", "a16w16": "a16w16"}
-KEEP_WORDS = {"fp": "kept in float", "a16w16": "quantized at a16w16 (16-bit activations and weights)"}
+#: ``--what-if-precision fp``: the layer precision it sets (``LAYER=fp16`` in the stage's ``layer_precision``); any
+#: other value is one of the precisions the stage's backend offers a layer (``layer_precisions``), set as given
+FLOAT = "fp"
+FLOAT_LAYER = "fp16"
+
+
+def keep_words(precision: str) -> str:
+    """What ``--what-if-precision precision`` does to a layer, in words."""
+    return "kept in float" if precision == FLOAT else f"quantized at {precision}"
 
 
 @attrs.define
@@ -51,7 +57,7 @@ class WhatIf:
     snippet: str
     result: object = None  # the DiffResult of the rebuilt side
     eval: dict | None = None
-    precision: str = "fp"  # what the layers got (--what-if-precision): fp (LAYER=fp16) or a16w16 (LAYER=a16w16)
+    precision: str = FLOAT  # what the layers got (--what-if-precision): fp (LAYER=fp16) or a backend's (LAYER=P)
 
     @property
     def option_name(self) -> str:
@@ -79,12 +85,13 @@ def recovered_share(before_db, after_db) -> float | None:
 
 
 def what_if(run, location: Location, layers: Sequence[str] | None = None, progress=None, image=None,
-            prompt: str | None = None, eval_items: int | None = None, dataset=None, precision: str = "fp"):
+            prompt: str | None = None, eval_items: int | None = None, dataset=None, precision: str = FLOAT):
     """Rebuild the device side with ``layers`` (default: the located layer) kept out of quantization, diff again.
 
     ``precision`` (``--what-if-precision``): ``fp`` keeps the layers in float (``LAYER=fp16`` in the stage option
-    ``layer_precision``), ``a16w16`` quantizes them with 16-bit activations and weights (``LAYER=a16w16``); the
-    rest stays as it was (other layers' entries kept; a layer already listed gets the new precision).
+    ``layer_precision``); another value must be one the stage's backend offers a layer above the stage's own
+    precision (its ``layer_precisions`` hook), set as ``LAYER=precision``; the rest stays as it was (other layers'
+    entries kept; a layer already listed gets the new precision).
 
     ``run`` is the `vlmrun.diff.DiffRun` whose device pipeline is rebuilt (``run.pipelines``).
     ``eval_items``: also evaluate the device layout before and after the fix, and the reference, on that many items
@@ -92,8 +99,6 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     """
 
     progress = progress or no_progress
-    if precision not in WHAT_IF_PRECISIONS:
-        raise UsageError(f"--what-if-precision {precision}: choose one of {', '.join(WHAT_IF_PRECISIONS)}")
     option = LAYER_PRECISION
     dev_pipe = run.pipelines.get("device")
     if dev_pipe is None:
@@ -114,15 +119,21 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     dev_precision = str(dev_pipe.stage_options(stage).get("precision") or backend_precision)
     if dev_precision in ("fp32", "fp16"):
         raise UsageError(f"--what-if: the device's {stage} runs at {dev_precision}; keeping a layer at higher precision"
-                         " applies to quantized precisions (int8, a16w8, ...)")
+                         " applies to quantized precisions")
+    if precision != FLOAT:
+        offered = list(dev_pipe.registry.hook.layer_precisions(backend=a.backend, stage=stage,
+                                                               options=dict(a.options)) or [])
+        if precision not in offered:
+            raise UsageError(f"--what-if-precision {precision}: backend '{a.backend}' offers a layer of {stage} at"
+                             f" {dev_precision} {', '.join([FLOAT, *offered])}")
     merged = parse_layer_precision(a.options.get(option))
-    merged.update({layer: WHAT_IF_PRECISIONS[precision] for layer in layers})  # a layer gets one precision
+    merged.update({layer: FLOAT_LAYER if precision == FLOAT else precision for layer in layers})  # one per layer
     value = layer_precision_text(merged)
     options = {**dict(a.options), option: value}
     stages = {s: (StageAssignment(a.backend, options) if s == stage else dev_pipe.layout.stages[s])
               for s in dev_pipe.layout.stages}
     layout = Layout(f"{dev_pipe.layout.name}+{option}", stages)
-    with progress(f"what-if: rebuilding {stage} on {a.backend} with {', '.join(layers)} {KEEP_WORDS[precision]}"):
+    with progress(f"what-if: rebuilding {stage} on {a.backend} with {', '.join(layers)} {keep_words(precision)}"):
         pipe = Pipeline.build(dev_pipe.model, layout, store=dev_pipe.store, registry=dev_pipe.registry,
                               progress=dev_pipe.progress)
     ref = run.reference
@@ -204,7 +215,7 @@ def what_if_eval(reference, before, after, pipe, items: int, dataset=None, progr
 
 
 def format_what_if(w: WhatIf) -> list[str]:
-    lines = ["", f"what-if: {', '.join(w.layers)} {KEEP_WORDS[w.precision]} ({w.option_name} = \"{w.option}\"),"
+    lines = ["", f"what-if: {', '.join(w.layers)} {keep_words(w.precision)} ({w.option_name} = \"{w.option}\"),"
              f" {w.stage} rebuilt:"]
     for label, b in w.before.items():
         a = w.after.get(label, {})

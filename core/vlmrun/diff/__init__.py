@@ -45,9 +45,9 @@ from .metrics import (
     TENSOR_METRICS, generation_metrics, logits_steps, tensor_metrics,
 )
 from .report import format_table, save_run, write_report
+from . import thresholds as _thresholds
 from .thresholds import (
-    DEFAULT_THRESHOLDS, PRECISIONS, check_key, check_precision, infer_precision, parse_threshold,
-    read_thresholds_file, thresholds_for,
+    check_key, check_precision, infer_precision, parse_threshold, precisions, read_thresholds_file, thresholds_for,
 )
 
 __all__ = [
@@ -55,11 +55,18 @@ __all__ = [
     "IDS_METRICS", "LOGITS_METRICS", "METRICS_OF_STAGE", "PRECISIONS", "SQNR_CAP_DB", "TENSOR_METRICS", "TORCH",
     "Capture", "Check", "DiffResult", "DiffRun", "Entry", "Side", "UsageError", "capture_pipeline", "capture_torch",
     "compare", "format_table", "generation_metrics", "infer_precision", "load_from", "logits_steps",
-    "parse_threshold", "read_thresholds_file", "run", "save_run", "tensor_metrics", "thresholds_for",
+    "parse_threshold", "precisions", "read_thresholds_file", "run", "save_run", "tensor_metrics", "thresholds_for",
     "write_report",
 ]
 
 TORCH = "torch"
+
+
+def __getattr__(name: str):
+    """``PRECISIONS`` and ``DEFAULT_THRESHOLDS`` come from the installed plugins (`vlmrun.diff.thresholds`)."""
+    if name in ("PRECISIONS", "DEFAULT_THRESHOLDS"):
+        return getattr(_thresholds, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 DEFAULT_PROMPT = "Describe the image."
 
 
@@ -149,12 +156,13 @@ def run(
     from ..store import ArtifactStore
 
     progress = progress or no_progress
-    file_precision, file_thresholds = read_thresholds_file(thresholds_file) if thresholds_file else (None, {})
+    file_precision, file_thresholds = (read_thresholds_file(thresholds_file, registry) if thresholds_file
+                                       else (None, {}))
     for stage, metrics in (thresholds or {}).items():
         for metric in metrics:
             check_key(stage, metric, f"{stage}.{metric}")
     if precision is not None:
-        check_precision(precision)
+        check_precision(precision, registry)
     ref_cap, dev_cap = load_from(from_dirs)
     ref_side, dev_side = _side(reference), _side(device)
     timings: dict[str, float] = {}
@@ -215,8 +223,8 @@ def run(
             dev_cap.meta["layout_options"] = dev_pipe.layout_options()
 
     if precision is None:
-        precision = file_precision or infer_precision(dev_cap.meta.get("layout_options"))
-    table = thresholds_for(precision, file_thresholds, thresholds or {})
+        precision = file_precision or infer_precision(dev_cap.meta.get("layout_options"), registry)
+    table = thresholds_for(precision, file_thresholds, thresholds or {}, registry=registry)
     t = time.perf_counter()
     result = compare(ref_cap, dev_cap, table, precision)
     if fvlm is not None:  # the ids a verdict names, spelt

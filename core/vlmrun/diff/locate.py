@@ -33,8 +33,8 @@ index), not a part. `Location.parts` keeps the boundary pass.
 ``--what-if`` (`vlmrun.what_if`, above both this module and `vlmrun.eval`; a quantized device stage): the device
 side is built again with the located layer kept out of
 quantization (``LAYER=fp16`` in the stage option ``layer_precision``, which a backend that takes per-layer
-precisions declares), or with ``precision="a16w16"`` (``--what-if-precision a16w16``, ``LAYER=a16w16``) quantized
-with 16-bit activations and weights, and the diff runs again; the result says how much of the stage's and the logits' error that recovers (the share of the noise
+precisions declares), or (``--what-if-precision P``, ``LAYER=P``) at a precision its backend offers a layer, and the
+diff runs again; the result says how much of the stage's and the logits' error that recovers (the share of the noise
 power removed), and the layout-TOML lines that apply it. With ``eval_items`` (``--what-if-eval N``) it also runs
 `vlmrun.eval.evaluate` on N items of the default held-out set for the device layout before and after the fix
 (and the reference) and reports their accuracy.

@@ -141,7 +141,7 @@ def location_html(loc: Location, png: str) -> str:
     extra = ""
     if loc.what_if is not None:
         w = loc.what_if
-        what = "stayed in float" if w.precision == "fp" else "were quantized at a16w16"
+        what = "stayed in float" if w.precision == "fp" else f"were quantized at {w.precision}"
         extra = (f"<h3>What if {esc(', '.join(w.layers))} {what}?</h3><pre>"
                  + esc("\n".join(w.lines()[1:])) + "</pre>")
     return (f"<h2>Layer by layer: {esc(loc.stage)} (--locate)</h2>{verdict}"

@@ -5,62 +5,71 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from .. import plugins
 from ..errors import UsageError
+from ..plugins import Precision
 from .metrics import CHECK_STAGES, METRICS_OF_STAGE
-
-#: from the strictest to the most lenient (a layout is judged by the most lenient precision among its stages)
-PRECISIONS = ("fp32", "fp16", "w8a16", "int8", "w4a16")
-
 
 RUNTIME_ENGINE_SQNR_DB = 30.0
 RUNTIME_ENGINE_TOP1 = 1.0
 
+#: the core's own precision: what two correct float32 implementations must reach (greedy tokens equal). Every other
+#: precision, and its thresholds, is declared by the plugins whose backends build at it (``register_precisions``).
+FP32 = Precision("fp32", sqnr_db=60.0, cosine=0.9999, top1=0.99, top5=0.99, kl=1e-4, generation=1.0,
+                 summary="float32: two correct implementations agree to the last greedy token")
 
-def _defaults(sqnr: float, cosine: float, top1: float, top5: float, kl: float, gen: float | None) -> dict:
-    tensors = {"sqnr_db": sqnr, "cosine": cosine}
-    table = {
+
+def default_table(p: Precision) -> dict[str, dict[str, float]]:
+    """The checks of a device at precision ``p``, per checkpoint stage."""
+    tensors = {"sqnr_db": p.sqnr_db, "cosine": p.cosine}
+    return {
         # host-side preprocessing is the same numpy code on both sides: strict at every precision
         "preprocess": {"sqnr_db": 60.0, "mismatches": 0},
         "vision": dict(tensors),
         "projector": dict(tensors),
         "embed": dict(tensors),
         "splice": dict(tensors),
-        "decoder": {**tensors, "top1_agreement": top1, "top5_overlap": top5, "kl_mean": kl},
+        "decoder": {**tensors, "top1_agreement": p.top1, "top5_overlap": p.top5, "kl_mean": p.kl},
         # the runtime's own logits: the decoder's thresholds against the reference, and against the engine over
         # the same binaries a floor that does not depend on the precision (same binaries, same inputs)
-        "runtime": {**tensors, "top1_agreement": top1, "top5_overlap": top5, "kl_mean": kl,
+        "runtime": {**tensors, "top1_agreement": p.top1, "top5_overlap": p.top5, "kl_mean": p.kl,
                     "engine_sqnr_db": RUNTIME_ENGINE_SQNR_DB, "engine_min_step_sqnr_db": RUNTIME_ENGINE_SQNR_DB,
                     "engine_top1_agreement": RUNTIME_ENGINE_TOP1},
         # a free-running token the checked logits did not lead to fails at every precision
-        "generation": {"unexplained_divergence": 0, **({} if gen is None else {"match_fraction": gen})},
+        "generation": {"unexplained_divergence": 0, **({} if p.generation is None else
+                                                      {"match_fraction": p.generation})},
     }
-    return table
 
 
-# Defaults per device precision. fp32: what two correct fp32 implementations must reach (greedy tokens equal).
-# fp16 / int8: typical whole-network accuracy of NPU builds; free-running tokens may legitimately diverge there,
-# so generation is reported but not checked.
-DEFAULT_THRESHOLDS: dict[str, dict[str, dict[str, float]]] = {
-    "fp32": _defaults(sqnr=60.0, cosine=0.9999, top1=0.99, top5=0.99, kl=1e-4, gen=1.0),
-    "fp16": _defaults(sqnr=30.0, cosine=0.999, top1=0.9, top5=0.8, kl=0.05, gen=None),
-    "int8": _defaults(sqnr=15.0, cosine=0.97, top1=0.6, top5=0.6, kl=0.5, gen=None),
-    # The decoder's parts form at 16-bit activations with int8 / int4 weights (w8a16 / w4a16), measured with
-    #   vlmrun eval -L 'w4a16=all-npu,decoder.decoder_form=parts,decoder.precision=w4a16' \
-    #               -L 'w8a16=all-npu,decoder.decoder_form=parts,decoder.precision=w8a16' --limit 20
-    # on the default model (vision, projector, embed at fp16; 20 held-out items, every answer as the reference's).
-    # decoder/logits over the items, min / median / max:
-    #   w8a16: SQNR 16.0 / 23.9 / 39.0 dB, cosine 0.9931 / 0.9989, top-1 1.0, top-5 0.92 / 0.966, KL max 9e-5
-    #   w4a16: SQNR 16.2 / 21.8 / 25.5 dB, cosine 0.9925 / 0.9972, top-1 1.0, top-5 0.76 / 0.92, KL max 3.9e-4
-    # (short answers make the per-item SQNR spread: "One." items are the 16 dB ones in both). Each threshold sits
-    # below the worst passing item, and 10x the noise power (10 dB less) fails the median item: w8a16 23.9 -> 13.9
-    # < 15, w4a16 21.8 -> 11.8 < 14; with only the decoder on the device (vision in fp32) a w4a16 describe item gives
-    # 23.75 dB, 13.75 with 10x its noise power: fails (tests/test_quantized_thresholds.py, on real captures).
-    # The per-item floor of an all-npu layout is set upstream (fp16 vision: the w8a16 decoder alone is 36 dB).
-    # The default model retrained for conversations (November 26) is cleaner, the same eval: w8a16 30.4 dB median,
-    # 26.1 worst; w4a16 26.1 / 20.0: the floors are kept (a w4a16 decoder behind int8 vision is judged by them too).
-    "w8a16": _defaults(sqnr=15.0, cosine=0.98, top1=0.6, top5=0.8, kl=0.005, gen=None),
-    "w4a16": _defaults(sqnr=14.0, cosine=0.97, top1=0.6, top5=0.6, kl=0.01, gen=None),
-}
+def declared(registry=None) -> dict[str, Precision]:
+    """``fp32`` and every precision the plugins of ``registry`` (default: the installed ones) declare."""
+    if registry is None:
+        registry = plugins.default()
+    return {FP32.name: FP32, **registry.precisions}
+
+
+def precisions(registry=None) -> tuple[str, ...]:
+    """The precisions that have thresholds of their own (not ``like`` another), from the strictest to the most
+    lenient (a layout is judged by the most lenient precision among its stages)."""
+    table = declared(registry)
+    return tuple(sorted((n for n, p in table.items() if p.like is None), key=lambda n: table[n].leniency))
+
+
+def _own(precision: str, registry=None) -> Precision:
+    """The declaration whose thresholds ``precision`` is judged by (an alias's target)."""
+    table = declared(registry)
+    check_precision(precision, registry)
+    p = table[precision]
+    return table[p.like] if p.like else p
+
+
+def __getattr__(name: str):
+    """``PRECISIONS`` and ``DEFAULT_THRESHOLDS``: the installed plugins' (computed when first asked for)."""
+    if name == "PRECISIONS":
+        return precisions()
+    if name == "DEFAULT_THRESHOLDS":
+        return {n: default_table(_own(n)) for n in declared()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_threshold(spec: str) -> tuple[str, str, float | None]:
@@ -79,9 +88,11 @@ def parse_threshold(spec: str) -> tuple[str, str, float | None]:
     return check_key(stage, metric, spec), metric, number
 
 
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise UsageError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}")
+def check_precision(precision: str, registry=None) -> None:
+    known = declared(registry)
+    if precision not in known:
+        raise UsageError(f"unknown precision '{precision}'; the installed plugins declare {', '.join(known)}"
+                         " (vlmrun plugins lists them)")
 
 
 def check_key(stage: str, metric: str, where: str) -> str:
@@ -96,7 +107,7 @@ def check_key(stage: str, metric: str, where: str) -> str:
     return stage
 
 
-def read_thresholds_file(path: str | os.PathLike) -> tuple[str | None, dict[str, dict[str, float | None]]]:
+def read_thresholds_file(path: str | os.PathLike, registry=None) -> tuple[str | None, dict[str, dict[str, float | None]]]:
     """A TOML file: optional ``precision = "fp16"`` and one table per stage, e.g. ``[projector] sqnr_db = 25``.
 
     ``metric = false`` switches a default check off.
@@ -105,8 +116,9 @@ def read_thresholds_file(path: str | os.PathLike) -> tuple[str | None, dict[str,
 
     table = read_toml(path, "thresholds file")
     precision = table.pop("precision", None)
-    if precision is not None and precision not in PRECISIONS:
-        raise UsageError(f"thresholds file {path}: precision must be one of {', '.join(PRECISIONS)}")
+    known = declared(registry)
+    if precision is not None and precision not in known:
+        raise UsageError(f"thresholds file {path}: precision must be one of {', '.join(known)}")
     out: dict[str, dict[str, float | None]] = {}
     for stage, metrics in table.items():
         if not isinstance(metrics, dict):
@@ -124,10 +136,11 @@ def read_thresholds_file(path: str | os.PathLike) -> tuple[str | None, dict[str,
 def thresholds_for(
     precision: str = "fp32",
     *overrides: Mapping[str, Mapping[str, float | None]],
+    registry=None,
 ) -> dict[str, dict[str, float]]:
-    """The default thresholds of ``precision`` with ``overrides`` applied in order (``None`` removes a check)."""
-    check_precision(precision)
-    table = {stage: dict(metrics) for stage, metrics in DEFAULT_THRESHOLDS[precision].items()}
+    """The default thresholds of ``precision`` (as its plugin declares them, `vlmrun.plugins.Precision`) with
+    ``overrides`` applied in order (``None`` removes a check)."""
+    table = default_table(_own(precision, registry))
     for layer in overrides:
         for stage, metrics in (layer or {}).items():
             for metric, value in metrics.items():
@@ -139,14 +152,14 @@ def thresholds_for(
     return table
 
 
-def infer_precision(layout_options: Mapping[str, Mapping[str, object]] | None) -> str:
-    """The most lenient precision of the device layout's stages: their ``precision`` options, else each
-    backend's own (`vlmrun.plugins.BackendInfo.precision`); ``fp32`` when none is known."""
-    aliases = {"a16w8": "int8", "a8w8": "int8"}  # the fixed form's a16w8 has measured int8 figures
-    found = {aliases.get(str(o["precision"]), str(o["precision"]))
-             for o in (layout_options or {}).values() if o.get("precision")}
-    for p in reversed(PRECISIONS):
+def infer_precision(layout_options: Mapping[str, Mapping[str, object]] | None, registry=None) -> str:
+    """The most lenient precision of the device layout's stages (their ``precision`` options, an alias read as the
+    precision it is ``like``); ``fp32`` when none is declared."""
+    table = declared(registry)
+    named = {str(o["precision"]) for o in (layout_options or {}).values() if o.get("precision")}
+    found = {table[n].like or n for n in named if n in table}
+    for p in reversed(precisions(registry)):
         if p in found:
             return p
-    return "fp32"
+    return FP32.name
 

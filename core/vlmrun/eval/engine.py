@@ -254,8 +254,8 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
                                    image_desc=str(record.image))
         seconds = time.perf_counter() - t
         options = layout_options(s.pipe)
-        precision = infer_precision(options)
-        diff = compare(ref_cap, dev_cap, thresholds_for(precision), precision)
+        precision = infer_precision(options, s.pipe.registry)
+        diff = compare(ref_cap, dev_cap, thresholds_for(precision, registry=s.pipe.registry), precision)
         result = {"item": record.key, "text": dev_cap.meta.get("text") or "", "tokens": dev_cap.tokens,
                   "seconds": seconds, "run": run_id, "precision": precision, "passed": diff.passed,
                   "culprit": diff.culprit, "drift": drift_metrics(diff)}

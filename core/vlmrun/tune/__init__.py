@@ -1,21 +1,20 @@
 """``vlmrun tune``: the smallest build of a layout whose answers, measured on the device, stay within a budget.
 
 >>> from vlmrun import tune
->>> result = tune.tune("all-npu,decoder.precision=w4a16,vision.precision=int8", limit=8,
-...                    budget=tune.Budget(min_answers_as_reference=1.0))
+>>> result = tune.tune(limit=8, budget=tune.Budget(min_answers_as_reference=1.0))  # or layout="PRESET,STAGE.KEY=V"
 >>> print(tune.format_table(result)); tune.write_toml(result.winner, "best.toml")
 
 The **base** layout sets each quantized stage's precision (the cheapest build the search starts from: by default
-all-npu with a w4a16 decoder and int8 vision and projector). Each layer of a tuned stage can be raised to the
-precisions its backend offers above the stage's own (the optional ``layer_precisions`` hook; the NPU backend: a w4a16
-decoder layer to 8-bit weights, then to a16w16; an int8 or a16w8 vision layer to a16w16), written into the
+a preset with the ``tune`` options a plugin declares for it; `vlmrun plugins` shows it). Each layer of a tuned stage can be
+raised to the precisions its backend offers above the stage's own (the optional ``layer_precisions`` hook; the NPU
+backend: a 4-bit-weight decoder layer to 8-bit weights, then to 16-bit activations and weights), written into the
 stage's ``layer_precision`` option.
 
 **Search** (`.search`, `.climb`). Sensitivity first: ``vlmrun diff --locate``'s own error per layer, measured on the
 device on the first item of the data set (each layer's own quantization error carried by the reference's later
 layers to the stage output: the ``impact`` of `vlmrun.diff.locate.locate`). It is measured on the compiled
-binary on the device backend, so it ranks what the device really does, needs no optional toolkit (AIMET's
-``analyze_mixed_precision_sensitivity`` simulates, and is an extra), and is the figure users already read in
+binary on the device backend, so it ranks what the device really does, needs no optional toolkit (a quantization
+toolkit's sensitivity analysis simulates, and is an extra), and is the figure users already read in
 ``--locate``. Then a greedy climb: from the base, each step raises one layer one rung, choosing among the
 ``beam`` most sensitive layers not yet at the top the one with the best gain (logits SQNR, then answers as the
 reference) per byte; it stops when a measured build meets the budget or after ``max_candidates`` builds.

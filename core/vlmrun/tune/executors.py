@@ -14,7 +14,7 @@ MIN_TASK_MEMORY = 1 << 30
 
 def compile_memory_bytes(model) -> int:
     """The memory one candidate build of ``model`` may take, declared to Ray so two large compiles do not land on
-    one node: 8x the checkpoint's weights (FastVLM-0.5B's w4a16 decoder compile peaks at ~17 GB), at least 1 GiB."""
+    one node: 8x the checkpoint's weights (FastVLM-0.5B's 4-bit-weight decoder compile peaks at ~17 GB), at least 1 GiB."""
     weights = sum(f.stat().st_size for f in Path(model.path).glob("*.safetensors"))
     return max(MIN_TASK_MEMORY, 8 * weights)
 

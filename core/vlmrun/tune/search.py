@@ -23,9 +23,17 @@ from .climb import TUNABLE, Candidate, Climb, Point, PointCache, fewest_bytes
 from .executors import executor_for
 from .front import pareto_front
 
-#: the default base: the all-npu preset, each stage at its cheapest quantized precision
-DEFAULT_BASE = "all-npu,vision.precision=int8,projector.precision=int8,decoder.precision=w4a16"
 DEFAULT_MAX_CANDIDATES = 12
+
+
+def default_base(registry) -> str:
+    """Where a tune starts when no layout is given: the preset a plugin declares with ``tune`` options, with them
+    (`vlmrun.plugins.Preset.tune_spec`)."""
+    found = [p.tune_spec for p in registry.presets.values() if p.tune is not None]
+    if not found:
+        raise UsageError("no installed plugin declares a layout for vlmrun tune to start from: give one with"
+                         " --layout or --layout-file")
+    return found[0]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -146,6 +154,14 @@ def layer_names(ref_pipe, stage: str) -> list[str]:
     return [name for name, _ in manifest.get("probe_outputs") or ()]
 
 
+def _example(registry, stage: str) -> str:
+    """`` (e.g. STAGE.precision=P)`` from the tune preset's options, '' when it sets none for ``stage``."""
+    for p in registry.presets.values():
+        if p.tune is not None and p.tune.get(stage, {}).get("precision"):
+            return f" (e.g. {stage}.precision={p.tune[stage]['precision']})"
+    return ""
+
+
 def tuned_ladders(base_layout, registry, stages: Sequence[str] | None, layers: Sequence[str] | None,
                   base_text: str) -> dict[str, list[str]]:
     """Per stage to tune, in order (``stages``, or every stage whose backend offers per-layer precisions above the
@@ -164,13 +180,14 @@ def tuned_ladders(base_layout, registry, stages: Sequence[str] | None, layers: S
         if stage not in ladders:
             a = base_layout.stages[stage]
             precision = a.options.get("precision") or registry.backend(a.backend).precision
+            example = _example(registry, stage)
             raise UsageError(f"stage '{stage}' ({a.backend}, precision {precision}) has no quantized precision to"
-                             f" tune: give it one in the layout (e.g. {stage}.precision="
-                             f"{'w4a16' if stage == 'decoder' else 'int8'}) or leave it out of --stages")
+                             f" tune: give it one in the layout{example} or leave it out of --stages")
     tuned = asked or list(ladders)
     if not tuned:
-        raise UsageError(f"layout '{base_text}' has no stage with a quantized precision to tune; e.g. --layout"
-                         f" '{DEFAULT_BASE}'")
+        starts = [p.tune_spec for p in registry.presets.values() if p.tune is not None]
+        raise UsageError(f"layout '{base_text}' has no stage with a quantized precision to tune"
+                         + (f"; e.g. --layout '{starts[0]}'" if starts else ""))
     if layers:
         for name in layers:
             stage = str(name).split(".", 1)[0]
@@ -223,8 +240,8 @@ def tune(
 
     ``stages``: the stages to tune (default: every stage of the layout whose backend offers per-layer
     precisions at its precision); ``layers``: only these layers (probe names, e.g. ``decoder.layer1``);
-    ``anchors``: more layouts to measure and place on the front (``vlmrun eval --layout`` specs, e.g. the uniform
-    w8a16 build); ``on_point(point)`` sees each point as it is measured or read back; ``bar`` makes the progress
+    ``anchors``: more layouts to measure and place on the front (``vlmrun eval --layout`` specs, e.g. a uniform
+    8-bit build); ``on_point(point)`` sees each point as it is measured or read back; ``bar`` makes the progress
     bars of the evals run in this process (as `vlmrun.eval.evaluate` takes it).
     Raises `vlmrun.errors.UsageError` for a bad budget, stage or layer before anything is compiled.
     """
@@ -240,12 +257,12 @@ def tune(
         raise UsageError("--limit must be at least 1")
     if layout and layout_file:
         raise UsageError("give --layout or --layout-file, not both")
-    base_text = str(layout_file) if layout_file else (layout or DEFAULT_BASE)
+    registry = registry or plugins_mod.load()
+    base_text = str(layout_file) if layout_file else (layout or default_base(registry))
     base = LayoutSpec.parse(base_text)
     base = attrs.evolve(base, label="base")
     ref_spec = LayoutSpec.parse(reference)
     anchor_specs = [LayoutSpec.parse(a) for a in anchors]
-    registry = registry or plugins_mod.load()
     base_layout = base.resolve(registry)
     ref_layout = ref_spec.resolve(registry)
     for a in anchor_specs:

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 from vlmrun import hookimpl
 from vlmrun.plugins import BackendInfo, mine
+from vlmrun_qualcomm import precisions
 
 from .compile_jobs import calibration_data, compile_on_hub, compile_request
 from .devices import HubDevice, built_for, check_device_soc, expected_soc, make_device, resolve_device
@@ -107,6 +108,11 @@ def doctor():
 def register_options(register):
     for o in declared_options():
         register(o)
+
+
+@hookimpl
+def register_precisions(register):
+    precisions.register(register)
 
 
 @hookimpl

@@ -66,7 +66,7 @@ from vlmrun import hookimpl
 from vlmrun.errors import BackendError, UsageError
 from vlmrun.plugins import BackendInfo, Check, Preset, mine
 from vlmrun.stages import STAGES, ExportForm
-from vlmrun_qualcomm import socs
+from vlmrun_qualcomm import precisions, socs
 from vlmrun_qualcomm.genie_session import DialogState
 from vlmrun_qualcomm.manifest import ContextManifest
 from vlmrun_qualcomm.sdk import Sdk, newer_than
@@ -88,7 +88,15 @@ __version__ = "0.1.0"
 
 @hookimpl
 def register_presets(register):
-    register(Preset("all-npu", dict.fromkeys(STAGES, NAME), "every stage on the Hexagon NPU (QNN HTP)"))
+    # vlmrun tune starts from all-npu with each quantized stage at its cheapest precision
+    register(Preset("all-npu", dict.fromkeys(STAGES, NAME), "every stage on the Hexagon NPU (QNN HTP)",
+                    tune={"vision": {"precision": "int8"}, "projector": {"precision": "int8"},
+                          "decoder": {"precision": "w4a16"}}))
+
+
+@hookimpl
+def register_precisions(register):
+    precisions.register(register)
 
 
 @hookimpl
