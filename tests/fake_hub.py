@@ -25,7 +25,10 @@ the server:
   listens on
 
 ``seen_tokens`` records the Authorization tokens received; ``log`` the requests (method, path);
-``compile_options`` / ``inference_options`` the options string of each job submitted; ``inference_jobs`` each
+``compile_options`` / ``inference_options`` the options string of each job submitted; ``jobs[id]["input_specs"]``
+the ``input_specs`` a compile job was submitted with (``{name: (shape, dtype)}``, echoed back in the job's
+``tensor_type_list``, as the hub does): specs not compatible with the uploaded model (an input it does not have, a
+rank or a fixed extent other than the model's) fail the job, the client's documented contract; ``inference_jobs`` each
 inference job submitted: id, name, ``samples`` (how many its input dataset holds: the client sends a dataset of
 input name -> list of N arrays, and the job runs every sample, its outputs a list of N per output, in order) and
 the input shapes of its first sample; ``jobs[id]["calibration"]``, a compile job's calibration dataset id (None
@@ -169,6 +172,36 @@ def _graph_name(options: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _input_specs(types) -> dict:
+    """A compile job's ``input_specs`` as sent (``CompileJob.tensor_type_list``): ``{name: (shape, dtype)}``."""
+    return {t.name: (tuple(int(d) for d in t.tensor_type.shape),
+                     pb.TensorDtype.Name(t.tensor_type.dtype).removeprefix("TENSOR_DTYPE_").lower())
+            for t in types.types}
+
+
+def _specs_mismatch(specs: dict, inputs: list[dict]) -> str | None:
+    """Why ``input_specs`` are not compatible with the uploaded model's inputs (None: they are), as the client
+    documents the contract ("If input_specs is not None, it must be compatible with the model, or the server will
+    return an error"): a spec names one of the model's inputs, or renames them all in order; its rank and every
+    fixed extent are the model's (a dynamic extent may be set)."""
+    if not specs:
+        return None
+    names = [t["name"] for t in inputs]
+    if all(n in names for n in specs):
+        pairs = [(n, specs[n][0], next(t for t in inputs if t["name"] == n)) for n in specs]
+    elif len(specs) == len(inputs):  # the inputs renamed, in order
+        pairs = [(n, spec[0], t) for (n, spec), t in zip(specs.items(), inputs)]
+    else:
+        return (f"input_specs name {', '.join(n for n in specs if n not in names)}, which the model's inputs"
+                f" ({', '.join(names)}) do not have")
+    for name, shape, t in pairs:
+        model = list(t["shape"])
+        if len(shape) != len(model) or any(isinstance(d, int) and d > 0 and d != s for d, s in zip(model, shape)):
+            return (f"input_specs are not compatible with the model: {name} {list(shape)}, the model's input"
+                    f" {t['name']} is {model}")
+    return None
+
+
 def _fit_name(want: str, old: str) -> str:
     """``want`` at the length of ``old`` (see the module docstring: graph names are rewritten in place)."""
     if len(want) == len(old):
@@ -308,6 +341,9 @@ class FakeHub:
         work.mkdir()
         try:
             onnx_path = self._extract(src_model, work / "src")
+            why = _specs_mismatch(job.get("input_specs") or {}, onnx_io(onnx_path)["inputs"])
+            if why:
+                raise RuntimeError(why)
             dev, soc = self._soc_of(job["device"])
             graph = _graph_name(job["options"])
             tid = job["target"]
@@ -541,6 +577,7 @@ class FakeHub:
                                model=self.model_pb(job["model_id"]), device=dev_pb,
                                failure_reason=job.get("reason", "") if state == pb.JOB_STATE_FAILED else "")
             _ts(cj.creation_time)
+            cj.tensor_type_list.ParseFromString(job.get("tensor_type_list", b""))  # the input specs it was given
             cj.target_model.CopyFrom(self.model_pb(job["target"]))  # seeded at creation, as the hub does
             return pb.Job(compile_job=cj, hub_version="fake")
         if job["kind"] == "link":
@@ -708,7 +745,9 @@ class FakeHub:
                             hub.jobs[jid] = {"id": jid, "kind": "compile", "model_id": cj.model.model_id,
                                              "device": dev, "options": cj.options, "name": cj.name, "polls": 0,
                                              "created": created,
-                                             "calibration": cj.calibration_dataset.dataset_id or None}
+                                             "calibration": cj.calibration_dataset.dataset_id or None,
+                                             "input_specs": _input_specs(cj.tensor_type_list),
+                                             "tensor_type_list": cj.tensor_type_list.SerializeToString()}
                             tid = hub.new_id("m")
                             dlc = _runtime(cj.options) == "qnn_dlc"
                             hub.models[tid] = {"name": f"{cj.name}.{'dlc' if dlc else 'bin'}", "data": b"",

@@ -208,7 +208,7 @@ def test_vlmrun_compile_json_names_the_jobs(linked, hub, store, tiny_model):
     assert res.exit_code == 0, res.output
     art = json.loads(res.output[res.output.index("{"):])["artifacts"][0]
     m = linked.pipe.handles["decoder"].artifact.manifest
-    assert not art["built"] and art["path"] == str(linked.pipe.handles["decoder"].artifact.path)
+    assert not art["built"] and art["path"] == str(linked.pipe.handles["decoder"].artifact.path), res.output
     assert art["hub_link_jobs"] == m["hub_link_jobs"] and art["hub_compile_jobs"] == m["hub_compile_jobs"]
     assert art["hub_device"] == ELITE and hub.count("POST", "jobs") == jobs0 and TOKEN not in res.output
 

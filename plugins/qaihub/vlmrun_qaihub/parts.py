@@ -2,14 +2,19 @@
 LLMs by on AI Hub.
 
 The ``decoder/parts`` export holds P parts, each a prompt (AR-N) and a token (AR-1) graph
-(``vlmrun_ort_reference.decoder_parts``). With ``weight_sharing`` on (the default for a hub compile: the
+(``vlmrun_ort_reference.decoder_parts``). With qnn_htp's ``followup_ar`` (default 32; 0 = none) each part has a
+third graph, "followup": the prompt graph of the same part from the export at that AR (named by the compile
+options' ``followup_source``, read with ``vlmrun_qualcomm.parts.followup_export``), so that a conversation's next
+turn costs one small call, as in a local compile. With ``weight_sharing`` on (the default for a hub compile: the
 binaries are for a device, see ``vlmrun_qnn_htp.options.resolve_sharing``):
 
 1. every graph is uploaded and compiled by one compile job, ``--target_runtime qnn_dlc --qnn_graph_name <name>``
-   (Genie's ``{prompt|token}_ar{T}_cl{C}_{k}_of_{P}``), plus ``--qairt_version`` and ``hub_options`` as the other
-   stages' hub compiles take them: 2P compile jobs, submitted together, then waited for one by one;
-2. one link job per part over that part's two compiled models (``submit_link_job(models=[prompt, token])``): the
-   hub returns ONE context binary holding both graphs with their weights once. Link jobs take QNN DLC models
+   (Genie's ``{prompt|token}_ar{T}_cl{C}_{k}_of_{P}``; the follow-up graph is ``prompt_ar{F}_cl{C}_{k}_of_{P}``)
+   with ``input_specs`` the graph's own input shapes, plus ``--qairt_version`` and ``hub_options`` as the other
+   stages' hub compiles take them: 2P or 3P compile jobs, submitted together, then waited for one by one;
+2. one link job per part over that part's compiled models (``submit_link_job(models=[prompt, token,
+   followup])``; the client takes a list of one or more distinct DLCs): the hub returns ONE context binary holding
+   the part's graphs with their weights once. Link jobs take QNN DLC models
    (the client refuses anything else: "Input model must be a QNN DLC model"), which is why step 1 compiles to
    ``qnn_dlc`` and not to ``qnn_context_binary``;
 3. the binaries are downloaded as ``part{k}_of_{P}_qnn.bin`` with an EP-context wrapper per graph, and the
@@ -17,8 +22,8 @@ binaries are for a device, see ``vlmrun_qnn_htp.options.resolve_sharing``):
    compile), so qnn_htp loads the artifact and writes Genie's configuration from it unchanged; it records the jobs
    (``hub_compile_job`` per graph, ``hub_link_job`` per part, ``hub_link_jobs`` / ``hub_compile_jobs``).
 
-With ``weight_sharing = "off"`` each graph is compiled straight to ``qnn_context_binary`` (2P binaries, no link
-job): the form the x86_64 HTP emulator can load.
+With ``weight_sharing = "off"`` each graph is compiled straight to ``qnn_context_binary`` (one binary per graph,
+``part{k}_of_{P}_{kind}_qnn.bin``, no link job): the form the x86_64 HTP emulator can load.
 
 Precision: fp16 only. The w8a16 / w4a16 recipe (16-bit activations, calibration feeds recorded through the
 chained float parts, the clipped mask range) is qnn_htp's local compile; the hub's own quantizer would be fed
@@ -42,6 +47,7 @@ from pathlib import Path
 
 from vlmrun.errors import BackendError, UsageError
 from vlmrun_qualcomm import parts as qparts  # the form's arithmetic, shared with qnn_htp
+from vlmrun_qualcomm.parts import followup_export, part_graphs
 from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
 from . import hub as hubmod
@@ -52,7 +58,6 @@ from .ledger import Ledger
 from .options import device_of, qairt_version_of
 from .reattach import forgotten, rerun_note
 
-GRAPHS = ("prompt", "token")
 
 
 def is_parts(source) -> bool:
@@ -97,6 +102,25 @@ def _upload_path(src_dir: Path, files: list[str], work: Path) -> Path:
         except OSError:
             shutil.copy2(f, d / f.name)
     return d
+
+
+def input_specs(path: Path) -> dict:
+    """The compile job's ``input_specs`` of the ONNX graph ``path``: ``{name: (shape, dtype)}`` of its inputs of
+    fixed shape (every one in the parts export: the graph's rows, ``attention_mask`` [1, T, C], ...)."""
+    return {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in onnx_io(path)["inputs"]
+            if all(isinstance(d, int) and d > 0 for d in t["shape"])}
+
+
+def graph_bytes(out_dir: Path, parts: list[dict], share: bool) -> dict | None:
+    """Bytes of each graph kind over the parts (what the follow-up graph costs), when each graph has its own
+    binary; ``None`` when weight-shared (a part's graphs share its binary), as qnn_htp's manifest says it."""
+    if share:
+        return None
+    out: dict = {}
+    for e in parts:
+        for kind, g in e["graphs"].items():
+            out[kind] = out.get(kind, 0) + (Path(out_dir) / g["binary"]).stat().st_size
+    return out
 
 
 def _spec(io_spec, graph: str | None) -> tuple[list[dict], list[str]]:
@@ -170,6 +194,8 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
+    fu_dir, fdesc = followup_export(src_dir, options, desc)  # the follow-up prompt graphs, when asked for
+    table = {p["index"]: part_graphs(src_dir, p, fu_dir, fdesc) for p in desc["parts"]}  # part -> kind -> graph
     limit = int(options["part_limit_mb"]) * 1_000_000
     runtime = "qnn_dlc" if share else "qnn_context_binary"
     link_opts = f"--qairt_version {qairt}" if qairt else ""
@@ -189,8 +215,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     cjobs: dict[tuple[int, str], object] = {}
     for p in desc["parts"]:
         k = p["index"]
-        for kind in GRAPHS:
-            g = p["graphs"][kind]
+        for kind, (gdir, g) in table[k].items():
             key = steps.key("compile", k, kind)
             what = f"decoder part {k}/{P} {kind} graph"
             job = None if rebuild else steps.attach(key, "compile")
@@ -206,15 +231,14 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
                 if hub_model is None:
                     work = Path(tempfile.mkdtemp(prefix="vlmrun-qaihub-up-"))
                     try:
-                        path = _upload_path(src_dir, g["files"], work)
-                        hub.say(f"AI Hub: uploading {what} ({g['file']}) from {src_dir.name}")
+                        path = _upload_path(gdir, g["files"], work)
+                        hub.say(f"AI Hub: uploading {what} ({g['file']}) from {gdir.name}")
                         hub_model = hub.call("model upload", client.upload_model, str(path),
-                                             name=f"vlmrun-decoder-{Path(g['file']).stem}-{src_dir.name}")
+                                             name=f"vlmrun-decoder-{Path(g['file']).stem}-{gdir.name}")
                     finally:
                         shutil.rmtree(work, ignore_errors=True)
                     ledger.update(key, state="uploaded", model_id=hub_model.model_id, what=what, kind="compile")
-                specs = {t["name"]: (tuple(t["shape"]), t["dtype"]) for t in onnx_io(src_dir / g["file"])["inputs"]
-                         if all(isinstance(d, int) and d > 0 for d in t["shape"])}
+                specs = input_specs(gdir / g["file"])
                 opts = graph_options(runtime, g["name"], qairt, extra)
                 job = hub.call("compile job submission", client.submit_compile_job, hub_model, make_device(dev.spec),
                                name=f"vlmrun decoder part{k}_of_{P} {kind} {precision}", input_specs=specs or None,
@@ -227,7 +251,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     for (k, kind), job in cjobs.items():
         steps.wait(steps.key("compile", k, kind), job, "compile", f"decoder part {k}/{P} {kind} graph")
 
-    # 2. one link job per part over its two compiled graphs (weight sharing), then wait for each
+    # 2. one link job per part over its compiled graphs (weight sharing), then wait for each
     finals: dict[int, object] = {}  # part -> the job whose target model is the part's binary (link jobs)
     if share:
         for p in desc["parts"]:
@@ -235,7 +259,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
             key = steps.key("link", k)
             job = None if rebuild else steps.attach(key, "link")
             if job is None:
-                models = [steps.target(cjobs[(k, kind)], f"decoder part {k}/{P} {kind} graph") for kind in GRAPHS]
+                models = [steps.target(cjobs[(k, kind)], f"decoder part {k}/{P} {kind} graph") for kind in table[k]]
                 job = hub.call("link job submission", client.submit_link_job, models, make_device(dev.spec),
                                name=f"vlmrun decoder part{k}_of_{P} {precision}", options=link_opts,
                                idempotent=False)
@@ -246,7 +270,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
                         f" ({', '.join(m.model_id for m in models)}) {hubmod.redact(job.url)}")
             finals[k] = job
         for k, job in finals.items():
-            steps.wait(steps.key("link", k), job, "link", f"decoder part {k}/{P} (prompt + token graphs)")
+            steps.wait(steps.key("link", k), job, "link", f"decoder part {k}/{P} ({' + '.join(table[k])} graphs)")
 
     # 3. download the binaries, write a wrapper per graph and qnn_htp's parts manifest
     parts, wrappers, binaries, graphs = [], [], [], []
@@ -254,10 +278,10 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     for p in desc["parts"]:
         k = p["index"]
         entry = {"index": k, "layers": p["layers"], "graphs": {}, "binaries": [],
-                 "source_sha256": {kind: qparts.graph_digest(src_dir / p["graphs"][kind]["file"]) for kind in GRAPHS},
-                 "hub_compile_jobs": {kind: cjobs[(k, kind)].job_id for kind in GRAPHS}}
+                 "source_sha256": {kind: qparts.graph_digest(d / g["file"]) for kind, (d, g) in table[k].items()},
+                 "hub_compile_jobs": {kind: cjobs[(k, kind)].job_id for kind in table[k]}}
         pieces = ([(None, finals[k], f"part{k}_of_{P}_qnn.bin")] if share else
-                  [(kind, cjobs[(k, kind)], f"part{k}_of_{P}_{kind}_qnn.bin") for kind in GRAPHS])
+                  [(kind, cjobs[(k, kind)], f"part{k}_of_{P}_{kind}_qnn.bin") for kind in table[k]])
         for only, job, bin_name in pieces:
             what = f"decoder part {k}/{P}" + (f" {only} graph" if only else "")
             tm = steps.target(job, what)
@@ -270,8 +294,8 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
             hexagon = hexagon or meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_HEXAGON_VERSION)
             got = [n.strip() for n in re.split(r"[,;]", meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_GRAPH_NAMES) or "")
                    if n.strip()]
-            for kind in ([only] if only else GRAPHS):
-                g = p["graphs"][kind]
+            for kind in ([only] if only else table[k]):
+                g = table[k][kind][1]
                 name = next((n for n in got if base_name(n) == g["name"]), None)
                 if name is None:
                     raise BackendError(f"{what}: AI Hub job {job.job_id} returned a binary with graphs"
@@ -294,8 +318,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
         qnn = qairt
     sdk = f"v{str(qnn).lstrip('vV')}" if qnn else None
     for e in parts:
-        for kind in GRAPHS:
-            g = e["graphs"][kind]
+        for g in e["graphs"].values():
             write_ctx_onnx(out_dir / g["wrapper"], g["binary"], g["inputs"], g["outputs"], graph_name=g["name"],
                            sdk_version=sdk)
             wrappers.append(g["wrapper"])
@@ -307,7 +330,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     first, last = parts[0]["graphs"]["prompt"], parts[-1]["graphs"]["prompt"]
     link_ids = [e["hub_link_job"] for e in parts] if share else []
     k1 = parts[0]["index"]
-    compile_ids = [e["hub_compile_jobs"][kind] for e in parts for kind in GRAPHS]
+    compile_ids = [job for e in parts for job in e["hub_compile_jobs"].values()]
     return ContextManifest(
         files=[*wrappers, *binaries], graphs=graphs, inputs=first["inputs"], outputs=last["outputs"],
         stage="decoder", precision=precision, compiler="qaihub", target=target,
@@ -319,13 +342,14 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
         extra={
             "decoder_parts": {
                 "ar": ar, "ctx": ctx, "parts": parts, "count": P, "layers": desc["layers"],
-                "weight_sharing": share, "graphs_per_binary": 2 if share else 1,
+                "followup_ar": fdesc["ar"] if fdesc else 0, "graph_bytes": graph_bytes(out_dir, parts, share),
+                "weight_sharing": share, "graphs_per_binary": len(table[k1]) if share else 1,
                 "binaries_in_order": binaries, "total_bytes": total, "limit_bytes": limit,
                 "weight_bytes": weight_bytes, "bytes_over_weights": round(total / weight_bytes, 4),
                 "loads_on_emulator": not share,
             },
             # where the binaries came from (scalars: `vlmrun compile` shows them; job ids comma-separated in part
-            # order, prompt before token; decoder_parts has them per part and graph)
+            # order, prompt, token, follow-up; decoder_parts has them per part and graph)
             "hub_device": dev.name,
             "hub_link_jobs": ",".join(link_ids),
             "hub_compile_jobs": ",".join(compile_ids),

@@ -38,7 +38,8 @@ from pathlib import Path
 from vlmrun.errors import BackendError
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
-from vlmrun_qualcomm.parts import check_part_limits, graph_digest, weight_bytes
+from vlmrun_qualcomm.parts import (FOLLOWUP, check_part_limits, followup_export, graph_digest, part_graphs,
+                                   weight_bytes)
 
 from vlmrun.stages import ExportForm
 
@@ -50,8 +51,6 @@ from .options import compiled_artifact, parts_plan
 from .quantizer import quantize
 from .recipe import from_key
 
-GRAPHS = ("prompt", "token")
-FOLLOWUP = "followup"  # the smaller prompt graph of a part (``followup_ar`` rows), when compiled
 
 
 def parts_form(plan: dict, ar: int, opts) -> ExportForm:
@@ -65,43 +64,21 @@ def parts_artifact(ctx, stage_plan):
     """The decoder's compiled parts artifact through the store (``ctx``: the stage's context, ``stage_plan``: its
     `.plan.StagePlan`): the export at the plan's AR and, when the plan has a follow-up AR, the prompt graphs of the
     same export at that AR compiled into the same artifact (the export's store name is passed as
-    ``followup_source``: it keys the binary too). Another compiler (``--compiler qaihub``) compiles the prompt and
-    token graphs only: it is not asked for the third."""
+    ``followup_source``: it keys the binary too), whoever compiles it (here, or ``--compiler qaihub`` on AI Hub:
+    both read it with `vlmrun_qualcomm.parts.followup_export`)."""
     opts = stage_plan.opts
     plan = parts_plan(ctx.model, opts)
-    if plan["followup_ar"] and stage_plan.compiled_here:
+    if plan["followup_ar"]:
         followup = ctx.exported(parts_form(plan, plan["followup_ar"], opts))
         opts = {**opts, "followup_ar": plan["followup_ar"], "followup_source": followup.path.name}
     return compiled_artifact(ctx, "decoder", opts, parts_form(plan, plan["ar"], opts))
 
 
-def followup_export(source, options: dict, desc: dict) -> tuple[Path | None, dict | None]:
-    """(directory, ``parts.json``) of the follow-up prompt graphs' export named by ``options["followup_source"]``
-    (an artifact beside ``source`` in the store), or ``(None, None)`` without one; BackendError when it is missing
-    or was not split as ``desc``."""
-    name = options.get("followup_source")
-    if not name:
-        return None, None
-    path = Path(source.path).parent / str(name)
-    if not (path / "parts.json").is_file():
-        raise BackendError(f"the follow-up prompt graphs' export {name} is not in the store beside {source.path.name};"
-                           " compile the decoder through its layout (vlmrun compile) or with followup_ar = 0")
-    fdesc = json.loads((path / "parts.json").read_text())
-    if (fdesc["ctx"], fdesc["layers"]) != (desc["ctx"], desc["layers"]):
-        raise BackendError(f"the follow-up export {name} (context {fdesc['ctx']}, layers {fdesc['layers']}) is not split"
-                           f" as the decoder's (context {desc['ctx']}, layers {desc['layers']})")
-    return path, fdesc
-
-
 def graph_sources(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict:
     """``{kind: (ONNX file, rows, Genie name)}`` of part ``p``'s graphs: prompt, token and, with a follow-up export,
-    its prompt graph of the same part as "followup"."""
-    out = {kind: (src_dir / p["graphs"][kind]["file"], p["graphs"][kind]["ar"], p["graphs"][kind]["name"])
-           for kind in GRAPHS}
-    if fu_dir is not None:
-        g = fdesc["parts"][p["index"] - 1]["graphs"]["prompt"]
-        out[FOLLOWUP] = (fu_dir / g["file"], g["ar"], g["name"])
-    return out
+    its prompt graph of the same part as "followup" (`vlmrun_qualcomm.parts.part_graphs`)."""
+    graphs = part_graphs(src_dir, p, fu_dir, fdesc)
+    return {kind: (d / g["file"], g["ar"], g["name"]) for kind, (d, g) in graphs.items()}
 
 
 def binary_names(k: int, P: int, kinds, share: bool) -> list[str]:
@@ -141,7 +118,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     if desc.get("probe_part"):  # one part's probe graph (vlmrun diff --locate)
         return compile_part_probe(model, source, options, out_dir, context=context)
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
-    fu_dir, fdesc = followup_export(source, options, desc)
+    fu_dir, fdesc = followup_export(src_dir, options, desc)
     limit = int(options["part_limit_mb"]) * 1_000_000
     work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-parts-"))
     extra: dict = {}

@@ -2,8 +2,9 @@
 
 What every plugin that compiles the parts form shares (qnn_htp compiles it locally, qaihub on AI Hub): the plan
 (how many parts, which layers each holds, the AR and context), the size arithmetic (estimated bytes per part,
-one copy of the weights), the part-limit check of compiled binaries and the digest of the graphs a binary was
-compiled from. The form itself is described in `vlmrun_qnn_htp.parts_compile`.
+one copy of the weights), the graphs of each part (`part_graphs`: prompt, token and the follow-up prompt graph
+read from its own export, `followup_export`), the part-limit check of compiled binaries and the digest of the
+graphs a binary was compiled from. The form itself is described in `vlmrun_qnn_htp.parts_compile`.
 
 The number of parts (option ``parts``, 0 = auto) is the fewest whose estimated part binary stays under
 ``part_limit_mb`` (default `DEFAULT_PART_LIMIT_MB` MB = 1 GB: the HTP is a 32-bit co-processor and one
@@ -13,6 +14,7 @@ weights are balanced, the lm_head counting toward the last part.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from vlmrun.errors import BackendError, UsageError
@@ -89,6 +91,40 @@ def followup_ar(asked, ar: int) -> int:
     under 2 (AR-1 is the token graph already)."""
     n = int(asked or 0)
     return n if 2 <= n < ar else 0
+
+
+GRAPHS = ("prompt", "token")  # the graphs of every part
+FOLLOWUP = "followup"  # a part's smaller prompt graph (``followup_ar`` rows), when the compile asks for it
+
+
+def followup_export(src_dir: Path, options: dict, desc: dict) -> tuple[Path | None, dict | None]:
+    """(directory, ``parts.json``) of the follow-up prompt graphs' export named by ``options["followup_source"]``
+    (an artifact beside the export ``src_dir`` in the store, whose ``parts.json`` is ``desc``), or ``(None, None)``
+    without one; BackendError when it is missing or was not split as ``desc``. Every compiler of the form reads
+    the follow-up graphs from here (qnn_htp locally, qaihub on AI Hub)."""
+    name = options.get("followup_source")
+    if not name:
+        return None, None
+    path = Path(src_dir).parent / str(name)
+    if not (path / "parts.json").is_file():
+        raise BackendError(f"the follow-up prompt graphs' export {name} is not in the store beside"
+                           f" {Path(src_dir).name}; compile the decoder through its layout (vlmrun compile) or with"
+                           " followup_ar = 0")
+    fdesc = json.loads((path / "parts.json").read_text())
+    if (fdesc["ctx"], fdesc["layers"]) != (desc["ctx"], desc["layers"]):
+        raise BackendError(f"the follow-up export {name} (context {fdesc['ctx']}, layers {fdesc['layers']}) is not split"
+                           f" as the decoder's (context {desc['ctx']}, layers {desc['layers']})")
+    return path, fdesc
+
+
+def part_graphs(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict[str, tuple[Path, dict]]:
+    """``{kind: (export directory, the graph's ``parts.json`` entry)}`` of part ``p`` (an entry of ``parts.json``
+    in ``src_dir``): prompt, token and, with a follow-up export (`followup_export`), the prompt graph of its same
+    part as "followup"; in that order, the order a part's graphs are compiled, linked and listed in."""
+    out = {kind: (Path(src_dir), p["graphs"][kind]) for kind in GRAPHS}
+    if fu_dir is not None:
+        out[FOLLOWUP] = (Path(fu_dir), fdesc["parts"][p["index"] - 1]["graphs"]["prompt"])
+    return out
 
 
 def weight_bytes(model, precision: str) -> int:
