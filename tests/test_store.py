@@ -373,3 +373,27 @@ def test_two_processes_that_need_one_artifact_build_it_once(tmp_path):
     finally:
         child.kill()
     assert calls == [] and store.builds == [] and art.file().read_bytes() == b"child"
+
+
+def test_plugins_find_open_and_keep_state_through_the_store_api(tmp_path):
+    """What a plugin asks of the store (`ArtifactStore.artifact`, `find`, `state_dir`) instead of building its
+    paths: an artifact by the name a key's source or a bundle records, verified; artifacts whose key matches; a
+    state directory that survives a rebuild."""
+    store = ArtifactStore(tmp_path)
+    a = store.get_or_build({"stage": "vision", "backend": "acme", "kind": "k1", "options": {"precision": "q8"}},
+                           writer({"a.bin": b"one"}))
+    b = store.get_or_build({"stage": "decoder", "backend": "acme", "kind": "k2", "options": {"precision": "q4"}},
+                           writer({"b.bin": b"two"}))
+    got = store.artifact(a.path.name)
+    assert got.path == a.path and got.manifest["key"]["kind"] == "k1" and got.file().read_bytes() == b"one"
+    for bad in ("", "..", "../artifacts", "nope", f"{a.path.name}/x"):
+        assert store.artifact(bad) is None, bad
+    assert [x.path.name for x in store.find(lambda k: k["options"]["precision"] == "q4")] == [b.path.name]
+    assert [x.path.name for x in store.find()] == sorted([a.path.name, b.path.name])
+    (b.path / "b.bin").write_bytes(b"TWO")  # a changed file: not handed out
+    assert store.find(lambda k: k["stage"] == "decoder") and ArtifactStore(tmp_path).artifact(b.path.name) is None
+    state = store.state_dir(a.path.name)
+    (state / "ledger.json").write_text("{}")
+    store.get_or_build(a.manifest["key"], writer({"a.bin": b"again"}), rebuild=True)
+    assert store.state_dir(a.path.name) == state == tmp_path / "state" / a.path.name
+    assert (state / "ledger.json").read_text() == "{}"

@@ -72,9 +72,7 @@ class ReferenceCompileContext(CompileContext):
         return self._reference().embed_tokens(ids)
 
     def state_dir(self) -> Path:
-        d = self._ctx.store.root / "state" / self._artifact
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        return self._ctx.store.state_dir(self._artifact)
 
     def progress(self, label: str):
         return self._ctx.progress(label)

@@ -197,8 +197,9 @@ def load_stage(backend, stage, ctx):
                 that change the binary: they key the artifact and reach ``compile`` as ``request.options`` (build
                 them from what changes the binary, never from every option: a default filled in must not key a
                 new artifact).
-                ``kind`` is a free label the plugin builds (e.g. ``f"{form.label()}-{precision}-{soc}"``): it keys
-                the artifact and names the compile in the progress line, and is not passed to ``compile``.
+                ``kind`` is a `vlmrun.stages.ArtifactKind` (what was compiled, at which precision, for which
+                target: ``ArtifactKind.of(form, precision, soc)``): it keys the artifact, names it in the store and
+                the compile in the progress line, and is not passed to ``compile``.
     :return: any object (a handle) the plugin wants back in ``run_stage``, ``decode`` and the other hooks that
              take a handle. Subclass `vlmrun.handles.StageHandle` / `vlmrun.handles.DecoderHandle` to report
              artifacts, a fixed ``context_length`` (the core checks prompt lengths against it), device profiles and

@@ -35,7 +35,7 @@ from .model import FastVLMModel, open_model
 from .options import StageOptions
 from .progress import no_progress
 from .preprocess import load_image, preprocess_image, render_messages, render_prompt, splice, tokenize_prompt
-from .stages import (CONTRACTS, STAGES, CompileRequest, ExportForm, check_tensor)
+from .stages import (CONTRACTS, STAGES, ArtifactKind, CompileRequest, ExportForm, check_tensor)
 from .store import Artifact, ArtifactStore
 
 Progress = Callable[[str], ContextManager]
@@ -70,8 +70,10 @@ class StageContext:
         """The ONNX export of ``form`` (cached in the store; the ``export`` hook runs only when missing)."""
         return export_artifact(self.registry, self.store, self.model, form, self.progress, self.rebuild)
 
-    def compiled(self, source: Artifact, options: Mapping[str, object], kind: str) -> Artifact:
-        """``source`` compiled by this backend's ``compile`` hook (cached by source, options, versions)."""
+    def compiled(self, source: Artifact, options: Mapping[str, object], kind: ArtifactKind | str) -> Artifact:
+        """``source`` compiled by this backend's ``compile`` hook (cached by source, options, versions); ``kind``
+        (a `vlmrun.stages.ArtifactKind`; a plain label is taken as its ``what``) names and keys it."""
+        kind = str(kind if isinstance(kind, ArtifactKind) else ArtifactKind(str(kind)))
         compiler = str(self.options["compiler"] or self.backend)
         key = {
             "stage": self.stage,

@@ -138,6 +138,25 @@ class ExportForm:
         return bool(self.get("probe"))
 
 
+@attrs.frozen
+class ArtifactKind:
+    """What a compiled artifact is (``ctx.compiled(source, options, kind)``): ``what`` was compiled (an export
+    form's label, `ArtifactKind.of`, or the name of a model format), at which ``precision``, for which ``target``
+    (a SoC, a hosted device). It names the artifact in the store and in progress lines
+    (``what-precision-target``, empty parts left out) and keys it with the options."""
+
+    what: str
+    precision: str | None = None
+    target: str | None = None
+
+    @classmethod
+    def of(cls, form: ExportForm, precision: str | None = None, target: str | None = None) -> "ArtifactKind":
+        return cls(form.label(), precision, target)
+
+    def __str__(self) -> str:
+        return "-".join(str(p) for p in (self.what, self.precision, self.target) if p)
+
+
 #: The stage option through which a backend takes per-layer precisions: ``LAYER=PRECISION`` entries separated by
 #: ``;`` or ``,`` (layers named as the probes name them, ``decoder.layer0``), or a TOML table. ``vlmrun tune`` writes
 #: the precisions the ``layer_precisions`` hook offers; ``vlmrun diff --what-if`` sets a located layer to ``fp16``

@@ -111,7 +111,33 @@ class ArtifactStore:
 
     def lookup(self, key: Mapping[str, object]) -> Artifact | None:
         """The artifact for ``key`` if it exists and every file matches its manifest."""
-        path = self.path_for(key)
+        return self._open(self.path_for(key))
+
+    def artifact(self, name: str) -> Artifact | None:
+        """The artifact stored under ``name`` (its directory's name, as a key's ``source`` or a bundle records it)
+        if it exists and every file matches its manifest; ``None`` otherwise."""
+        if not name or "/" in name or name in (".", ".."):
+            return None
+        return self._open(self.artifacts_dir / name)
+
+    def find(self, where: Callable[[dict], bool] | None = None) -> list[Artifact]:
+        """Every complete artifact whose key ``where(key)`` accepts (all of them without it), in name order; files
+        are not re-hashed (`artifact` or `lookup` does that before one is used)."""
+        found = []
+        for mf in sorted(self.artifacts_dir.glob(f"*/{MANIFEST}")):
+            manifest = _read_manifest(mf.parent)
+            if manifest is not None and (where is None or where(dict(manifest.get("key") or {}))):
+                found.append(Artifact(mf.parent, manifest))
+        return found
+
+    def state_dir(self, name: str) -> Path:
+        """A directory beside artifact ``name`` that persists across runs and rebuilds (a remote job ledger, a
+        plugin's bookkeeping), created on first call."""
+        d = self.root / "state" / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def _open(self, path: Path) -> Artifact | None:
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):

@@ -12,7 +12,7 @@ import numpy as np
 
 from vlmrun.errors import BackendError, UsageError, VlmrunError
 from vlmrun.handles import StageHandle
-from vlmrun.stages import ExportForm
+from vlmrun.stages import ArtifactKind, ExportForm
 
 from . import hub as hubmod
 from .devices import make_device
@@ -377,8 +377,8 @@ def load_hosted_stage(stage, ctx) -> HostedStage:
                 # keyed as given: the default sample count keys the artifacts it always did
                 "calibration_samples": o.given.get("calibration_samples") if precision != "fp16" else None}
     key_opts = {k: v for k, v in key_opts.items() if v}
-    art = ctx.compiled(src, key_opts, f"{form.label()}-{precision}-{device.replace(' ', '_')}")
+    art = ctx.compiled(src, key_opts, ArtifactKind.of(form, precision, device.replace(" ", "_")))
     hub = hub_for(o)
-    state_dir = Path(ctx.store.root) / "state" / art.path.name  # the artifact's state directory (its job ledger)
+    state_dir = ctx.store.state_dir(art.path.name)  # the artifact's state directory (its job ledger)
     return HostedStage(hub, art, stage, device, form.get("seq") if stage == "embed" else None,
                        state_dir=state_dir, qairt=qairt, batch_mb=o["batch_mb"])

@@ -280,21 +280,20 @@ def load_stage(backend, stage, ctx):
         ContextManifest.from_dict(art.manifest, f"{stage} artifact {art.path.name}")
         ep.check_binary(art.manifest, art.file(), soc, f"{stage} ({art.path.name})")
     if plan.compiled_here:  # another compiler's binary for this stage goes unused: say so
-        import json
         import sys
 
         srcs = {a.manifest.get("key", {}).get("source") for a in arts}
-        for mf in sorted(ctx.store.artifacts_dir.glob("*/manifest.json")):
-            try:
-                k = json.loads(mf.read_text()).get("key") or {}
-            except (OSError, ValueError):
-                continue
+
+        def elsewhere(k: dict) -> bool:
             ko = k.get("options") or {}
-            same = (ko.get("precision"), ko.get("soc")) == (opts["precision"], opts["soc"])
-            if k.get("backend") == NAME and k.get("compiler") not in (None, NAME) and k.get("source") in srcs and same:
-                print(f"qnn_htp: {stage} runs {arts[0].path.name} (compiled here); {k['compiler']} compiled"
-                      f" {mf.parent.name} for it too: add --compiler {k['compiler']} to run that one", file=sys.stderr)
-                break
+            return (k.get("backend") == NAME and k.get("compiler") not in (None, NAME) and k.get("source") in srcs
+                    and (ko.get("precision"), ko.get("soc")) == (opts["precision"], opts["soc"]))
+
+        other = ctx.store.find(elsewhere)
+        if other:
+            compiler = other[0].manifest["key"]["compiler"]
+            print(f"qnn_htp: {stage} runs {arts[0].path.name} (compiled here); {compiler} compiled"
+                  f" {other[0].path.name} for it too: add --compiler {compiler} to run that one", file=sys.stderr)
     if stage == "decoder" and plan.engine == "genie":
         from .genie_engine import GenieHtpHandle
 

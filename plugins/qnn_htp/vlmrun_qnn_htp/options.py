@@ -16,7 +16,7 @@ from typing import Mapping
 
 from vlmrun.errors import UsageError
 from vlmrun.options import Option, OptionTable, StageOptions
-from vlmrun.stages import ExportForm
+from vlmrun.stages import ArtifactKind, ExportForm
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.parts import DEFAULT_PART_LIMIT_MB
 from vlmrun_qualcomm.parts import PRECISIONS as PARTS_PRECISIONS
@@ -277,7 +277,7 @@ def compiled_artifact(ctx, stage: str, opts: dict, form: ExportForm):
     """The stage's compiled binary for export form ``form`` through the store (`ctx.compiled`), keyed by the
     options that determine its bytes (`compile_key`) and its per-layer precision resolved to the form's layers."""
     src = ctx.exported(form)
-    kind = f"{form.label()}-{opts['precision']}-{opts['soc']}"
+    kind = ArtifactKind.of(form, opts["precision"], opts["soc"])
     key_opts = compile_key(opts)
     if opts.get("calibration_images"):
         key_opts["calibration_images"] = opts["calibration_images"]
