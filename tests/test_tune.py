@@ -82,12 +82,13 @@ def test_points_are_measured_builds(first_tune, cache_dir, tmp_path_factory):
     assert all(v in ("w8", "a16w16") for p in points for v in p["layers"].values())
     assert len({p["key"] for p in points}) == 4  # four distinct builds
 
-    # each point's figures equal an independent eval (no cached results) and compile of its layout
+    # a point's figures equal an independent eval (no cached results) and compile of its layout: the base and the
+    # last point, which holds every raise of the climb (the other two are checked the same way by the Ray test)
     from vlmrun.tune.front import layout_text
     from vlmrun.tune.search import Point
 
     copy = fresh_copy(cache_dir, tmp_path_factory.mktemp("tune-independent") / "cache")
-    for p in points:
+    for p in (points[0], points[-1]):
         toml = copy.parent / f"{p['label']}.toml"
         toml.write_text(layout_text(Point.from_json(p), "test"))
         got = eval_figures(copy, toml)
