@@ -355,3 +355,75 @@ def test_standin_genie_app_dialogs_save_and_restore_like_genie(htp_files):
     (htp_files / "e.raw").write_bytes(b"\0" * 6)
     assert app_errors(_app(htp_files, dialog_script("c.json", "e.raw", "l.raw", "conv/t4")).stderr) == [
         "Embedding file doesn't exists or is in bad shape. (script line 3)", "Failed to save. (script line 4)"]
+
+
+def test_answer_pieces_follow_the_output_and_hold_back_a_mark_in_the_making():
+    out = "log line\n[BEGIN]: a red [square] [E" + "ND] [END]\n\nbye"
+    for size in (1, 2, 3, 7, len(out)):
+        chunks = [out[i:i + size] for i in range(0, len(out), size)]
+        pieces = list(genie_t2t.answer_pieces(chunks))
+        assert "".join(pieces) == genie_t2t.split_t2t_stdout(out)[0] == "a red [square] [END] "
+        so_far = ["".join(pieces[: k + 1]) for k in range(len(pieces))]
+        assert all("a red [square] [END] ".startswith(t) for t in so_far)  # never text a later chunk takes back
+    # what streamed before an [ABORT] or a cut-off output is the text split_t2t_stdout reads
+    assert "".join(genie_t2t.answer_pieces(["[BEGIN]: ab", "c[AB", "ORT]"])) == "abc"
+    assert "".join(genie_t2t.answer_pieces(["no begin here"])) == ""
+
+
+def test_a_device_command_streams_its_stdout_and_keeps_its_timeout(phone, tmp_path):
+    from vlmrun_qualcomm.adb import Adb
+
+    adb = Adb.connect(adb=str(STANDINS / "adb"))
+    script = "for w in one two three; do printf '%s ' $w; sleep 0.4; done; echo oops >&2; exit 3"
+    run = adb.stream(["sh", "-c", script], timeout=30, what="a device command")
+    t0, seen = time.perf_counter(), []
+    for text in run:
+        seen.append((text, time.perf_counter() - t0))
+    assert "".join(t for t, _ in seen) == run.stdout == "one two three "
+    assert len(seen) >= 2 and seen[-1][1] - seen[0][1] > 0.6  # piece by piece, as the command printed them
+    assert run.stderr == "oops\n" and run.returncode == 3  # a non-zero exit is the caller's to judge
+    slow = adb.stream(["sleep", "30"], timeout=1, what="a device command", hint="raise the timeout option")
+    with pytest.raises(BackendError, match=r"^a device command timed out after 1 s \(killed\); raise the timeout"
+                                           r" option$"):
+        list(slow)
+
+
+def test_standin_genie_app_pipelines_save_and_restore_like_genie_app(htp_files):
+    from vlmrun_qnn_htp.bundle_phone import turn_script
+    from vlmrun_qualcomm.genie_app import app_errors
+
+    d = htp_files
+    (d / "img-enc-htp.json").write_text(json.dumps({"image-encoder": {}}))
+    (d / "text-encoder.json").write_text(json.dumps({"text-encoder": {"lut": {"lut-path": "l.raw"}}}))
+    (d / "gen.json").write_text(json.dumps({"text-generator": {"embedding": {"type": "lut", "lut-path": "l.raw"},
+                                                               "max-num-tokens": 8}}))
+    (d / "a.txt").write_text("Hello")
+    (d / "b.txt").write_text(" again")
+    (d / "p.raw").write_bytes(b"\0" * 16)
+    log = d / "app.json"
+    first = _app(d, turn_script("gen.json", [("text", "a.txt"), ("image", "p.raw")], "conv/turn_1"),
+                 STANDIN_GENIE_APP_LOG=str(log))
+    assert first.returncode == 0 and app_errors(first.stderr) == [] and "[BEGIN]: ok then[END]" in first.stdout
+    assert json.loads(log.read_text())["executed"] == [{"restored": 0, "fed": 5 + 8}]  # 5 characters, the picture
+    assert json.loads((d / "conv" / "turn_1" / "pipeline.json").read_text()) == {"n-values": 5 + 8 + 7}
+    again = _app(d, turn_script("gen.json", [("text", "b.txt")], "conv/turn_2", "conv/turn_1"),
+                 STANDIN_GENIE_APP_LOG=str(log))
+    assert app_errors(again.stderr) == [] and json.loads(log.read_text())["executed"] == [
+        {"restored": 5 + 8 + 7, "fed": 6}]  # the restored state, then only the new text
+    # a restore of a directory no `pipeline save` wrote: the failing line on stderr (in red), the script goes on
+    script = turn_script("gen.json", [("text", "b.txt")], "conv/turn_3", "conv/nowhere")
+    gone = _app(d, script)
+    line = script.splitlines().index("pipeline restore GeniePipeline conv/nowhere") + 1
+    assert gone.returncode == 0 and "[BEGIN]: ok then[END]" in gone.stdout and gone.stderr.startswith("\x1b[91m")
+    assert app_errors(gone.stderr) == [f"Failed to restore. (script line {line})"]
+    bad = _app(d, "pipeline config create c\npipeline create P c\npipeline save P x\npipeline restore P\n"
+                  "pipeline save Q x\npipeline reset P\n")
+    assert app_errors(bad.stderr) == ["Failed to save. (script line 3)",
+                                      "Ill-formatted command: pipeline restore P. (script line 4)",
+                                      "Pipeline does not exist: Q (script line 5)"]
+    script = turn_script("gen.json", [("text", "a.txt")], "conv/t5")
+    old = _app(d, script, STANDIN_GENIE_APP_OLD="1")  # a genie-app older than pipeline save / restore
+    line = script.splitlines().index("pipeline save GeniePipeline conv/t5") + 1
+    assert app_errors(old.stderr) == [f"Ill-formatted command: pipeline save GeniePipeline conv/t5. (script line"
+                                      f" {line})"]
+    assert "[BEGIN]: ok then[END]" in old.stdout  # the answer all the same

@@ -4,7 +4,9 @@ script that restores the state the previous turn saved, queries only the turn's 
 Stand-ins for adb, genie-app and genie-t2t-run (tests/standins/) enforce the tools' files and script lines; with
 ``STANDIN_GENIE_TEXT=@model`` both Genie stand-ins answer with tokens that follow from every row the dialog holds
 (tests/standins/genie_model.py), so a continued conversation equals the one computed from scratch only when the
-state on the phone holds exactly the conversation."""
+state on the phone holds exactly the conversation. A bundle on a phone keeps its conversation in Genie's pipeline the
+same way (genie-app's ``pipeline restore`` / ``pipeline save``; the stand-in's pipeline holds what its inputs and
+answers added), and every phone path streams its answer as the tool prints it ($STANDIN_GENIE_DELAY)."""
 
 from __future__ import annotations
 
@@ -163,3 +165,154 @@ def test_genie_cpu_on_a_phone_keeps_the_conversation_with_genie_app(cpu_phone, t
     assert app_script(cpu_phone) == script_of(d, 4, 2)
     _, want, _ = converse(pipe, image_path, keep_state=False, questions=QUESTIONS[:2] + ["How many shapes are there?"])
     assert (again.text, again.token_ids) == (want[-1].text, want[-1].token_ids)
+
+
+# -- answers stream from the phone -------------------------------------------------------------------------------
+STREAMED = "a red square on the phone today"
+DELAY = 0.4  # seconds between the stand-ins' words
+
+
+def timed_pieces(gen) -> tuple[list[str], float, float]:
+    """The generation's text pieces, when the first arrived and when the last did (seconds from the start)."""
+    import time
+
+    t0, first, pieces = time.perf_counter(), None, []
+    for piece in gen:
+        first = first if first is not None else time.perf_counter() - t0
+        pieces.append(piece)
+    return pieces, first, time.perf_counter() - t0
+
+
+def test_a_phone_dialog_streams_its_answer(chat_phone, chat_pipe, image_path, monkeypatch):
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", STREAMED)
+    monkeypatch.setenv("STANDIN_GENIE_DELAY", str(DELAY))
+    chat = chat_pipe.chat(settings=GenerationSettings(max_new_tokens=16))
+    pieces, first, total = timed_pieces(chat.ask("Describe the image.", image=image_path))
+    assert "".join(pieces).strip() == STREAMED and len(pieces) >= 2
+    assert total - first > 3 * DELAY  # the first words reached the caller while genie-app was still generating
+    assert app_script(chat_phone)[-4].startswith("dialog embeddingQuery")  # through genie-app's dialog
+
+
+# -- a bundle on a phone: the conversation kept in Genie's pipeline (genie-app's pipeline save/restore) ---------
+@pytest.fixture
+def bundle_on_phone(tmp_path, monkeypatch):
+    from test_genie_phone import fake_qairt
+
+    sdk = fake_qairt(tmp_path / "qairt")
+    (sdk / "bin" / "aarch64-android" / "genie-app").symlink_to(STANDINS / "genie-app")
+    for env in ("QAIRT_SDK_ROOT", "QNN_SDK_ROOT", "STANDIN_HTP_ARCH", "STANDIN_GENIE_DELAY"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("STANDIN_ADB_ROOT", str(tmp_path / "phone"))
+    monkeypatch.setenv("STANDIN_GENIE_APP_LOG", str(tmp_path / "app.json"))
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", "@model")
+    return {"sdk_root": str(sdk), "adb": str(STANDINS / "adb"), "root": tmp_path / "phone", "tmp": tmp_path}
+
+
+@pytest.fixture
+def bundle_pipe(bundle_on_phone, phone_bundle, tiny_model, store):
+    from vlmrun import layouts
+
+    from test_bundle import phone_options
+
+    return Pipeline.build(tiny_model, layouts.resolve(f"bundle:{phone_bundle}", options=phone_options(
+        bundle_on_phone)), store=store)
+
+
+from test_bundle import phone_bundle  # noqa: E402,F401 (the bundle written for a phone, a module fixture)
+
+
+def app_log(where) -> dict:
+    return json.loads((where["tmp"] / "app.json").read_text())
+
+
+def test_a_bundle_on_a_phone_keeps_the_conversation_in_its_pipeline(bundle_on_phone, bundle_pipe, image_path):
+    logs = []
+    chat = bundle_pipe.chat(settings=SETTINGS)
+    kept = []
+    for i, q in enumerate(QUESTIONS):
+        kept.append(chat.ask(q, image=image_path if i == 0 else None).run())
+        logs.append(app_log(bundle_on_phone))
+    assert chat.keeps_state
+    _, scratch, _ = converse(bundle_pipe, image_path, keep_state=False)
+    # the same tokens as the conversation computed from scratch (the whole history through genie-app, each turn)
+    assert [(g.text, g.token_ids) for g in kept] == [(g.text, g.token_ids) for g in scratch]
+    assert len({g.text for g in kept}) == 3 and all(g.token_ids for g in kept)
+    state = chat.kept.runtime
+    d, rd = state.dir, bundle_on_phone["root"] / bundle_pipe.handles["decoder"].runtime.phone.rd.lstrip("/")
+    tok = bundle_pipe.model.tokenizer
+    for n, (g, log) in enumerate(zip(kept, logs), start=1):
+        script = log["script"]
+        assert script[-5] == f"pipeline save GeniePipeline {d}/turn_{n}"
+        assert (f"pipeline restore GeniePipeline {d}/turn_{n - 1}" in script) == (n > 1)
+        sets = [ln.split()[-1] for ln in script if ln.startswith("node set textFile")]
+        new = "".join((rd / f).read_text() for f in sets)
+        if n == 1:  # the picture and the text around it
+            assert any(ln.startswith("node set image") for ln in script) and len(sets) == 2
+            assert g.timings["reused_tokens"] == 0
+        else:  # only the turn's new text: the previous turn's prompt and answer are restored, never fed again
+            before = kept[n - 2]
+            assert not any(ln.startswith("node set image") for ln in script) and len(sets) == 1
+            assert g.prepared.prompt_text == before.prepared.prompt_text + before.text + new
+            assert log["executed"] == [{"restored": logs[n - 2]["executed"][0]["restored"] + logs[n - 2][
+                "executed"][0]["fed"] + len(before.text), "fed": len(new)}]
+            assert g.timings["prefill_tokens"] == len(tok.encode(new, add_special_tokens=False).ids)
+            assert g.timings["reused_tokens"] == g.prepared.input_ids.shape[1] - g.timings["prefill_tokens"] > 0
+        assert (rd / d / f"turn_{n}" / "pipeline.json").is_file()
+    assert all(g.timings["reused_tokens"] == 0 for g in scratch)
+    assert [p for _, p, _ in state.saves] == [f"{d}/turn_{n}" for n in (1, 2, 3)] and chat.kept.nbytes > 0
+    # an undo: the next turn restores the state saved before the undone turn; the undone turn's state is removed
+    chat.undo()
+    again = chat.ask("How many shapes are there?").run()
+    assert f"pipeline restore GeniePipeline {d}/turn_2" in app_log(bundle_on_phone)["script"]
+    assert not (rd / d / "turn_3").exists()
+    _, want, _ = converse(bundle_pipe, image_path, keep_state=False,
+                          questions=QUESTIONS[:2] + ["How many shapes are there?"])
+    assert (again.text, again.token_ids) == (want[-1].text, want[-1].token_ids)
+    assert again.timings["reused_tokens"] == kept[2].timings["reused_tokens"]
+    chat.reset()
+    assert not (rd / d).exists()
+
+
+def test_a_pipeline_state_gone_from_the_phone_is_a_clear_error(bundle_on_phone, bundle_pipe, image_path):
+    import shutil
+
+    chat, kept, _ = converse(bundle_pipe, image_path, questions=QUESTIONS[:2])
+    state = chat.kept.runtime
+    rd = bundle_pipe.handles["decoder"].runtime.phone.rd
+    shutil.rmtree(bundle_on_phone["root"] / rd.lstrip("/") / state.dir / "turn_2")  # /data/local/tmp was cleared
+    with pytest.raises(BackendError) as err:
+        chat.ask(QUESTIONS[2]).run()
+    msg = str(err.value)
+    line = next(n for n, ln in enumerate(app_log(bundle_on_phone)["script"], 1) if ln.startswith("pipeline restore"))
+    assert "\n" not in msg and msg == (
+        f"genie-app on standin-0001: Failed to restore. (script line {line}) (pipeline restore {state.dir}/turn_2):"
+        f" the pipeline state saved on the phone after an earlier turn is gone from {rd}; the next turn starts the"
+        " conversation from its beginning")
+    # the next turn starts the pipeline from nothing with the whole conversation, and answers as from scratch
+    again = chat.ask(QUESTIONS[2]).run()
+    assert not any(ln.startswith("pipeline restore") for ln in app_log(bundle_on_phone)["script"])
+    _, scratch, _ = converse(bundle_pipe, image_path, keep_state=False)
+    assert (again.text, again.token_ids) == (scratch[-1].text, scratch[-1].token_ids)
+    assert again.timings["reused_tokens"] == 0
+
+
+def test_a_bundle_on_a_phone_streams_its_answer(bundle_on_phone, bundle_pipe, image_path, monkeypatch):
+    monkeypatch.setenv("STANDIN_GENIE_TEXT", STREAMED)
+    monkeypatch.setenv("STANDIN_GENIE_DELAY", str(DELAY))
+    settings = GenerationSettings(max_new_tokens=16)
+    for gen in (bundle_pipe.generate(image_path, "Describe the image.", settings),  # one request, from the start
+                bundle_pipe.chat(settings=settings).ask("Describe the image.", image=image_path)):  # a conversation
+        pieces, first, total = timed_pieces(gen)
+        assert "".join(pieces) == STREAMED and len(pieces) >= 2
+        assert total - first > 3 * DELAY  # the first words arrived while genie-app was still generating
+
+
+def test_a_genie_app_without_pipeline_save_recomputes_each_turn(bundle_on_phone, bundle_pipe, image_path,
+                                                                 monkeypatch):
+    monkeypatch.setenv("STANDIN_GENIE_APP_OLD", "1")  # genie-app refuses pipeline save / restore
+    with pytest.warns(RuntimeWarning, match=r"refuses `pipeline save` \(a genie-app older than the command\)"):
+        chat, kept, _ = converse(bundle_pipe, image_path)
+    _, scratch, _ = converse(bundle_pipe, image_path, keep_state=False)
+    assert [(g.text, g.token_ids) for g in kept] == [(g.text, g.token_ids) for g in scratch]
+    assert chat.kept.runtime.no_state and all(g.timings["reused_tokens"] == 0 for g in kept)
+    assert not any(ln.startswith("pipeline save") for ln in app_log(bundle_on_phone)["script"])

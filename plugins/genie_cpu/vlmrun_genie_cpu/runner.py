@@ -13,14 +13,13 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
 from vlmrun.handles import DecoderHandle
 from vlmrun_qualcomm import genie, genie_config, genie_t2t, genie_worker
 from vlmrun.errors import BackendError, InputError
-from vlmrun.stages import ExportForm
+from vlmrun.stages import ArtifactKind, ExportForm
 
 from .options import DecoderPlan
 from vlmrun_qualcomm.adb import Adb
@@ -46,7 +45,7 @@ def load_decoder(ctx):
     key = {"quantize": plan.quantize, "composer": str(tools["composer"].name), "context_length": plan.context_length,
            "sdk_version": sdk.version()}
     art = ctx.compiled(src, {**key, "sdk_root": str(sdk.root) if plan.sdk_root else None},
-                       f"genai-transformer-{plan.quantize}")
+                       ArtifactKind("genai-transformer", plan.quantize))
     adb = None
     if plan.target == "android":
         adb = Adb.connect(plan.device, plan.adb)
@@ -133,7 +132,10 @@ class GenieCpuDecoder(DecoderHandle):
                                                          timeout=self.plan.timeout, profile_out=self.last_timings,
                                                          env=env, **genie_worker.tap_arguments(request, self.model))
             return
-        result = self._run_adb(request) if self.mode == "adb" else self._run_local(request)
+        if self.mode == "adb":
+            yield from self._stream_adb(request)
+            return
+        result = self._run_local(request)
         self.last_text, self.last_timings = result.text, result.timings
         # genie-t2t-run's safe output mode is text (token mode crashed in the seed notes): ids by re-tokenizing
         for tid in self.model.tokenizer.encode(result.text, add_special_tokens=False).ids:
@@ -176,9 +178,13 @@ class GenieCpuDecoder(DecoderHandle):
                   what="adb shell chmod")
         self._placed = True
 
-    def _run_adb(self, request) -> genie_t2t.T2TResult:
+    def _stream_adb(self, request) -> Iterator[int]:
+        """genie-t2t-run on the phone: token ids as its answer streams back over adb (those whose tokenization can
+        no longer change, `vlmrun_qualcomm.genie_t2t.Retokenizer`); errors from its stderr and exit status once it
+        ended; ``last_text`` and ``last_timings`` (Genie's profile) after the last id."""
         adb, rd, t = self.adb, self.plan.remote_dir, self.plan.timeout
         self._place_on_phone()
+        what = "genie-t2t-run (adb)"
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-genie-adb-"))
         try:
             cfg = self.config(request, "model.bin", "tokenizer.json")  # relative to the remote working directory
@@ -190,17 +196,21 @@ class GenieCpuDecoder(DecoderHandle):
             argv = genie_t2t.t2t_argv("./genie-t2t-run", "genie_config.json", embedding_file="embeddings.raw",
                                       lut="embed_lut_f32.raw", output_type="text", profile="profile.json",
                                       check_profile_path=False)
-            t0 = time.perf_counter()
-            res = adb.shell(argv, cwd=rd, env={"LD_LIBRARY_PATH": rd, "ADSP_LIBRARY_PATH": rd}, timeout=t,
-                            what="genie-t2t-run (adb)", check=False)
-            seconds = time.perf_counter() - t0
+            run = adb.stream(argv, cwd=rd, env={"LD_LIBRARY_PATH": rd, "ADSP_LIBRARY_PATH": rd}, timeout=t,
+                             what=what, hint="raise the decoder's timeout option if the model is large")
+            retok, text = genie_t2t.Retokenizer(self.model.tokenizer), ""
+            for piece in genie_t2t.answer_pieces(run):
+                text += piece
+                yield from retok.stable(text)
             local_prof = tmp / "profile.json"
-            if res.returncode == 0:
+            if run.returncode == 0:
                 try:
                     adb.pull(f"{rd}/profile.json", local_prof, timeout=t)
                 except BackendError:
                     pass
-            return genie_t2t.finish_t2t(res.stdout, res.stderr, res.returncode,
-                                        local_prof if res.returncode == 0 else None, seconds, "genie-t2t-run (adb)")
+            result = genie_t2t.finish_t2t(run.stdout, run.stderr, run.returncode,
+                                          local_prof if run.returncode == 0 else None, run.seconds, what)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        self.last_text, self.last_timings = result.text, result.timings
+        yield from retok.final(result.text)

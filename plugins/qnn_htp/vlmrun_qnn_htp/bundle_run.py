@@ -151,7 +151,7 @@ class BundleRuntime:
             return
         if self.phone is not None:
             gen = self.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
-            pieces = iter([self.phone.answer(req, before, after, gen)])
+            pieces = self.phone.answer(req, before, after, gen)  # streamed as genie-app prints it
         else:
             pieces = self._pieces(req, before, after)
         count = 0
@@ -360,11 +360,15 @@ class BundleConversation(RequestState):
                                 **({"ttft_wall_ms": (first - t0) * 1e3} if first is not None else {})}
 
 
-def request_state(handles: dict) -> BundleConversation | None:
-    """The ``request_state`` hook: a bundle's conversation kept in Genie's pipeline on this machine (a phone's
-    genie-app runs each turn from the start)."""
+def request_state(handles: dict) -> RequestState | None:
+    """The ``request_state`` hook: a bundle's conversation kept in Genie's pipeline, on this machine or on a phone
+    (`.bundle_phone.PhoneConversation`: genie-app's ``pipeline save/restore`` between turns)."""
     rt = getattr(handles.get("decoder"), "runtime", None)
-    return BundleConversation(rt) if rt is not None and rt.phone is None else None
+    if rt is not None and rt.phone is not None:
+        from .bundle_phone import PhoneConversation
+
+        return PhoneConversation(rt.phone)
+    return BundleConversation(rt) if rt is not None else None
 
 
 # -- the stages of a bundle layout ------------------------------------------------------------------------------
@@ -416,15 +420,8 @@ class BundleStage(DecoderHandle):
 
         from .parts_run import PartsHandle
 
-        from vlmrun.store import MANIFEST as STORE_MANIFEST
-        from vlmrun.store import Artifact
-
         m = self.runtime.manifest
-        art_dir = self.ctx.store.artifacts_dir / m["decoder"]["source"]
-        try:
-            art = Artifact(art_dir, json.loads((art_dir / STORE_MANIFEST).read_text()))
-        except (OSError, ValueError):
-            art = None
+        art = self.ctx.store.artifact(m["decoder"]["source"])
         if art is None:
             raise BackendError(f"bundle {self.runtime.path.name}: the decoder runs alone (teacher forcing) only with"
                                f" the store's compile it came from ({m['decoder']['source']}), which this store does"

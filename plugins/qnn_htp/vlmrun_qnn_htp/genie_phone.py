@@ -38,25 +38,23 @@ embeddingQuery`` of the turn's new rows only, text and picture rows alike, then 
 
 from __future__ import annotations
 
-import codecs
 import copy
 import json
 import re
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from vlmrun import procs
 from vlmrun.errors import BackendError, InputError
 from vlmrun.stages import ExportForm
 from vlmrun_qualcomm import genie, genie_t2t
 from vlmrun_qualcomm.adb import Adb
 from vlmrun_qualcomm.genie_app import APP, AppDevice, AppDialogState
+from vlmrun_qualcomm.genie_t2t import Retokenizer, answer_pieces
 from vlmrun_qualcomm.sdk import ANDROID, Sdk
 
 from .netrun import REMOTE_ROOT, check_runtime, phone_sdk
@@ -145,51 +143,6 @@ def explain(message: str, soc: str, arch: str, remote_dir: str) -> str:
             return message + "; " + hint.format(skel=f"libQnnHtpV{nn}Skel.so", stub=f"libQnnHtpV{nn}Stub.so",
                                                 rd=remote_dir, soc=soc, arch=arch)
     return message
-
-
-class Retokenizer:
-    """genie-t2t-run's streamed text -> token ids. Ids are given out only for text whose tokenization can no longer
-    change: everything before the last `HOLD` pre-tokenizer pieces (BPE never merges across pieces); the rest
-    comes with `final`."""
-
-    HOLD = 2
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.sent: list[int] = []
-
-    def _encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tok.encode(text, add_special_tokens=False).ids]
-
-    def _cut(self, text: str) -> int:
-        pre = getattr(self.tok, "pre_tokenizer", None)
-        try:
-            pieces = pre.pre_tokenize_str(text) if pre is not None else None
-        except Exception:
-            pieces = None
-        if pieces is None:
-            starts = [m.start() for m in re.finditer(r"\s+(?=\S)", text)]
-            return starts[-self.HOLD] if len(starts) >= self.HOLD else 0
-        return int(pieces[-self.HOLD][1][0]) if len(pieces) > self.HOLD else 0
-
-    def _emit(self, ids: list[int]) -> list[int]:
-        if ids[: len(self.sent)] != self.sent:
-            return []
-        new = ids[len(self.sent):]
-        self.sent += new
-        return new
-
-    def stable(self, text: str) -> list[int]:
-        cut = self._cut(text)
-        return self._emit(self._encode(text[:cut])) if cut > 0 else []
-
-    def final(self, text: str) -> list[int]:
-        ids = self._encode(text)
-        new = self._emit(ids)
-        if ids[: len(self.sent)] != self.sent:  # cannot happen with HOLD pieces held back; never lose the tail
-            new = ids[len(self.sent):]
-            self.sent += new
-        return new
 
 
 class GeniePhone:
@@ -312,37 +265,21 @@ class GeniePhone:
     def _run(self, handle, tmp: Path) -> Iterator[int]:
         what = f"genie-t2t-run on {self.adb.serial}"
         retok = Retokenizer(handle.model.tokenizer)
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        argv = [self.adb.exe, "-s", self.adb.serial, "shell", self.last_command]
-        out, err_box = [], []
-        t0 = time.perf_counter()
-        with procs.watched(argv, timeout=self.timeout, what=what, text=False) as w:
-            reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
-            reader.start()
-            for chunk in iter(lambda: w.proc.stdout.read1(4096), b""):
-                out.append(decoder.decode(chunk))
-                text, _, _ = genie_t2t.split_t2t_stdout("".join(out))
-                if text:
-                    yield from retok.stable(text)
-            w.proc.wait()
-            reader.join(5)
-        seconds = time.perf_counter() - t0
-        if w.timed_out:
-            raise BackendError(f"{what} timed out after {self.timeout:g} s (killed); raise the decoder's timeout"
-                               " option if the model is large")
-        out.append(decoder.decode(b"", final=True))
-        stdout = "".join(out)
-        stderr = b"".join(b for b in err_box if b).decode("utf-8", "replace")
-        rc = w.proc.returncode
+        run = self.adb.stream(self.argv(), cwd=self.rd, env=self.env(), timeout=self.timeout, what=what,
+                              hint="raise the decoder's timeout option if the model is large")
+        text = ""
+        for piece in answer_pieces(run):  # the answer as genie-t2t-run prints it (vlmrun_qualcomm.adb.ShellStream)
+            text += piece
+            yield from retok.stable(text)
         profile = None
-        if rc == 0:
+        if run.returncode == 0:
             profile = tmp / PROFILE
             try:
                 self.adb.pull(f"{self.rd}/{PROFILE}", profile)
             except BackendError:
                 pass  # finish_t2t names the missing profile
         try:
-            result = genie_t2t.finish_t2t(stdout, stderr, rc, profile, seconds, what)
+            result = genie_t2t.finish_t2t(run.stdout, run.stderr, run.returncode, profile, run.seconds, what)
         except genie.ContextLimitError:
             raise
         except BackendError as exc:

@@ -7,17 +7,22 @@ line for: adb missing, no device, several devices without ``--device``, an unaut
 >>> adb = Adb.connect(serial=None)                # exactly one authorized device, else BackendError
 >>> adb.push("model.bin", "/data/local/tmp/vlmrun/model.bin")   # skipped when the remote sha256 matches
 >>> adb.shell(["ls", "/data/local/tmp/vlmrun"], timeout=10)
+>>> run = adb.stream(["./tool", "-s", "script.txt"], cwd=rd, timeout=600, what="tool")
+>>> for text in run: ...                          # stdout as it arrives; then run.stdout, run.stderr, run.returncode
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import shlex
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from vlmrun import procs
 from vlmrun.errors import BackendError
@@ -126,6 +131,14 @@ class Adb:
         line = self.command_line(argv, cwd, env)
         return self.run(["shell", line], timeout, what or f"adb shell {Path(str(argv[0])).name}", check)
 
+    def stream(self, argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+               timeout: float | None = None, what: str | None = None, hint: str = "") -> "ShellStream":
+        """``argv`` run on the device (`command_line`: every argument shlex-quoted) with its stdout read as it
+        arrives: iterate the returned `ShellStream`."""
+        line = self.command_line(argv, cwd, env)
+        return ShellStream(self._argv("shell", line), timeout or self.timeout,
+                           what or f"adb shell {Path(str(argv[0])).name}", hint, line)
+
     def remote_sha256(self, remote: str, timeout: float | None = None) -> str | None:
         res = self.shell(["sha256sum", remote], timeout=timeout, check=False, what="adb shell sha256sum")
         if res.returncode != 0:
@@ -156,6 +169,49 @@ class Adb:
         if not local.exists():
             raise BackendError(f"adb pull {remote}: nothing arrived at {local}")
         return local
+
+
+class ShellStream:
+    """One device command whose stdout is read as it arrives (for answers printed while they are generated).
+
+    Iterating yields stdout text pieces (UTF-8 decoded incrementally, a character never split) as adb hands them
+    over; once the command has ended, ``stdout``, ``stderr``, ``returncode`` and ``seconds`` hold the whole run.
+    The command runs in its own process group, killed past ``timeout`` seconds (one BackendError line, ``hint``
+    appended) or when the iteration is abandoned (the caller stopped reading). A non-zero exit is the caller's to
+    judge. ``line``: the remote shell line, as run."""
+
+    def __init__(self, argv: Sequence[str], timeout: float, what: str, hint: str = "", line: str = ""):
+        self.argv, self.timeout, self.what, self.hint, self.line = list(argv), float(timeout), what, hint, line
+        self.stdout = self.stderr = ""
+        self.returncode: int | None = None
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        out: list[str] = []
+        err: list[bytes] = []
+        t0 = time.perf_counter()
+        with procs.watched(self.argv, timeout=self.timeout, what=self.what, text=False) as w:
+            reader = threading.Thread(target=lambda: err.append(w.proc.stderr.read()), daemon=True)
+            reader.start()
+            for chunk in iter(lambda: w.proc.stdout.read1(4096), b""):
+                text = decoder.decode(chunk)
+                out.append(text)
+                if text:
+                    yield text
+            w.proc.wait()
+            reader.join(5)
+        self.seconds = time.perf_counter() - t0
+        if w.timed_out:
+            raise BackendError(f"{self.what} timed out after {self.timeout:g} s (killed)"
+                               f"{'; ' + self.hint if self.hint else ''}")
+        tail = decoder.decode(b"", final=True)
+        out.append(tail)
+        if tail:
+            yield tail
+        self.stdout = "".join(out)
+        self.stderr = b"".join(e for e in err if e).decode("utf-8", "replace")
+        self.returncode = w.proc.returncode
 
 
 def _check_state(serial: str, state: str) -> None:

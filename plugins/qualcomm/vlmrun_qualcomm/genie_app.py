@@ -4,7 +4,8 @@ genie-app runs one script and exits, so a dialog cannot stay alive between turns
 adb (`dialog_script`) that restores the state the previous turn saved (``dialog restore``), queries only the
 turn's new rows (``dialog embeddingQuery``) and saves the new state (``dialog save``). `AppDialogState` is the
 host's side (a `vlmrun.handles.DecoderState`); `app_errors` reads genie-app's stderr, where a failing script line
-is printed (in red) while the script goes on with exit status 0.
+is printed (in red) while the script goes on with exit status 0. The answer streams back as genie-app prints it
+(`AppDevice.start`); the errors are read once the run ended.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import re
 import shutil
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -26,7 +26,7 @@ from vlmrun.handles import DecoderState
 
 from .adb import Adb
 from .genie import ContextLimitError, _last_error_line, check_context, write_embeddings
-from .genie_t2t import BENIGN_LINE, CONTEXT_LIMIT, split_t2t_stdout
+from .genie_t2t import BENIGN_LINE, CONTEXT_LIMIT, Retokenizer, answer_pieces, split_t2t_stdout
 
 APP = "genie-app"
 #: colour codes: genie-app prints each failing script line's exception in red on Linux and Android
@@ -98,19 +98,29 @@ class AppDevice:
     def what(self) -> str:
         return f"genie-app on {self.adb.serial}"
 
-    def run(self, script: str) -> tuple[str, list[str], float]:
-        """``./genie-app -s SCRIPT`` in ``rd``: (stdout, error lines, seconds). A non-zero exit (the script could not
-        be read, the tool could not start) is an error line too."""
+    def start(self, script: str):
+        """``./genie-app -s SCRIPT`` in ``rd``, its stdout read as it arrives: a `vlmrun_qualcomm.adb.ShellStream`
+        to iterate (the answer with `vlmrun_qualcomm.genie_t2t.answer_pieces`), then `errors` of it."""
         argv = [f"./{APP}", "-s", script]
         self.last_command = Adb.command_line(argv, cwd=self.rd, env=self.env)
-        t0 = time.perf_counter()
-        res = self.adb.shell(argv, cwd=self.rd, env=self.env, timeout=self.timeout, what=self.what, check=False)
-        seconds = time.perf_counter() - t0
-        stdout, stderr = _text(res.stdout), _text(res.stderr)
-        errors = app_errors(stderr)
-        if res.returncode != 0 and not errors:
-            errors = [_last_error_line(ANSI.sub("", stderr)) or f"exit status {res.returncode}"]
-        return stdout, errors, seconds
+        return self.adb.stream(argv, cwd=self.rd, env=self.env, timeout=self.timeout, what=self.what,
+                               hint="raise the timeout option if the model is large")
+
+    @staticmethod
+    def errors(run) -> list[str]:
+        """The error lines of an ended run (its stderr: a failing script line leaves the exit status at 0); a
+        non-zero exit (the script could not be read, the tool could not start) is an error line too."""
+        errors = app_errors(run.stderr)
+        if run.returncode != 0 and not errors:
+            errors = [_last_error_line(ANSI.sub("", run.stderr)) or f"exit status {run.returncode}"]
+        return errors
+
+    def run(self, script: str) -> tuple[str, list[str], float]:
+        """`start` read to its end: (stdout, error lines, seconds)."""
+        run = self.start(script)
+        for _ in run:
+            pass
+        return run.stdout, self.errors(run), run.seconds
 
     def exists(self, path: str) -> bool:
         return self.adb.shell(["test", "-e", f"{self.rd}/{path}"], check=False, what="adb shell test").returncode == 0
@@ -212,10 +222,17 @@ class AppDialogState(DecoderState):
 
     # -- one turn -----------------------------------------------------------------------------------------------
     def _turn(self, request, config: dict, base: np.ndarray, held: int, restore: str | None) -> Iterator[int]:
+        """The turn on the phone, its tokens given out as genie-app prints the answer (those whose tokenization
+        can no longer change); the conversation's rows and saved states once it ended. A turn stopped before its
+        end (genie-app killed) leaves the state as it was: the core recomputes what it needs next turn."""
         self.turns += 1
         save = f"{self.dir}/turn_{self.turns}"
-        text = self._query(config, base[held:], restore, save)
-        ids = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False).ids]
+        retok, text = Retokenizer(self.tokenizer), ""
+        for piece in self._query(config, base[held:], restore, save):
+            text += piece
+            yield from retok.stable(text)
+        rest = retok.final(text)
+        ids = list(retok.sent)
         # Genie hands out no end token (sampled, not fed): an answer ended before the budget had every token fed
         fed = ids if len(ids) < request.max_new_tokens else ids[: max(request.max_new_tokens - 1, 0)]
         tail = (np.asarray(request.embed_tokens(np.asarray(fed, np.int64)), np.float32).reshape(-1, base.shape[1])
@@ -227,11 +244,11 @@ class AppDialogState(DecoderState):
         else:  # Genie holds another sequence than the one vlmrun counts: never restored
             self.device.remove(save)
         self.device_bytes = self.device.bytes_of(self.dir)
-        yield from ids
+        yield from rest
 
-    def _query(self, config: dict, feed: np.ndarray, restore: str | None, save: str) -> str:
-        """The turn's files pushed and genie-app run; the answer's text (an error line on stderr is a
-        BackendError)."""
+    def _query(self, config: dict, feed: np.ndarray, restore: str | None, save: str) -> Iterator[str]:
+        """The turn's files pushed and genie-app run: the answer's text pieces as they are printed; an error line
+        on stderr is a BackendError once the run ended."""
         dev, n = self.device, self.turns
         names = {"config": f"{self.dir}/genie_config.json", "embeddings": f"{self.dir}/turn_{n}.raw",
                  "script": f"{self.dir}/turn_{n}.txt"}
@@ -245,17 +262,18 @@ class AppDialogState(DecoderState):
                 self._made = True
             for local, name in names.items():
                 dev.adb.push(tmp / local, f"{dev.rd}/{name}", skip_same=False)
-            stdout, errors, seconds = dev.run(names["script"])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        run = dev.start(names["script"])
+        yield from answer_pieces(run)
+        errors = dev.errors(run)
         if errors:
             self._failed(errors[0], restore, save)
-        text, _, state = split_t2t_stdout(stdout)
+        text, _, state = split_t2t_stdout(run.stdout)
         if text is None or state != "end":
             dev.remove(save)
             raise BackendError(f"{dev.what} printed no answer ([BEGIN]: ... [END]) and no error for {names['script']}")
-        self.last_timings = {"dialog_wall_ms": seconds * 1e3}
-        return text
+        self.last_timings = {"dialog_wall_ms": run.seconds * 1e3}
 
     def _failed(self, line: str, restore: str | None, save: str):
         dev = self.device

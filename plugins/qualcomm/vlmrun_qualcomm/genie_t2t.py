@@ -9,6 +9,10 @@ The contract: `-c CFG (-p P | --prompt_file F | -e EMB[,T,S,O] [-t LUT] | -tok F
 its exceptions on stderr ("Failed to create the dialog.", ...) and exits 1 on failure. Errors are read from stderr
 and the exit status only, never from the generated text. At the dialog's context it prints "Context Size was
 exceeded." and "Failed to query with embedding." (exit 1): a `ContextLimitError` (module `genie`).
+
+Streaming (every phone path: genie-t2t-run, genie-app's dialogs and pipelines): `answer_pieces` turns a tool's
+stdout, as it arrives (`vlmrun_qualcomm.adb.ShellStream`), into the answer's new text; `Retokenizer` turns that
+text into token ids as soon as their tokenization can no longer change.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 
@@ -119,6 +123,77 @@ def split_t2t_stdout(stdout: str) -> tuple[str | None, str, str]:
         ab = body.rfind("[ABORT]")
         text, outside, state = (body[:ab], stdout[:start], "abort") if ab >= 0 else (body, stdout[:start], "cut")
     return (text[1:] if text.startswith(" ") else text), outside, state
+
+
+#: what ends the generated text on stdout (`split_t2t_stdout`)
+END_MARKS = ("[END]", "[ABORT]")
+
+
+def answer_pieces(chunks: Iterable[str]) -> Iterator[str]:
+    """The generated text as it arrives: ``chunks`` are a tool's stdout pieces (genie-t2t-run, genie-app: the answer
+    printed between `[BEGIN]: ` and `[END]` as it is generated); each yielded piece is new text of the answer (the
+    text `split_t2t_stdout` reads from the whole stdout). Text that may be the start of an `[END]` or `[ABORT]` is
+    held back until the next chunk says; errors are the caller's to read from stderr once the run ended."""
+    out, sent = "", 0
+    for chunk in chunks:
+        out += chunk
+        text, _, state = split_t2t_stdout(out)
+        if text is None:
+            continue
+        if state == "cut":  # a mark may be arriving: hold back what could start one
+            hold = max((k for mark in END_MARKS for k in range(1, len(mark)) if text.endswith(mark[:k])), default=0)
+            text = text[: len(text) - hold]
+        if len(text) > sent:
+            yield text[sent:]
+            sent = len(text)
+
+
+class Retokenizer:
+    """Streamed answer text -> token ids. Ids are given out only for text whose tokenization can no longer
+    change: everything before the last `HOLD` pre-tokenizer pieces (BPE never merges across pieces); the rest
+    comes with `final`."""
+
+    HOLD = 2
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.sent: list[int] = []
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tok.encode(text, add_special_tokens=False).ids]
+
+    def cut(self, text: str) -> int:
+        """Where ``text``'s stable part ends: the tokenization of ``text[:cut]`` is the start of any longer text's."""
+        pre = getattr(self.tok, "pre_tokenizer", None)
+        try:
+            pieces = pre.pre_tokenize_str(text) if pre is not None else None
+        except Exception:
+            pieces = None
+        if pieces is None:
+            starts = [m.start() for m in re.finditer(r"\s+(?=\S)", text)]
+            return starts[-self.HOLD] if len(starts) >= self.HOLD else 0
+        return int(pieces[-self.HOLD][1][0]) if len(pieces) > self.HOLD else 0
+
+    def _emit(self, ids: list[int]) -> list[int]:
+        if ids[: len(self.sent)] != self.sent:
+            return []
+        new = ids[len(self.sent):]
+        self.sent += new
+        return new
+
+    def stable(self, text: str) -> list[int]:
+        """The ids of ``text`` (the answer so far) not given out yet whose tokenization can no longer change."""
+        cut = self.cut(text)
+        return self._emit(self._encode(text[:cut])) if cut > 0 else []
+
+    def final(self, text: str) -> list[int]:
+        """The rest of the ids of ``text``, the whole answer."""
+        ids = self._encode(text)
+        new = self._emit(ids)
+        if ids[: len(self.sent)] != self.sent:  # cannot happen with HOLD pieces held back; never lose the tail
+            new = ids[len(self.sent):]
+            self.sent += new
+        return new
 
 
 def _error_line(text: str) -> str | None:
