@@ -14,7 +14,7 @@ import attrs
 import click
 
 from . import procs
-from .cli_options import (_build, _generation_options, _pipeline_options, _settings, model_options,  # noqa: F401
+from .cli_options import (build_pipeline, generation_options, pipeline_options, settings_from, model_options,  # noqa: F401
                           registry)
 from .errors import UsageError, VlmrunError
 from .stages import STAGES
@@ -42,7 +42,7 @@ def _visible(text: str) -> str:
 
 
 def _generate(pipe, image, prompt: str, opts: dict) -> None:
-    gen = pipe.generate(image, prompt, _settings(opts))
+    gen = pipe.generate(image, prompt, settings_from(opts))
     if opts["as_json"]:
         gen.run()
         click.echo(json.dumps(default=str, obj={
@@ -92,8 +92,8 @@ def _pass_down(ctx, opts: dict) -> None:
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--image", type=click.Path(path_type=Path), help="Image file to ask about.")
 @click.option("--prompt", help="The question about the image.")
-@_pipeline_options
-@_generation_options
+@pipeline_options
+@generation_options
 @click.version_option(package_name="vlmrun")
 @click.pass_context
 def cli(ctx, image, prompt, **opts):
@@ -115,29 +115,29 @@ def cli(ctx, image, prompt, **opts):
             click.echo(ctx.get_help())
             ctx.exit(0)
         raise click.UsageError("give both --image and --prompt (or use a subcommand such as `vlmrun demo`)")
-    pipe = _build(opts, requests=[(image, prompt)])
+    pipe = build_pipeline(opts, requests=[(image, prompt)])
     _generate(pipe, image, prompt, opts)
 
 
 @cli.command()
-@_pipeline_options
-@_generation_options
+@pipeline_options
+@generation_options
 @click.option("--prompt", default=DEMO_PROMPT, show_default=True)
 def demo(prompt, **opts):
     """Build (once) the tiny FastVLM, export its stages, and answer a prompt about a generated image."""
     from .demo_image import demo_image
 
     image = demo_image()
-    pipe = _build(opts, requests=[(image, prompt)])
+    pipe = build_pipeline(opts, requests=[(image, prompt)])
     _generate(pipe, image, prompt, opts)
 
 
 @cli.command()
-@_pipeline_options
+@pipeline_options
 @click.option("--stage", "only", type=click.Choice(STAGES), multiple=True, help="Only these stages (repeatable).")
 def export(only, **opts):
     """Export (and compile, for backends that compile) every stage of a layout into the artifact store."""
-    pipe = _build(opts, tuple(only) or STAGES)
+    pipe = build_pipeline(opts, tuple(only) or STAGES)
     for name in pipe.store.builds:
         click.echo(f"built {name}")
     click.echo(f"artifact store: {pipe.store.root} ({len(pipe.store.builds)} built, others reused)")
@@ -314,7 +314,7 @@ def _make_apple_sharded(out_dir: Path, size, image_size: int, seed: int, shard_b
                    " only its new tokens (least recently used out; 0: keep none).")
 @click.option("--conversation-cache-mb", type=click.FloatRange(0), default=1024.0, show_default=True,
               help="Host memory the kept conversation states may take.")
-@_pipeline_options
+@pipeline_options
 def serve(host, port, model_id, concurrency, max_queue, request_timeout, api_key, allowed_local_media_path,
           max_request_bytes, max_conversations, conversation_cache_mb, **opts):
     """Serve a layout (or --bundle DIR) behind an OpenAI-compatible API.
@@ -338,7 +338,7 @@ def serve(host, port, model_id, concurrency, max_queue, request_timeout, api_key
         import uvicorn  # noqa: F401
     except ImportError:
         raise UsageError("vlmrun serve needs FastAPI and uvicorn: pip install 'vlmrun[serve]'") from None
-    pipe = _build(opts)
+    pipe = build_pipeline(opts)
     click.echo(f"serving {pipe.layout.name} [{pipe.layout.describe()}] on http://{host}:{port}/v1", err=True)
     run_server(pipe, host=host, port=port, model_id=model_id, concurrency=concurrency, max_queue=max_queue,
                request_timeout=request_timeout, api_key=api_key or None,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .cli_options import _build, _generation_options, _pipeline_options, _settings
+from .cli_options import build_pipeline, generation_options, pipeline_options, settings_from
 from .errors import InputError, UsageError
 
 HELP = """commands:
@@ -153,8 +153,8 @@ def _interactive(session: Session) -> None:
 @click.option("--no-keep-state", is_flag=True,
               help="Recompute every turn from the start instead of continuing from the decoder's kept state.")
 @click.option("--timings", is_flag=True, help="After each answer, how many tokens were prefilled and reused.")
-@_pipeline_options
-@_generation_options
+@pipeline_options
+@generation_options
 def chat_command(image, system, prompts, script, no_keep_state, timings, **opts):
     """Hold a conversation: follow-up questions, a picture in any turn.
 
@@ -168,8 +168,8 @@ def chat_command(image, system, prompts, script, no_keep_state, timings, **opts)
     """
     turns = _turns_from(script, prompts, image)
     first = [(t["image"], t["prompt"]) for t in turns[:1] if t["image"] is not None]
-    pipe = _build(opts, requests=first)
-    settings = _settings(opts)
+    pipe = build_pipeline(opts, requests=first)
+    settings = settings_from(opts)
     chat = pipe.chat(system=system, settings=settings, keep_state=not no_keep_state)
     click.echo(f"[{pipe.layout.describe()}]", err=True)
     if not chat.keeps_state and not no_keep_state:

@@ -11,7 +11,7 @@ import click
 from .cli_options import model_options
 
 
-def _bar(total: int, initial: int, desc: str):
+def progress_bar(total: int, initial: int, desc: str):
     """A progress bar on stderr with items/s (tqdm); plain lines when stderr is not a terminal."""
     from tqdm import tqdm
 
@@ -86,7 +86,7 @@ def eval_command(dataset, layout_specs, reference, conversations, model_dir, ima
         max_new_tokens=max_new_tokens,
         image_size=image_size,
         progress=step,
-        bar=_bar,
+        bar=progress_bar,
         on_skip=on_skip,
         ray_address=ray_address,
         conversations=conversations,

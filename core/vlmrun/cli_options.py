@@ -108,7 +108,7 @@ def _stage_options(f):
     return f
 
 
-def _pipeline_options(f):
+def pipeline_options(f):
     f = model_options(f)
     f = click.option("--layout", default=None, metavar="BASE[,STAGE=PLUGIN][,STAGE.KEY=V]",
                      help="Layout: a preset (reference, hybrid, all-npu) or a TOML file, with optional inline overrides"
@@ -122,7 +122,7 @@ def _pipeline_options(f):
     return _stage_options(f)
 
 
-def _generation_options(f):
+def generation_options(f):
     f = click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)(f)
     f = click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
                      help="0 = greedy.")(f)
@@ -134,7 +134,7 @@ def _generation_options(f):
     return f
 
 
-def _build(opts: dict, stages=STAGES, requests=()):
+def build_pipeline(opts: dict, stages=STAGES, requests=()):
     """The pipeline of a command: layout (preset, file, --STAGE overrides, option flags), checked with the
     inputs of ``requests`` (image, prompt) before any export or compile."""
     from . import layouts
@@ -162,7 +162,7 @@ def _build(opts: dict, stages=STAGES, requests=()):
     )
 
 
-def _settings(opts: dict):
+def settings_from(opts: dict):
     from .pipeline import GenerationSettings
     from .sampling import SamplingSettings
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cli_eval import _bar
+from .cli_eval import progress_bar
 from .cli_options import model_options
 
 
@@ -77,14 +77,14 @@ def tune_command(dataset, layout_spec, layout_file, limit, max_accuracy_drop, mi
         if not as_json:
             what = "built" if p.built else "from the store"
             click.echo(f"vlmrun tune: {p.label} ({what}): {p.bytes:,} bytes, answers as reference"
-                       f" {tn.front._pct(p.answers_as_reference)}, logits SQNR"
+                       f" {tn.front.percent(p.answers_as_reference)}, logits SQNR"
                        f" {'-' if p.logits_sqnr_db is None else f'{p.logits_sqnr_db:.2f} dB'}"
                        f"{'' if p.within_budget else ' (misses: ' + '; '.join(p.misses) + ')'}", err=True)
 
     result = tn.tune(layout_spec, dataset, layout_file=layout_file, budget=budget, stages=split(stages),
                      layers=split(layers), anchors=list(anchors), limit=limit, max_candidates=max_candidates,
                      beam=beam, model=model_dir, store=cache_dir, max_new_tokens=max_new_tokens,
-                     ray_address=ray_address, progress=step, bar=_bar, on_point=on_point)
+                     ray_address=ray_address, progress=step, bar=progress_bar, on_point=on_point)
     if report_dir is not None:
         click.echo(f"report: {tn.write_html(result, report_dir)}", err=True)
     if out is not None and result.winner is not None:

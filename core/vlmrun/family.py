@@ -202,14 +202,14 @@ def _vision_and_projector(model, image_size: int, seed: int) -> dict[str, Any]:
     (projector scaled so image embeddings have the token embeddings' std); their bf16 tensors by native name."""
     import torch
 
-    from .tiny_weights import _init_projector, _init_vision
+    from .tiny_weights import init_projector, init_vision
 
     inner = model.model
     inner.vision_tower.to_empty(device="cpu")
     inner.multi_modal_projector.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(int(seed))
-    _init_vision(inner.vision_tower.timm_model, gen)
-    _init_projector(model, gen, image_size, 0.02)
+    init_vision(inner.vision_tower.timm_model, gen)
+    init_projector(model, gen, image_size, 0.02)
     proj = inner.multi_modal_projector
     out = {}
     for prefix, module in (("model.vision_tower.", inner.vision_tower), ("model.multi_modal_projector.", proj)):
@@ -272,9 +272,9 @@ def _write_random(tmp: pathlib.Path, size: FamilySize, image_size: int, seed: in
     from .checkpoint_shards import write_shards
     from .checkpoint_to_apple import apple_config, write_apple_tokenizer
     from .fastvlm_files import fastvlm_image_processor
-    from .tiny_tokenizer import _make_tokenizer
+    from .tiny_tokenizer import make_tokenizer
 
-    tokenizer = _make_tokenizer()
+    tokenizer = make_tokenizer()
     native_tok = tmp / ".native-tokenizer"
     tokenizer.save_pretrained(native_tok)
     image_id = tokenizer.convert_tokens_to_ids("<image>")

@@ -42,9 +42,9 @@ from vlmrun.massive_activations import (  # noqa: F401  (MASSIVE_*: re-exported 
 from vlmrun.tiny_tokenizer import (  # noqa: F401  (the regex: re-exported for tests/test_tiny.py)
     _QWEN2_PRETOKENIZE_REGEX,
     SPECIAL_TOKENS,
-    _make_tokenizer,
+    make_tokenizer,
 )
-from vlmrun.tiny_weights import _init_projector, _init_text, _init_vision
+from vlmrun.tiny_weights import init_projector, _init_text, init_vision
 
 __all__ = ["make_tiny", "build_model", "SPECIAL_TOKENS", "SYSTEM_PROMPT", "CHAT_TEMPLATE", "PATCH_SIZE"]
 
@@ -227,7 +227,7 @@ def build_model(
         TimmWrapperConfig,
     )
 
-    tokenizer = _make_tokenizer()
+    tokenizer = make_tokenizer()
     n_tokens = len(tokenizer)
     endoftext_id, _, im_end_id, image_id = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     vocab_rows = 152000 if full_size else -(-n_tokens // 64) * 64
@@ -274,9 +274,9 @@ def build_model(
     gen = torch.Generator().manual_seed(int(seed))
 
     embed_std = 0.02
-    _init_vision(inner.vision_tower.timm_model, gen)
+    init_vision(inner.vision_tower.timm_model, gen)
     _init_text(inner.language_model, gen, n_tokens, embed_std)
-    _init_projector(model, gen, image_size, embed_std)
+    init_projector(model, gen, image_size, embed_std)
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise AssertionError(f"{name} was not initialised")

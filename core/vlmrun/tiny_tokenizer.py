@@ -86,7 +86,7 @@ def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return dict(model["vocab"]), merges
 
 
-def _make_tokenizer():
+def make_tokenizer():
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 

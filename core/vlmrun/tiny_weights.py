@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 
-def _init_projector(model, gen, image_size: int, embed_std: float) -> None:
+def init_projector(model, gen, image_size: int, embed_std: float) -> None:
     """Initialise the projector, then scale ``linear_2`` so image embeddings have the token embeddings' std
     (``embed_std``), measured on one random picture through the (already initialised) vision tower."""
     import torch
@@ -30,7 +30,7 @@ def _init_projector(model, gen, image_size: int, embed_std: float) -> None:
         projector.linear_2.bias.mul_(scale)
 
 
-def _init_vision(timm_model, gen) -> None:
+def init_vision(timm_model, gen) -> None:
     """Variance-preserving re-init of the FastViTHD tower (timm's init scales every residual branch by 1e-5)."""
     import torch
     from torch import nn

@@ -37,7 +37,6 @@ import attrs
 
 from .. import layouts
 from ..errors import UsageError
-from ..stages import STAGES
 from .capture import CAPTURE_KEYS, Capture, capture_pipeline, capture_torch, load_from
 from .compare import Check, DiffResult, Entry, compare
 from .metrics import (

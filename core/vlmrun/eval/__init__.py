@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 import attrs

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..diff.metrics import SQNR_CAP_DB, fmt
+from ..diff.metrics import SQNR_CAP_DB
 from ..handles import device_bytes
 from .answers import normalize_answer
 

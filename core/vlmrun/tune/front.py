@@ -32,7 +32,7 @@ def pareto_front(points: Sequence) -> list:
     return sorted(front, key=lambda p: p.bytes)
 
 
-def _pct(v) -> str:
+def percent(v) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
@@ -47,8 +47,8 @@ def format_table(result) -> str:
     rows = [["point", "bytes", "accuracy", "drop", "as reference", "logits SQNR", "budget", "front", "raised"]]
     for p in result.points:
         mark = "*" if result.winner is not None and p is result.winner else ""
-        rows.append([p.label + mark, f"{p.bytes:,}", _pct(p.accuracy), _pct(p.accuracy_drop),
-                     _pct(p.answers_as_reference),
+        rows.append([p.label + mark, f"{p.bytes:,}", percent(p.accuracy), percent(p.accuracy_drop),
+                     percent(p.answers_as_reference),
                      "-" if p.logits_sqnr_db is None else f"{p.logits_sqnr_db:.2f} dB",
                      "within" if p.within_budget else "misses", "yes" if p.on_front else "",
                      _layers(p)])
@@ -79,7 +79,7 @@ def layout_text(point, base: str) -> str:
     from ..layouts import layout_snippet
 
     head = [f"# vlmrun tune: {point.label} of base {base}", f"# {point.bytes:,} bytes on the device;"
-            f" accuracy {_pct(point.accuracy)}, answers as reference {_pct(point.answers_as_reference)},"
+            f" accuracy {percent(point.accuracy)}, answers as reference {percent(point.answers_as_reference)},"
             f" logits SQNR {'-' if point.logits_sqnr_db is None else f'{point.logits_sqnr_db:.2f} dB'}"
             f" on {point.items} items", f'name = "tuned-{point.label}"', ""]
     body = []
@@ -141,7 +141,7 @@ def write_html(result, directory: str | os.PathLike) -> Path:
     rows = "".join(
         f"<tr class='{'ok' if p.within_budget else 'bad'}'><td>{esc(p.label)}"
         f"{' &#9733;' if result.winner is not None and p is result.winner else ''}</td><td>{p.bytes:,}</td>"
-        f"<td>{_pct(p.accuracy)}</td><td>{_pct(p.accuracy_drop)}</td><td>{_pct(p.answers_as_reference)}</td>"
+        f"<td>{percent(p.accuracy)}</td><td>{percent(p.accuracy_drop)}</td><td>{percent(p.answers_as_reference)}</td>"
         f"<td>{'-' if p.logits_sqnr_db is None else f'{p.logits_sqnr_db:.2f}'}</td>"
         f"<td>{'yes' if p.on_front else ''}</td><td>{esc(_layers(p))}</td><td>{esc('; '.join(p.misses))}</td></tr>"
         for p in result.points)

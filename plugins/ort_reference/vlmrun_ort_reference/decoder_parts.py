@@ -39,7 +39,7 @@ from vlmrun.checkpoint_stream import (check_budget, decoder_weights, export_peak
 from vlmrun.progress import no_progress, step
 
 from .probe_names import graph_output
-from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch, rms_norm_of
+from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, import_torch, rms_norm_of
 
 #: a mask entry above this is "attend" (0); masked entries are far below (vlmrun -65504, Genie -1000, a
 #: 16-bit quantized mask saturates at -100)
@@ -95,7 +95,7 @@ def _part_module(model, fvlm, form, lo: int, hi: int, last: bool, probe: bool = 
     ``probe``: the outputs also hold the residual stream after each layer but the part's last (whose stream is
     ``residual_{hi}`` already), and in the last part after its last layer and the final norm too
     (`export_part_probe`)."""
-    torch, _ = _torch()
+    torch, _ = import_torch()
 
     nn = torch.nn
     lm = fvlm.model.language_model
@@ -171,7 +171,7 @@ def _export_graph(module, ins: list[dict], outs: list[dict], path: Path) -> list
     "raw_data size (523264 bytes) does not match expected size ... (393216 bytes)")."""
     import tempfile
 
-    torch, _ = _torch()
+    torch, _ = import_torch()
     example = tuple(torch.zeros(*t["shape"]) for t in ins)
     with tempfile.TemporaryDirectory(prefix=f".{path.stem}.", dir=path.parent) as tmp:
         staged = Path(tmp) / path.name
@@ -258,7 +258,7 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
     memory budget (`vlmrun.checkpoint_stream.MEMORY_BUDGET_ENV`) every part is checked before any is written."""
     from vlmrun.errors import UsageError
 
-    torch, _ = _torch()
+    torch, _ = import_torch()
     ar, ctx = int(form.get("ar") or 128), int(form.get("ctx") or 0)
     if ar < 2 or ctx <= 2 * ar:
         raise UsageError(f"{form.label()}: needs a prompt AR of at least 2 and a context of more than twice it")

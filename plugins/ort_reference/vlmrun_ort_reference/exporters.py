@@ -14,7 +14,7 @@ from pathlib import Path
 from .decoder_parts import export_parts
 from .onnx_export import build_wrapper, export_lut
 from .probes import export_probe
-from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
+from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, import_torch
 
 
 def export_stage(model, form, out_dir: Path) -> dict | None:
@@ -25,7 +25,7 @@ def export_stage(model, form, out_dir: Path) -> dict | None:
         return export_probe(model, form, out_dir)
     if form.kind == "decoder/parts":  # parts x (prompt, token) graphs in one artifact (decoder_parts.py)
         return export_parts(model, form, out_dir)
-    torch, _ = _torch()
+    torch, _ = import_torch()
     built = build_wrapper(model, form)
     if built is None:
         return None

@@ -43,7 +43,7 @@ from vlmrun.checkpoint_keys import NATIVE_EMBED
 from vlmrun.checkpoint_stream import DECODER_WEIGHTS, STAGE_WEIGHTS
 
 from .probe_names import decoder_probe_outputs, inject_input
-from .torch_common import (EXTERNAL_DATA_THRESHOLD, MASK_MIN, OPSET, RMSNORMS, _torch, rms_norm_of,  # noqa: F401
+from .torch_common import (EXTERNAL_DATA_THRESHOLD, MASK_MIN, OPSET, RMSNORMS, import_torch, rms_norm_of,  # noqa: F401
                            safe_rms_norm)
 
 
@@ -61,7 +61,7 @@ def stage_weights(form) -> tuple[str, ...] | None:
 
 def build_wrapper(model, form):
     """The torch module, example inputs, names and dynamic axes for ``form``."""
-    torch, _ = _torch()
+    torch, _ = import_torch()
     from vlmrun.torch_stages import EmbedStage, ProjectorStage, VisionStage
 
     prefixes = stage_weights(form)
@@ -104,7 +104,7 @@ def build_wrapper(model, form):
 
 
 def _decoder_wrapper(model, fvlm, form):
-    torch, F = _torch()
+    torch, F = import_torch()
     nn = torch.nn
     lm = fvlm.model.language_model
     L, KV, D, H = model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size
@@ -218,7 +218,7 @@ def _decoder_wrapper(model, fvlm, form):
 def _genie_decoder_wrapper(model, fvlm, form):
     """The decoder in Genie's QnnHtp I/O layout (see the module docstring): the host (Genie) owns the KV cache,
     the additive mask and the rotary cos/sin (half head_dim, HF's rotate_half convention)."""
-    torch, F = _torch()
+    torch, F = import_torch()
     nn = torch.nn
     lm = fvlm.model.language_model
     L, KV, D, H = model.num_layers, model.num_kv_heads, model.head_dim, model.hidden_size
@@ -292,7 +292,7 @@ def export_lut(model, out_dir: Path) -> dict:
                 if key.endswith("language_model.embed_tokens.weight"):
                     table = st.get_tensor(key)
     if table is None:  # e.g. bf16 weights numpy cannot read: go through torch
-        torch, _ = _torch()
+        torch, _ = import_torch()
         table = model.load_torch().get_input_embeddings().weight.detach().float().numpy()
     table = np.ascontiguousarray(table, dtype=np.float32)
     scale = float(np.abs(table).max() / 127.0) or 1.0

@@ -37,7 +37,7 @@ from .decoder_parts import export_part_probe
 from .engine import Session
 from .onnx_export import build_wrapper, stage_weights
 from .probe_names import FINAL, STAGES, decoder_probe_outputs, graph_output, inject_input  # noqa: F401
-from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, _torch
+from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, import_torch
 
 
 def _points(fvlm, stage: str) -> list[tuple[str, object]]:
@@ -92,7 +92,7 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
         return None
     if form.kind == "decoder/parts":  # one part's layers (the parts form: decoder_parts.export_part_probe)
         return export_part_probe(model, form, out_dir)
-    torch, _ = _torch()
+    torch, _ = import_torch()
     if form.stage == "decoder":
         built = build_wrapper(model, form)  # _decoder_wrapper adds the probe outputs itself
         if built is None:

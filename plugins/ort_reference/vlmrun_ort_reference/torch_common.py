@@ -10,7 +10,7 @@ MASK_MIN = -65504.0  # the fixed-KV mask value (fp16-representable, as NPUs want
 RMSNORMS = ("safe", "plain")
 
 
-def _torch():
+def import_torch():
     try:
         import torch
         import torch.nn.functional as F
@@ -34,7 +34,7 @@ def safe_rms_norm(x, weight, eps: float):
     No reciprocal and no clamp, whose outputs quantize badly (the HTP's 16-bit Reciprocal of a small max
     failed, and QDQ folds a Clip into its range): the form also compiles for int8 / a16w8.
     """
-    torch, _ = _torch()
+    torch, _ = import_torch()
     H = x.shape[-1]
     pad = torch.full_like(x[..., :1], (H * max(float(eps), 1e-12)) ** 0.5)
     xa = torch.cat([x, pad], dim=-1)

@@ -72,7 +72,7 @@ def prompt_split(model, prompt: str, system: str | None = None) -> tuple[str, st
     pipeline splices by call order: prefix text, the image's embeddings, suffix text."""
     from vlmrun.preprocess import render_prompt
 
-    return _split(render_prompt(model.chat_template, prompt, system), model.tokenizer.id_to_token(model.image_token_id))
+    return split_prompt(render_prompt(model.chat_template, prompt, system), model.tokenizer.id_to_token(model.image_token_id))
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -408,7 +408,7 @@ def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None =
     return checked
 
 
-def _split(text: str, token: str) -> tuple[str, str]:
+def split_prompt(text: str, token: str) -> tuple[str, str]:
     if text.count(token) != 1:
         raise InputError(f"the prompt must hold the image placeholder {token!r} exactly once")
     before, after = text.split(token)

@@ -24,7 +24,7 @@ from vlmrun_qualcomm import genie_pipeline
 from vlmrun_qualcomm.genie_pipeline import PipelineSession
 from vlmrun.layouts import bundle_manifest
 
-from .bundle import CONNECTIONS, LUT, NODES, _split, sha256
+from .bundle import CONNECTIONS, LUT, NODES, split_prompt, sha256
 from .plan import Runtime
 
 
@@ -145,7 +145,7 @@ class BundleRuntime:
         (``on_logits``, ``teacher_tokens``) runs with the custom sampler instead: every step's logits row reaches
         ``on_logits``, the ids are the ones written back to Genie (the teacher's, else the argmax)."""
         tok = self.model.tokenizer
-        before, after = _split(req.prompt_text, tok.id_to_token(self.model.image_token_id))
+        before, after = split_prompt(req.prompt_text, tok.id_to_token(self.model.image_token_id))
         if self.phone is None and (req.on_logits is not None or req.teacher_tokens is not None):
             yield from self._tapped(req, before, after)
             return
@@ -306,7 +306,7 @@ class BundleConversation(RequestState):
             if image_token in new:
                 pixels = tmp / "pixel_values.raw"
                 np.ascontiguousarray(req.pixel_values, np.float32).tofile(pixels)
-                before, after = _split(new, image_token)
+                before, after = split_prompt(new, image_token)
                 inputs = [["lutEncoder", "text", before], ["imageEncoder", "image", str(pixels)],
                           ["lutEncoder", "text", after]]
                 self.picture = picture

@@ -101,7 +101,7 @@ def parse_profile(data: str | bytes | Mapping) -> dict[str, float]:
 
 
 # -- errors -------------------------------------------------------------------------------------------------
-def _last_error_line(text: str) -> str:
+def last_error_line(text: str) -> str:
     """The line of native output (Genie's stderr) that says what failed: the last one naming an error, else the
     last one; QNN's LIBNATIVE banner lines are skipped."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "LIBNATIVE" not in ln]

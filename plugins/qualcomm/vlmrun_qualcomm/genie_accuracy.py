@@ -57,7 +57,7 @@ from typing import Mapping, Sequence
 
 from vlmrun.errors import BackendError
 
-from .genie import _last_error_line
+from .genie import last_error_line
 from .genie_binding import AllocCB, alloc_callback, capture_fd, status_name
 from .genie_pipeline import LOG_LEVEL_WARN, PipelineLibrary
 from .genie_worker import WorkerLines
@@ -246,7 +246,7 @@ def perplexity(lib_path: str | os.PathLike, bundle_dir: str | os.PathLike, gener
                                f" context of {ctx} tokens (perplexity is scored over whole context windows) ({error})")
         raise BackendError(error)
     if ppl is None or run.returncode != 0:
-        detail = _last_error_line(run.stderr) or "no message"
+        detail = last_error_line(run.stderr) or "no message"
         raise BackendError(f"the GenieAccuracy worker exited with status {run.returncode}: {detail}")
     return ppl
 

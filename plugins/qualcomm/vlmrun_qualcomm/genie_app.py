@@ -25,7 +25,7 @@ from vlmrun.errors import BackendError, UsageError
 from vlmrun.handles import DecoderState
 
 from .adb import Adb
-from .genie import ContextLimitError, _last_error_line, check_context, write_embeddings
+from .genie import ContextLimitError, last_error_line, check_context, write_embeddings
 from .genie_t2t import BENIGN_LINE, CONTEXT_LIMIT, Retokenizer, answer_pieces, split_t2t_stdout
 
 APP = "genie-app"
@@ -112,7 +112,7 @@ class AppDevice:
         non-zero exit (the script could not be read, the tool could not start) is an error line too."""
         errors = app_errors(run.stderr)
         if run.returncode != 0 and not errors:
-            errors = [_last_error_line(ANSI.sub("", run.stderr)) or f"exit status {run.returncode}"]
+            errors = [last_error_line(ANSI.sub("", run.stderr)) or f"exit status {run.returncode}"]
         return errors
 
     def run(self, script: str) -> tuple[str, list[str], float]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from vlmrun.errors import BackendError
 
-from .genie import ContextLimitError, _last_error_line
+from .genie import ContextLimitError, last_error_line
 
 # Genie status codes (GenieCommon.h)
 STATUS = {
@@ -160,7 +160,7 @@ class GenieLibrary:
         err: list[str] = []
         with capture_fd(2, err, 2):
             status = self.lib.GenieDialogConfig_createFromJson(text.encode(), ctypes.byref(handle))
-        self.check(status, "GenieDialogConfig_createFromJson", _last_error_line("".join(err)))
+        self.check(status, "GenieDialogConfig_createFromJson", last_error_line("".join(err)))
         self.lib.GenieDialogConfig_free(handle)
 
     def dialog(self, config: Mapping | str, profile: bool = True) -> "GenieDialog":
@@ -200,11 +200,11 @@ class GenieDialog:
                     self._dlg = ctypes.c_void_p()
         except BackendError as exc:
             self.close()
-            detail = _last_error_line("".join(err))
+            detail = last_error_line("".join(err))
             raise BackendError(f"{exc}" + (f": {detail}" if detail and detail not in str(exc) else "")) from None
         if st != 0:
             self.close()
-            genie.check(st, "GenieDialog_create", _last_error_line("".join(err)))
+            genie.check(st, "GenieDialog_create", last_error_line("".join(err)))
         self.create_s = time.perf_counter() - t0
 
     def close(self):

@@ -33,7 +33,7 @@ import numpy as np
 
 from vlmrun.errors import BackendError
 
-from .genie import _last_error_line
+from .genie import last_error_line
 from .genie_binding import capture_fd, status_name
 from .genie_sampler import LogitsRows, LogitsTap
 from .genie_session import WorkerSession
@@ -105,7 +105,7 @@ class PipelineLibrary:
         read (native output is captured until the block ends)."""
         if int(status) == 0:
             return
-        detail = _last_error_line("".join(log))
+        detail = last_error_line("".join(log))
         raise BackendError(f"Genie {what} failed: {status_name(status)}" + (f": {detail}" if detail else ""))
 
     def parse_node_config(self, text: str, what: str) -> None:
@@ -266,7 +266,7 @@ def _with_reason(log: list[str]):
 def _genie_reason(text: str) -> str:
     """The last ``[ ERROR ]`` line of Genie's default logger, else the last line that reads as an error."""
     errors = [ln.split("]", 1)[-1].strip() for ln in text.splitlines() if "[ ERROR ]" in ln]
-    return errors[-1][:300] if errors else _last_error_line(text)
+    return errors[-1][:300] if errors else last_error_line(text)
 
 
 # -- the worker process ---------------------------------------------------------------------------------------
@@ -386,7 +386,7 @@ def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str |
     if error:
         raise BackendError(error)
     if not done or run.returncode != 0:
-        detail = _last_error_line(run.stderr) or "no message"
+        detail = last_error_line(run.stderr) or "no message"
         raise BackendError(f"the Genie pipeline worker exited with status {run.returncode}: {detail}")
 
 

@@ -32,7 +32,7 @@ from vlmrun import procs
 from vlmrun.errors import BackendError
 from vlmrun.handles import DecoderState
 
-from .genie import ContextLimitError, _last_error_line, write_embeddings
+from .genie import ContextLimitError, last_error_line, write_embeddings
 from .genie_binding import GenieLibrary
 from .worker_protocol import Replies, serve_commands
 
@@ -89,7 +89,7 @@ class WorkerSession:
                                    " timeout") from None
             if line is None:
                 self.close()
-                detail = _last_error_line("".join(self._err)) or "no message"
+                detail = last_error_line("".join(self._err)) or "no message"
                 raise BackendError(f"{self.what} exited with status {self.proc.returncode}: {detail}")
             word, _, rest = line.rstrip("\n").partition(" ")
             if word in ("ERROR", "CONTEXT"):

@@ -29,7 +29,7 @@ import attrs
 from vlmrun import procs
 from vlmrun.errors import BackendError, UsageError
 
-from .genie import ContextLimitError, _last_error_line, parse_profile
+from .genie import ContextLimitError, last_error_line, parse_profile
 
 
 # -- genie-t2t-run ------------------------------------------------------------------------------------------
@@ -217,8 +217,8 @@ def parse_t2t_output(stdout: str, stderr: str, returncode: int, what: str = "gen
         raise ContextLimitError(f"{what} stopped at the Genie context limit (\"Context Size was exceeded.\");"
                                 " raise the decoder's context_length or lower --max-new-tokens")
     if returncode != 0:
-        detail = (err_line or _last_error_line(stderr or "") or _error_line(outside)
-                  or _last_error_line(outside) or "no message")
+        detail = (err_line or last_error_line(stderr or "") or _error_line(outside)
+                  or last_error_line(outside) or "no message")
         cause = next((m.group("msg") for text in (stderr or "", outside) for m in GENIE_ERROR.finditer(text)
                       if m.group("msg")), None)
         if cause and cause not in detail:  # Genie's first [ERROR] names what failed (device, file, config)

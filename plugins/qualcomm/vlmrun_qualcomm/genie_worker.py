@@ -30,7 +30,7 @@ import numpy as np
 from vlmrun import procs
 from vlmrun.errors import BackendError
 
-from .genie import ContextLimitError, _last_error_line, parse_profile, write_embeddings
+from .genie import ContextLimitError, last_error_line, parse_profile, write_embeddings
 from .genie_binding import GenieLibrary
 from .genie_sampler import LogitsRows, LogitsTap, custom_sampler_block
 from .worker_protocol import Replies
@@ -164,7 +164,7 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
     if error:
         raise (ContextLimitError if limit else BackendError)(error)
     if not done or run.returncode != 0:
-        detail = _last_error_line(run.stderr) or "no message"
+        detail = last_error_line(run.stderr) or "no message"
         raise BackendError(f"the Genie worker exited with status {run.returncode}: {detail}")
 
 
