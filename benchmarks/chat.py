@@ -26,7 +26,7 @@ Layouts: ``reference-full`` = the reference layout on the random-weight FastVLM 
 make-tiny --full-size``, built once into ``<cache-dir>/full-size-fastvlm``; the answers are gibberish, which does
 not matter here); ``all-npu`` = the tiny default model on the HTP emulator (vlmrun's parts engine); ``bundle`` = the
 tiny default model's all-npu bundle (written once into ``--bundle-dir``, default ``<cache-dir>/chat-bundle``; a
-bundle written by older code stays until that folder is removed). Prints one JSON object on stdout
+bundle whose decoder lacks the follow-up graph the layout now compiles is written again). Prints one JSON object on stdout
 (progress on stderr): per layout the model's dimensions, the per-turn figures kept vs scratch, the ratios,
 ``goal_met``, the bytes a kept conversation holds, and whether kept and scratch generated the same tokens per turn;
 for all-npu also the decoder's prompt ARs (``decoder_ars``: AR-128 and the follow-up AR-32 of the parts form) and
@@ -150,6 +150,20 @@ def decoder_ars(pipe) -> dict:
     return {}
 
 
+def stale_bundle(out: Path) -> str:
+    """Why the bundle in ``out`` is not the one today's code writes ('' when it is, or when there is none): a
+    decoder without the follow-up prompt graph the all-npu layout now compiles."""
+    from vlmrun import layouts, plugins
+
+    manifest = out / layouts.BUNDLE_MANIFEST
+    if not manifest.is_file():
+        return ""
+    declared = plugins.default().options.for_stage("qnn_htp", "decoder", "qnn_htp").get("followup_ar")
+    want = int(declared.default) if declared is not None and declared.default is not None else 0
+    have = int(json.loads(manifest.read_text()).get("decoder", {}).get("followup_ar") or 0)
+    return f"its decoder has follow-up AR {have}, the all-npu layout compiles {want}" if have != want else ""
+
+
 def build(name: str, args, store):
     """The pipeline of one benchmark layout (building what it needs once: the full-size model, the bundle)."""
     from vlmrun import Pipeline, layouts
@@ -171,6 +185,12 @@ def build(name: str, args, store):
         return Pipeline.build(model, "all-npu", store=store, progress=step), {
             "model": "tiny default (256x256)", "layout": "all-npu"}
     out = Path(args.bundle_dir or Path(args.cache_dir) / "chat-bundle")
+    stale = stale_bundle(out)
+    if stale:
+        import shutil
+
+        log(f"{out}: {stale}; writing it again")
+        shutil.rmtree(out)
     if not (out / layouts.BUNDLE_MANIFEST).is_file():
         from vlmrun.bundle import write
 
