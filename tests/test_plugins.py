@@ -289,6 +289,8 @@ def test_precisions_come_from_the_plugins_with_their_thresholds():
     that plugin; a layout is judged by its most lenient declared precision."""
     import types
 
+    import attrs
+
     from vlmrun import hookimpl
     from vlmrun.diff import thresholds as th
     from vlmrun.errors import UsageError
@@ -303,7 +305,7 @@ def test_precisions_come_from_the_plugins_with_their_thresholds():
     q8 = Precision("q8", sqnr_db=20.0, cosine=0.99, top1=0.8, top5=0.7, kl=0.1)
     q4 = Precision("q4", sqnr_db=12.0, cosine=0.95, top1=0.5, top5=0.5, kl=0.3)
     reg = load(only="", extra=[plugin("acme", [q8, q4, Precision("q8x", like="q8")]), plugin("acme2", [q8]),
-                               plugin("clash", [Precision("q8", sqnr_db=25.0)]),
+                               plugin("clash", [attrs.evolve(q8, sqnr_db=25.0)]),
                                plugin("dangling", [Precision("q2", like="q1")])])
     assert set(reg.plugins) == {"acme", "acme2"}
     assert reg.failures["clash"] == ("RuntimeError: precision 'q8' is already declared by another plugin with other"
@@ -320,6 +322,11 @@ def test_precisions_come_from_the_plugins_with_their_thresholds():
     assert th.infer_precision({"vision": {"precision": "nine"}}, reg) == "fp32"
     with pytest.raises(UsageError, match="^unknown precision 'w4a16'; the installed plugins declare fp32, q8, q4, q8x"):
         th.check_precision("w4a16", reg)
+    # a precision without every floor would pass any device: refused when it is declared
+    with pytest.raises(RuntimeError, match="precision 'q0' declares no cosine, top1, top5, kl: every threshold"):
+        Precision("q0", sqnr_db=10.0)
+    with pytest.raises(RuntimeError, match="judged like 'q8' and cannot set sqnr_db"):
+        Precision("q8y", sqnr_db=10.0, like="q8")
     # the installed plugins: the precisions and floors the diff used to hard-code
     assert th.precisions() == ("fp32", "fp16", "w8a16", "int8", "w4a16")
     assert th.thresholds_for("a16w8") == th.thresholds_for("int8")

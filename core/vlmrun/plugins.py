@@ -86,19 +86,32 @@ class Precision:
     precision among its stages: the lowest SQNR floor, then the lowest cosine floor."""
 
     name: str
-    sqnr_db: float = 0.0
-    cosine: float = 0.0
-    top1: float = 0.0
-    top5: float = 0.0
-    kl: float = 0.0
+    sqnr_db: float | None = None
+    cosine: float | None = None
+    top1: float | None = None
+    top5: float | None = None
+    kl: float | None = None
     generation: float | None = None
     like: str | None = None
     summary: str = ""
 
+    def __attrs_post_init__(self):
+        floors = {"sqnr_db": self.sqnr_db, "cosine": self.cosine, "top1": self.top1, "top5": self.top5, "kl": self.kl}
+        if self.like is not None:
+            given = [k for k, v in floors.items() if v is not None]
+            if given:
+                raise RuntimeError(f"precision '{self.name}' is judged like '{self.like}' and cannot set"
+                                   f" {', '.join(given)}")
+            return
+        missing = [k for k, v in floors.items() if v is None]
+        if missing:  # a check without floors would pass any device: every threshold is declared
+            raise RuntimeError(f"precision '{self.name}' declares no {', '.join(missing)}: every threshold must be"
+                               " given (or like=another declared precision)")
+
     @property
     def leniency(self) -> tuple[float, float]:
         """Sorts the strictest first (highest floors)."""
-        return (-self.sqnr_db, -self.cosine)
+        return (-(self.sqnr_db or 0.0), -(self.cosine or 0.0))
 
 
 @attrs.frozen

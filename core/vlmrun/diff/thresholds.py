@@ -107,7 +107,8 @@ def check_key(stage: str, metric: str, where: str) -> str:
     return stage
 
 
-def read_thresholds_file(path: str | os.PathLike, registry=None) -> tuple[str | None, dict[str, dict[str, float | None]]]:
+def read_thresholds_file(path: str | os.PathLike,
+                         registry=None) -> tuple[str | None, dict[str, dict[str, float | None]]]:
     """A TOML file: optional ``precision = "fp16"`` and one table per stage, e.g. ``[projector] sqnr_db = 25``.
 
     ``metric = false`` switches a default check off.
