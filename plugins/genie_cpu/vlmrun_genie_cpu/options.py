@@ -15,6 +15,7 @@ import attrs
 
 from vlmrun.errors import UsageError
 from vlmrun.options import Option, OptionTable, StageOptions
+from vlmrun_qualcomm.runtime import DeviceRuntime, target_option
 from vlmrun_qualcomm.sdk import phone_options
 
 from .compose import QUANTIZE, quantize_option
@@ -61,30 +62,25 @@ def fill(options: Mapping[str, object] | None) -> StageOptions:
     return _table().fill("decoder", NAME, given)
 
 
-@attrs.frozen
-class DecoderPlan:
+@attrs.frozen(kw_only=True)
+class DecoderPlan(DeviceRuntime):
     """The decoder's options as genie_cpu reads them, once (`of`): checked, normalised, every default filled in.
+    Where it runs are the shared `vlmrun_qualcomm.runtime.DeviceRuntime` fields (target, timeout for one
+    generation, device, adb, sdk_root, ndk_root); genie_cpu's own:
 
     :ivar quantize: the composer's weight quantization (``none``, ``z8``, ``q4``).
     :ivar context_length: Genie's dialog context (the composer config's ``size.context``).
     :ivar runner: ``auto``, ``libgenie`` or ``t2t``.
-    :ivar target: ``local`` or ``android``.
-    :ivar timeout: seconds for one generation; ``compose_timeout``: for the composer.
+    :ivar compose_timeout: seconds for the composer.
     :ivar remote_dir: the working directory on the phone.
-    :ivar sdk_root, device, adb, ndk_root, composer_python: as given, else None (each tool's own default).
+    :ivar composer_python: the composer's interpreter, or None (this one).
     """
 
     quantize: str
     context_length: int
     runner: str
-    target: str
-    timeout: float
     compose_timeout: float
     remote_dir: str
-    sdk_root: str | None = None
-    device: str | None = None
-    adb: str | None = None
-    ndk_root: str | None = None
     composer_python: str | None = None
 
     @classmethod
@@ -94,9 +90,7 @@ class DecoderPlan:
         runner = str(o["runner"]).lower()
         if runner not in RUNNERS:
             raise UsageError(f"genie_cpu runner '{runner}' is not one of {', '.join(RUNNERS)}")
-        target = str(o["target"]).lower()
-        if target not in ("local", "android"):
-            raise UsageError(f"target '{target}' is not one of local, android")
+        target = target_option(o["target"])
         return cls(quantize=quantize_option(o["quantize"]), context_length=int(o["context_length"]), runner=runner,
                    target=target, timeout=float(o["timeout"]), compose_timeout=float(o["compose_timeout"]),
                    remote_dir=str(o["remote_dir"]), sdk_root=o["sdk_root"], device=o["device"], adb=o["adb"],

@@ -16,32 +16,22 @@ from typing import Mapping
 import attrs
 
 from vlmrun_qualcomm import socs
+from vlmrun_qualcomm.runtime import DeviceRuntime
 
 from . import recipe as recipe_mod
 from .options import NAME, fill, stage_options
 
 
-@attrs.frozen
-class Runtime:
-    """Where and how a stage's binaries run (the options a bundle still takes, `.bundle_phone.RUNTIME_OPTIONS`).
+@attrs.frozen(kw_only=True)
+class Runtime(DeviceRuntime):
+    """Where and how a stage's binaries run (the options a bundle still takes, `.bundle_phone.RUNTIME_OPTIONS`): the
+    shared `vlmrun_qualcomm.runtime.DeviceRuntime` fields (target, timeout, device, adb, sdk_root, ndk_root), and
 
-    :ivar target: ``local`` or ``android`` (a phone over adb).
-    :ivar timeout: seconds for one stage run or one generation (phone, Genie).
     :ivar adb_timeout: seconds for one adb transfer or command.
-    :ivar device: the phone's adb serial, or None (the one connected).
-    :ivar adb: the adb executable, or None (``$VLMRUN_ADB``, else adb on PATH).
-    :ivar sdk_root: the QAIRT SDK, or None (``$QAIRT_SDK_ROOT``, else ``$QNN_SDK_ROOT``).
-    :ivar ndk_root: the Android NDK (the decoder on a phone), or None (``$ANDROID_NDK_ROOT``).
     :ivar native_outputs: qnn-net-run's ``--use_native_output_files`` (phone).
     """
 
-    target: str
-    timeout: float
     adb_timeout: float
-    device: str | None = None
-    adb: str | None = None
-    sdk_root: str | None = None
-    ndk_root: str | None = None
     native_outputs: bool = False
 
     @classmethod
