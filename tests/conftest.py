@@ -94,18 +94,36 @@ LONG_FIRST = ("test_bundle", "test_examples_run[diff.md]", "test_tune", "test_ch
               "test_examples_run[bundles.md]", "test_examples_run[tune.md]")
 
 
-def _group(item) -> str:
-    """The scheduling group: a module (its tests run on one worker, in order: module fixtures such as a fake hub keep
-    their state between them), or one docs page (long and independent)."""
-    if item.nodeid.startswith("tests/test_docs.py::test_examples_run["):
-        return item.name
-    return item.module.__name__
+DOCS_PAGE = "tests/test_docs.py::test_examples_run["
+
+
+def group_of(nodeid: str) -> str:
+    """The scheduling group of a test: its module (its tests run on one worker, in order: module fixtures such as a
+    fake hub keep their state between them, and the session fixtures it needs are built once), or one docs page
+    (long and independent)."""
+    if nodeid.startswith(DOCS_PAGE):
+        return "test_examples_run[" + nodeid[len(DOCS_PAGE):].split("@")[0]
+    return Path(nodeid.split("::")[0]).stem
 
 
 def pytest_collection_modifyitems(config, items):
-    """The suite runs on pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts; ``-n 0`` runs it in one
-    process): each test is marked with its group, and the longest groups go first."""
+    """The longest groups go first (pytest-xdist hands out groups in collection order)."""
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (pyproject's addopts, ``-n 2``; ``-n 0`` runs the suite in one process) by `group_of`.
+    xdist's own loadgroup reads ``xdist_group`` marks into node ids (``item._nodeid``), which pytest 9 no longer
+    reads (a node's id is ``_id`` there): every test was scheduled alone, each worker building the module and
+    session fixtures of the tests it drew. This scheduler groups by node id instead."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
