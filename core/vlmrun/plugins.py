@@ -309,19 +309,26 @@ def _register(registry: Registry, plugin: object, name: str, version: str) -> No
     registry.plugins[name] = PluginRecord(name, version, getattr(plugin, "__name__", name), infos, hooks)
 
 
+def _registered(plugin: object, hook: str, cls: type) -> list:
+    """What ``plugin``'s registration hook ``hook`` hands its ``register`` (each a ``cls``); [] without the hook."""
+    impl = getattr(plugin, hook, None)
+    found: list = []
+    if impl is None:
+        return found
+    try:
+        impl(found.append)
+    except Exception as exc:
+        raise RuntimeError(f"{hook}() failed: {exc}") from exc
+    for x in found:
+        if not isinstance(x, cls):
+            raise RuntimeError(f"{hook}() declared {x!r}, not a vlmrun.plugins.{cls.__name__}")
+    return found
+
+
 def _declared_presets(plugin: object, registry: Registry) -> list[Preset]:
     """The presets ``plugin`` declares (``register_presets``); a name another plugin took is an error."""
-    impl = getattr(plugin, "register_presets", None)
-    presets: list[Preset] = []
-    if impl is None:
-        return presets
-    try:
-        impl(presets.append)
-    except Exception as exc:
-        raise RuntimeError(f"register_presets() failed: {exc}") from exc
+    presets = _registered(plugin, "register_presets", Preset)
     for p in presets:
-        if not isinstance(p, Preset):
-            raise RuntimeError(f"register_presets() declared {p!r}, not a vlmrun.plugins.Preset")
         if p.name in registry.presets:
             raise RuntimeError(f"preset '{p.name}' is already declared by another plugin")
     return presets
@@ -331,18 +338,9 @@ def _declared_precisions(plugin: object, registry: Registry) -> list[Precision]:
     """The precisions ``plugin`` declares (``register_precisions``). Plugins sharing a vocabulary may declare the
     same precision; declaring a name another plugin gave other thresholds is an error, and so is an alias
     (``like``) to a precision nobody declared."""
-    impl = getattr(plugin, "register_precisions", None)
-    declared: list[Precision] = []
-    if impl is None:
-        return declared
-    try:
-        impl(declared.append)
-    except Exception as exc:
-        raise RuntimeError(f"register_precisions() failed: {exc}") from exc
+    declared = _registered(plugin, "register_precisions", Precision)
     known = {**registry.precisions}
     for p in declared:
-        if not isinstance(p, Precision):
-            raise RuntimeError(f"register_precisions() declared {p!r}, not a vlmrun.plugins.Precision")
         if p.name in known and known[p.name] != p:
             raise RuntimeError(f"precision '{p.name}' is already declared by another plugin with other thresholds")
         known[p.name] = p

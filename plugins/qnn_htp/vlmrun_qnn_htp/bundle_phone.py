@@ -28,7 +28,6 @@ PipelineCommand takes ``pipeline save|restore PIPELINE_NAME PATH`` and ``pipelin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -302,22 +301,16 @@ class PhoneConversation(RequestState):
 
     def run(self, req) -> Iterator[int]:
         rt, tok = self.rt, self.rt.model.tokenizer
-        image_token = tok.id_to_token(rt.model.image_token_id)
-        text = req.prompt_text
-        picture = hashlib.sha256(np.ascontiguousarray(req.pixel_values, np.float32).tobytes()).hexdigest()
-        config = rt.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
-        key = json.dumps(config, sort_keys=True)
+        turn = rt.turn(req)
+        text, picture, config, key, image_token = turn.text, turn.picture, turn.config, turn.key, turn.image_token
         if key != self.key:  # other sampling settings or length: no saved state fits
             self._drop(lambda s: True)
             self.key = key
         self._drop(lambda s: not text.startswith(s[0]))  # states of undone or edited turns: never again
-        held, restore = next(((h, p) for h, p, pic in reversed(self.saves) if len(text) > len(h)
-                              and text.startswith(h) and (image_token not in h or pic == picture)), ("", None))
+        held, restore = next(((h, p) for h, p, pic in reversed(self.saves) if turn.continues(h, pic)), ("", None))
         new = text[len(held):]
         total = int(req.input_ids.shape[1])
-        fed = len(tok.encode(new.replace(image_token, ""), add_special_tokens=False).ids)
-        fed += rt.model.image_tokens if image_token in new else 0
-        self.reused = self.length = max(total - fed, 0)
+        self.reused = self.length = max(total - rt.fed_positions(new, image_token), 0)
         self.turns += 1
         save = None if self.no_state else f"{self.dir}/turn_{self.turns}"
         run = self._start(req, new, image_token, config, save, restore)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import attrs
 import numpy as np
 
 from vlmrun.errors import BackendError, UsageError
@@ -26,6 +27,25 @@ from vlmrun.layouts import bundle_manifest
 
 from .bundle import CONNECTIONS, LUT, NODES, split_prompt, sha256
 from .plan import Runtime
+
+
+@attrs.frozen
+class Turn:
+    """One conversation turn as a bundle's kept state sees it (`BundleRuntime.turn`): the rendered prompt, the hash of
+    its picture, the generator config it runs with (``key``: that config as text; a state made under another one does
+    not fit) and the image placeholder's text."""
+
+    text: str
+    picture: str
+    config: dict
+    key: str
+    image_token: str
+
+    def continues(self, held: str, held_picture: str | None) -> bool:
+        """Does this turn's prompt extend ``held``, the text a kept state holds (``held_picture``: the hash of the
+        picture where that text holds the image placeholder)?"""
+        return (len(self.text) > len(held) and self.text.startswith(held)
+                and (self.image_token not in held or held_picture == self.picture))
 
 
 class BundleRuntime:
@@ -88,6 +108,19 @@ class BundleRuntime:
         from .image_encoder import dequantize_values
 
         return dequantize_values(rows, info).astype(np.float32)
+
+    def turn(self, req) -> Turn:
+        """``req`` (a `vlmrun.stages.RequestRun`) as a conversation's kept state sees it."""
+        config = self.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
+        picture = hashlib.sha256(np.ascontiguousarray(req.pixel_values, np.float32).tobytes()).hexdigest()
+        return Turn(req.prompt_text, picture, config, json.dumps(config, sort_keys=True),
+                    self.model.tokenizer.id_to_token(self.model.image_token_id))
+
+    def fed_positions(self, new: str, image_token: str) -> int:
+        """The decoder positions the text ``new`` feeds: its tokens, and the picture's when it holds the
+        placeholder."""
+        fed = len(self.model.tokenizer.encode(new.replace(image_token, ""), add_special_tokens=False).ids)
+        return fed + (self.model.image_tokens if image_token in new else 0)
 
     def generator_config(self, sampling, max_new_tokens: int, stop_ids, tap: bool = False) -> dict:
         """The bundle's text-generator config with this request's sampler, length and stop tokens; ``tap``: the
@@ -279,14 +312,10 @@ class BundleConversation(RequestState):
 
     def run(self, req) -> Iterator[int]:
         rt, tok = self.rt, self.rt.model.tokenizer
-        image_token = tok.id_to_token(rt.model.image_token_id)
-        text = req.prompt_text
-        picture = hashlib.sha256(np.ascontiguousarray(req.pixel_values, np.float32).tobytes()).hexdigest()
-        config = rt.generator_config(req.sampling, req.max_new_tokens, req.stop_ids)
-        key = json.dumps(config, sort_keys=True)
+        turn = rt.turn(req)
+        text, picture, config, key, image_token = turn.text, turn.picture, turn.config, turn.key, turn.image_token
         extends = (self.session is not None and self.session.alive and key == self.config_key and self.held
-                   and len(text) > len(self.held) and text.startswith(self.held)
-                   and (image_token not in self.held or picture == self.picture))
+                   and turn.continues(self.held, self.picture))
         if not extends:
             self.reset()
             nodes = rt.request("", Path("unused"), "", req.sampling, req.max_new_tokens, req.stop_ids, Path("unused"))
@@ -296,9 +325,7 @@ class BundleConversation(RequestState):
             self.config_key = key
         new = text[len(self.held):]
         total = int(req.input_ids.shape[1])
-        fed = len(tok.encode(new.replace(image_token, ""), add_special_tokens=False).ids)
-        fed += rt.model.image_tokens if image_token in new else 0
-        self.reused = max(total - fed, 0)
+        self.reused = max(total - rt.fed_positions(new, image_token), 0)
         self.length = self.reused
         tmp = Path(tempfile.mkdtemp(prefix="vlmrun-bundle-turn-"))
         finished = False
