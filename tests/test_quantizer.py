@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import json
-import random
-import tempfile
 from pathlib import Path
 
 import numpy as np

@@ -20,7 +20,6 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -286,7 +285,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_read_and_the_server_stays_up(
     limit = 256 * 1024
     s = Server(ref_pipe, max_request_bytes=limit)
     try:
-        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
         # declared: 300 MB announced, not one byte of it sent: the answer comes at once
         t = time.perf_counter()
         status, body = raw_http(s.port, head + f"\r\nContent-Length: {300 * 2**20}")
@@ -356,7 +355,6 @@ def test_one_at_a_time_on_a_device_a_full_queue_is_429_and_a_disconnect_frees_th
         waiting: dict = {}
 
         def second():
-            t = time.perf_counter()
             waiting["response"] = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
                                              json={**body, "stream": False, "max_tokens": 2})
             waiting["done"] = time.perf_counter()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import attrs
 
@@ -48,6 +48,9 @@ from . import thresholds as _thresholds
 from .thresholds import (
     check_key, check_precision, infer_precision, parse_threshold, precisions, read_thresholds_file, thresholds_for,
 )
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
 
 __all__ = [
     "CAPTURE_KEYS", "CHECKPOINTS", "CHECK_STAGES", "DEFAULT_PROMPT", "DEFAULT_THRESHOLDS", "GENERATION_METRICS",
