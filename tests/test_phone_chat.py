@@ -316,3 +316,118 @@ def test_a_genie_app_without_pipeline_save_recomputes_each_turn(bundle_on_phone,
     assert [(g.text, g.token_ids) for g in kept] == [(g.text, g.token_ids) for g in scratch]
     assert chat.kept.runtime.no_state and all(g.timings["reused_tokens"] == 0 for g in kept)
     assert not any(ln.startswith("pipeline save") for ln in app_log(bundle_on_phone)["script"])
+
+
+# -- which kept state a turn may continue (`Turn.continues`) ------------------------------------------------------
+def test_a_kept_state_is_continued_only_by_a_longer_text_with_the_same_picture():
+    from vlmrun_qnn_htp.bundle_run import Turn
+
+    image = "<image>"
+    held = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<image>\nDescribe the"
+            " image.<|im_end|>\n<|im_start|>assistant\n a red square")
+    more = "<|im_end|>\n<|im_start|>user\nWhat color is it?<|im_end|>\n<|im_start|>assistant\n"
+
+    def turn(text: str, picture: str = "pic-a") -> Turn:
+        return Turn(text, picture, {}, "{}", image)
+
+    assert turn(held + more).continues(held, "pic-a")  # extends the held text, the same picture: continued
+    assert turn(held + "!").continues(held, "pic-a")  # one character more is something new to feed
+    assert not turn(held).continues(held, "pic-a")  # an exact repeat: nothing new to feed
+    assert not turn(held[:-len(" a red square")] + " a blue circle" + more).continues(held, "pic-a")  # diverges
+    assert not turn(held[:-5]).continues(held, "pic-a")  # shorter than what the state holds
+    assert not turn(held + more, "pic-b").continues(held, "pic-a")  # the placeholder held another picture
+    assert not turn(held + more, "pic-b").continues(held, None)  # ... or one nobody recorded
+    text_only = held.replace("<image>\n", "")
+    assert image not in text_only
+    for picture in ("pic-a", "pic-b"):  # no placeholder held: the picture is not in the state, whatever it is
+        assert turn(text_only + more, picture).continues(text_only, None)
+        assert turn(text_only + more, picture).continues(text_only, "pic-a")
+        assert not turn(text_only, picture).continues(text_only, None)
+
+
+@pytest.fixture(scope="module")
+def second_picture():
+    import random
+
+    from vlmrun.shapes import random_scene
+
+    return random_scene(random.Random(7), n_shapes=1).render()
+
+
+def test_a_bundle_on_a_phone_restores_no_state_of_another_picture_or_that_holds_the_whole_turn(
+        bundle_on_phone, bundle_pipe, image_path, second_picture):
+    """A saved state whose text the turn extends is restored only when it holds the turn's picture and leaves
+    something to feed: the same conversation with another first picture starts from nothing (the picture pushed
+    again), and a request whose text is exactly what a state holds (a turn's prompt and its answer) restores the
+    newer state it strictly extends, never that one."""
+    from vlmrun.conversation import KeptState, Picture, plan_turn
+    from vlmrun.preprocess import tokenize_conversation
+    from vlmrun.stages import RequestRun
+
+    pipe, model = bundle_pipe, bundle_pipe.model
+    chat = pipe.chat(settings=SETTINGS)
+    kept, logs = [], []
+    for i, q in enumerate(QUESTIONS[:2]):
+        kept.append(chat.ask(q, image=image_path if i == 0 else None).run())
+        logs.append(app_log(bundle_on_phone))
+    state = chat.kept.runtime
+    d, rd = state.dir, bundle_on_phone["root"] / pipe.handles["decoder"].runtime.phone.rd.lstrip("/")
+    held = {p: h for h, p, _ in state.saves}
+    assert list(held) == [f"{d}/turn_1", f"{d}/turn_2"]
+    assert held[f"{d}/turn_2"] == kept[1].prepared.prompt_text + kept[1].text
+
+    # 1. the same conversation text, another first picture: it extends both saved states' text, but their image
+    # placeholder holds the first picture; nothing is restored and the new picture goes in with the whole text
+    other = Picture.of(second_picture, model.image_processor_config)
+    assert other.key != chat.pictures[0].key
+    messages = chat.messages + [{"role": "user", "content": [{"type": "text", "text": QUESTIONS[2]}]}]
+    plan = plan_turn(pipe, messages, [other])
+    assert all(plan.text.startswith(h) for h in held.values())
+    got = pipe.generate_turn(plan, chat.kept, SETTINGS).run()
+    log = app_log(bundle_on_phone)
+    script = log["script"]
+    assert not any(ln.startswith("pipeline restore") for ln in script)
+    images = [ln.split()[-1] for ln in script if ln.startswith("node set image")]
+    assert len(images) == 1 and (rd / images[0]).read_bytes() == np.ascontiguousarray(
+        other.pixel_values, np.float32).tobytes()  # the other picture's pixels, pushed this turn
+    fed = "".join((rd / ln.split()[-1]).read_text() for ln in script if ln.startswith("node set textFile"))
+    assert fed == plan.text.replace("<image>", "")  # the whole conversation's text, fed again
+    assert log["executed"][0]["restored"] == 0 and script[-5] == f"pipeline save GeniePipeline {d}/turn_3"
+    assert got.timings["reused_tokens"] == 0 and got.timings["prefill_tokens"] == plan.input_ids.shape[1]
+    scratch = pipe.generate_turn(plan, KeptState(None), SETTINGS).run()  # the same turn computed from scratch
+    assert got.token_ids and (got.text, got.token_ids) == (scratch.text, scratch.token_ids)
+    same_picture = plan_turn(pipe, messages, [chat.pictures[0]])
+    first = pipe.generate_turn(same_picture, KeptState(None), SETTINGS).run()
+    assert first.token_ids != got.token_ids  # the stand-in's answer does depend on the picture
+
+    # 2. a request whose text is exactly what turn 2's state holds (its prompt and its answer): that state has
+    # nothing left to feed, so the newest state it strictly extends (turn 1's) is restored and the rest fed
+    text = held[f"{d}/turn_2"]
+    ids, starts = tokenize_conversation(model.tokenizer, text, model.image_token_id, model.image_tokens)
+    request = RequestRun(pixel_values=kept[0].prepared.pixel_values, input_ids=ids, image_start=starts[0],
+                         prompt_text=text, max_new_tokens=SETTINGS.max_new_tokens, sampling=SETTINGS.sampling,
+                         stop_ids=model.stop_ids)
+    tokens = list(state.run(request))
+    log = app_log(bundle_on_phone)
+    script = log["script"]
+    assert [ln for ln in script if ln.startswith("pipeline restore")] == [f"pipeline restore GeniePipeline {d}/turn_1"]
+    new = "".join((rd / ln.split()[-1]).read_text() for ln in script if ln.startswith("node set textFile"))
+    assert new and text == held[f"{d}/turn_1"] + new  # what turn 1's state lacks, the answer of turn 2 with it
+    assert not any(ln.startswith("node set image") for ln in script)
+    assert log["executed"] == [{"restored": logs[1]["executed"][0]["restored"], "fed": len(new)}]
+    assert state.reused == kept[1].timings["reused_tokens"] < ids.shape[1]
+    fresh = pipe.new_kept_state()  # the same request from nothing, on a conversation of its own
+    try:
+        assert tokens and tokens == list(fresh.runtime.run(request))
+        assert not any(ln.startswith("pipeline restore") for ln in app_log(bundle_on_phone)["script"])
+    finally:
+        fresh.close()
+
+    # 3. turn 2 asked again: its own state holds its answer and is never restored (it is dropped), turn 1's is
+    again = pipe.generate_turn(kept[1].plan, chat.kept, SETTINGS).run()
+    script = app_log(bundle_on_phone)["script"]
+    assert [ln for ln in script if ln.startswith("pipeline restore")] == [f"pipeline restore GeniePipeline {d}/turn_1"]
+    assert not (rd / d / "turn_2").exists()
+    assert (again.text, again.token_ids) == (kept[1].text, kept[1].token_ids)
+    chat.reset()
+    assert not (rd / d).exists()

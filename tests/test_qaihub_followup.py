@@ -170,3 +170,121 @@ def test_follow_up_compile_job_with_the_prompt_graphs_shapes_fails_on_the_hub(hu
     st = wrong.wait()
     assert st.failure and "not compatible with the model" in st.message, st.message
     assert f"[1, {d['ar']}, " in st.message and f"is [1, {FU}, " in st.message, st.message
+
+
+# -- a follow-up graph's compile job interrupted, then re-attached to ---------------------------------------------
+def ledger_entries(store) -> list[dict]:
+    """Every job ledger entry in the store (the ledgers live in the artifacts' state directories)."""
+    import json
+    from pathlib import Path
+
+    return [e for f in Path(store.root, "state").glob("*/qaihub-jobs.json")
+            for e in json.loads(f.read_text()).values()]
+
+
+def manifest_graphs(art) -> dict:
+    """What a parts manifest says of its graphs and binaries, without the hub's job ids; graph names as asked for
+    (this fake hub pads them to the length of onnxruntime-qnn's own names, which vary: `base_name`)."""
+    from vlmrun_qaihub.parts import base_name
+
+    d = art.manifest["decoder_parts"]
+    keep = ("ar", "ctx", "count", "layers", "followup_ar", "weight_sharing", "graphs_per_binary", "binaries_in_order")
+    return {"graphs": [base_name(n) for n in art.manifest["graphs"]], "files": art.manifest["files"],
+            **{k: d[k] for k in keep},
+            "parts": [{"index": p["index"], "binaries": p["binaries"], "source_sha256": p["source_sha256"],
+                       "graphs": {kind: {**{k: v for k, v in g.items() if k != "hub_compile_job"},
+                                         "name": base_name(g["name"])}
+                                  for kind, g in p["graphs"].items()}} for p in d["parts"]]}
+
+
+def hold_followups(server, tag: str, kill: bool):
+    """Keep the follow-up graphs' compile jobs of ``tag`` running on ``server`` (the fake hub) while ``on["hold"]``;
+    ``kill``: close the hub's port once vlmrun waits on part 1's follow-up job (every compile job submitted, that job
+    polled again), so that the contact is lost while waiting on that job specifically. Returns the switch."""
+    import threading
+
+    state_of, on = server.state_of, {"hold": True, "killed": False}
+    mark = f"--vlmrun_test_tag {tag}"
+
+    def held(job: dict):
+        opts = job.get("options", "")
+        if job["kind"] == "compile" and mark in opts and f"--qnn_graph_name prompt_ar{FU}_" in opts:
+            job["hold"] = on["hold"]
+            mine = [j for j in server.jobs.values() if j["kind"] == "compile" and mark in j["options"]]
+            if kill and on["hold"] and not on["killed"] and len(mine) == 3 * P and \
+                    graph_name(job) == f"prompt_ar{FU}_cl{CTX}_1_of_{P}":
+                on["killed"] = True
+                threading.Thread(target=server.stop_serving, daemon=True).start()
+        return state_of(job)
+
+    server.state_of = held
+    return on
+
+
+@pytest.mark.parametrize("how", ["timeout", "lost contact"])
+def test_an_interrupted_follow_up_compile_job_is_named_and_a_rerun_reattaches_to_it(
+        how, hub, tiny_model, store, registry, capfd, monkeypatch, tmp_path):
+    from fake_hub import FakeHub, write_client_ini
+    from vlmrun.errors import BackendError
+
+    # an uninterrupted compile of the same form (shared with the linked test above when the module runs)
+    reference = build(hub, tiny_model, store, registry, opts("followup-linked", engine="genie")).pipe
+    want = manifest_graphs(reference.handles["decoder"].artifact)
+    tag = "followup-" + how.replace(" ", "-")
+    server = hub
+    if how == "lost contact":  # a hub of this test's own, to be killed and restarted
+        server = FakeHub(TOKEN).start()
+        monkeypatch.setenv("QAIHUB_CLIENT_INI", str(write_client_ini(tmp_path / "client.ini", TOKEN, server.url)))
+    try:
+        on = hold_followups(server, tag, kill=how == "lost contact")
+        first = {"network_timeout": 2, **({"job_timeout": 3} if how == "timeout" else {})}
+        models0 = server.count("POST", "models")
+        with pytest.raises(BackendError) as err:
+            build(server, tiny_model, store, registry, opts(tag, engine="genie", **first))
+        msg = str(err.value)
+        capfd.readouterr()
+        compiles = {graph_name(j): jid for jid, j in server.jobs.items()
+                    if j["kind"] == "compile" and f"--vlmrun_test_tag {tag}" in j["options"]}
+        targets = {server.jobs[c]["target"] for c in compiles.values()}
+        assert len(compiles) == 3 * P  # every graph's compile job submitted, none linked yet
+        assert not any(j["kind"] == "link" and set(j["model_ids"]) & targets for j in server.jobs.values())
+        fu = compiles[f"prompt_ar{FU}_cl{CTX}_1_of_{P}"]  # the follow-up graph of part 1: the job waited on
+        others = set(compiles.values()) - {fu}
+        assert "\n" not in msg and fu in msg and not others & set(re.findall(r"\w+", msg))  # that job, no other
+        if how == "timeout":
+            assert f"AI Hub compile job {fu} did not finish within 3 s" in msg and "still running" in msg
+        else:
+            assert f"lost contact with Qualcomm AI Hub at {server.url} while waiting for compile job {fu}" in msg
+            assert "may still be running" in msg
+        assert "re-attach" in msg
+        assert any(e.get("job_id") == fu and e["state"] == "submitted" for e in ledger_entries(store))
+        assert "result_state" not in server.jobs[fu]  # it never finished
+
+        # the rerun of the same compile: re-attaches to the follow-up job (and the others), submits no compile job
+        on["hold"] = False
+        if how == "lost contact":
+            server.restart(forget=False)  # the hub comes back with its jobs
+        jobs0, models1 = server.count("POST", "jobs"), server.count("POST", "models")
+        assert models1 - models0 == 3 * P  # each graph uploaded once, by the first run
+        again = build(server, tiny_model, store, registry, opts(tag, engine="genie", network_timeout=2))
+        err_text = capfd.readouterr().err
+        assert f"re-attaching to compile job {fu}" in err_text
+        assert not again.compiles and len(again.links) == P  # no compile job submitted again; the links
+        assert server.count("POST", "jobs") == jobs0 + P and server.count("POST", "models") == models1
+        art = again.pipe.handles["decoder"].artifact
+        d = check_parts_manifest(art, True, art.manifest["decoder_parts"]["ar"])
+        assert d["parts"][0]["hub_compile_jobs"]["followup"] == fu
+        assert {jid for p in d["parts"] for jid in p["hub_compile_jobs"].values()} == set(compiles.values())
+        assert server.jobs[fu]["result_state"] == DONE
+        for link, p in zip(again.links, d["parts"]):  # each part's link takes its three compiled graphs
+            k = p["index"]
+            assert link["model_ids"] == [server.jobs[compiles[n]]["target"] for n in (
+                f"prompt_ar{d['ar']}_cl{CTX}_{k}_of_{P}", f"token_ar1_cl{CTX}_{k}_of_{P}",
+                f"prompt_ar{FU}_cl{CTX}_{k}_of_{P}")]
+        assert manifest_graphs(art) == want  # the graphs an uninterrupted compile gives
+        assert not any(e.get("job_id") == fu and e["state"] == "submitted" for e in ledger_entries(store))
+    finally:
+        if server is not hub:
+            server.stop()
+        else:
+            del server.state_of
