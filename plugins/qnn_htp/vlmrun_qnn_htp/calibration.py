@@ -8,7 +8,8 @@
   when none are given), prefill then greedy decode;
 * the parts decoder: the same host loop over the float part graphs (`parts_calibration_feeds`), once with
   the prompt graphs, once with the token graphs and, when compiled, once with the follow-up prompt graphs (their
-  own export at fewer rows), the attention mask clipped at `MASK_CLIP`.
+  own export at fewer rows), the attention mask clipped at `MASK_CLIP`; every part's graph open at once, or one
+  part at a time (`calibration_order`, `.calibration_sequence`) when the whole decoder in float32 would not fit.
 
 `Reader` hands feeds to onnxruntime's calibrators; `spill_feeds` / `load_feeds` keep a graph's
 feeds on disk until that graph is quantized.
@@ -16,13 +17,18 @@ feeds on disk until that graph is quantized.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
+import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from vlmrun.errors import UsageError
 
+from .calibration_sequence import record_in_sequence
 from .parts_run import Chain
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
@@ -31,6 +37,7 @@ MASK_CLIP = -100.0  # quantized parts: the mask range the calibration sees (larg
 GEN_STEPS = 8  # parts: greedy tokens decoded after each calibration prompt
 PROMPT_GEN_STEPS = 8  # ... for the prompt graph's calibration (each a whole AR-N call for one real row)
 MAX_SAMPLES = 64  # parts: calibration feeds kept per graph
+ORDERS = ("auto", "whole", "sequence")  # the parts decoder's calibration_order
 PARTS_CALIBRATION = "parts-demo-image-v1"  # the parts decoder's calibration key when no images are given
 
 
@@ -239,10 +246,12 @@ def parts_graph_sets(src_dir: Path, desc: dict, followup: tuple[Path, dict] | No
 
 
 def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
-                            followup: tuple[Path, dict] | None = None) -> tuple[dict, str]:
+                            followup: tuple[Path, dict] | None = None, order: str = "auto") -> tuple[dict, str]:
     """{(part index, "prompt"|"token"|"followup"): [feeds]} recorded from the float part graphs on the CPU, and a
     label. Each graph set runs the host loop alone: the prompts in chunks of its rows, then greedy steps through
-    it (so the follow-up graphs see calls on a filled past, as a conversation's next turn gives them)."""
+    it (so the follow-up graphs see calls on a filled past, as a conversation's next turn gives them). ``order``
+    (`calibration_order`): every part's float graph open at once (``whole``), or one at a time
+    (``sequence``, `.calibration_sequence`): the same feeds either way."""
     from vlmrun_qualcomm.genie_config import GenieModel
 
     from .genie_engine import GenieLayoutDecoder
@@ -253,25 +262,43 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
         CALIBRATION_PROMPTS)
     embeds = [f["inputs_embeds"][:, : max(1, ctx - ar - GEN_STEPS)].astype(np.float32)
               for f in context.reference_inputs(files or None, prompts)]
+    sets = parts_graph_sets(src_dir, desc, followup)
+    order = calibration_order(order, sets)
+    embed_lock = threading.Lock()  # in sequence the prompts' loops run in threads: one token lookup at a time
+
+    def host_loop(graph, e, rows: int, steps: int) -> None:
+        """One prompt through ``graph`` (every part of one AR): the prompt in chunks of ``rows``, then greedy steps."""
+        dec = GenieLayoutDecoder({rows: graph, 1: graph}, ctx, facts, min_chunk=1)  # only this AR is picked
+        dec.reset()
+        logits = dec.prefill(e)
+        for _ in range(steps):
+            if dec.n_past + rows > ctx:
+                break
+            tok = int(np.argmax(logits[0, -1]))
+            with embed_lock:
+                row = context.embed_tokens(np.array([tok]))
+            logits = dec._step(row, rows)
+
     out: dict = {}
-    for kind, rows, paths in parts_graph_sets(src_dir, desc, followup):
+    rounds = 0
+    for kind, rows, paths in sets:
         steps = GEN_STEPS if kind == "token" else PROMPT_GEN_STEPS
         calls = sum(-(-e.shape[1] // rows) + steps for e in embeds)
         keep = set(np.unique(np.linspace(0, calls - 1, min(calls, MAX_SAMPLES)).round().astype(int)).tolist())
-        runners = [CpuGraph(path) for path in paths]
-        chain = Chain(runners, keep, MASK_CLIP)
-        dec = GenieLayoutDecoder({rows: chain, 1: chain}, ctx, facts, min_chunk=1)  # only this AR is picked
-        for e in embeds:
-            dec.reset()
-            logits = dec.prefill(e)
-            for _ in range(steps):
-                if dec.n_past + rows > ctx:
-                    break
-                tok = int(np.argmax(logits[0, -1]))
-                logits = dec._step(context.embed_tokens(np.array([tok])), rows)
-        for p, rec in zip(desc["parts"], chain.recorded):
+        loops = [functools.partial(host_loop, e=e, rows=rows, steps=steps) for e in embeds]
+        if order == "sequence":
+            with tempfile.TemporaryDirectory(prefix="vlmrun-calibration-") as spill:
+                recorded, n = record_in_sequence(paths, CpuGraph, loops, keep, MASK_CLIP, Path(spill))
+            rounds += n
+        else:
+            runners = [CpuGraph(path) for path in paths]
+            chain = Chain(runners, keep, MASK_CLIP)
+            for loop in loops:
+                loop(chain)
+            recorded = chain.recorded
+            del runners, chain
+        for p, rec in zip(desc["parts"], recorded):
             out[(p["index"], kind)] = rec
-        del runners, chain
     what = f"images:{len(files)}" if files else "demo image"
     n = {k: len(v) for k, v in out.items() if k[0] == 1}
     fu = f" / {n[(1, 'followup')]} follow-up" if (1, "followup") in n else ""
@@ -279,7 +306,31 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
              f" graphs on the CPU (prefill + {GEN_STEPS} greedy steps, prompt graphs and token graphs separately);"
              f" {n.get((1, 'prompt'), 0)} prompt / {n.get((1, 'token'), 0)} token{fu} feeds per part; mask clipped"
              f" at {MASK_CLIP:g}")
+    if order == "sequence":
+        label += f"; in sequence (one part's float graph at a time, {rounds} rounds)"
     return out, label
+
+
+def graph_set_bytes(paths) -> int:
+    """Bytes of float graphs on disk: each ONNX file and its external data (``NAME.onnx.data``, as exported)."""
+    return sum(f.stat().st_size for path in map(Path, paths) for f in (path, path.parent / (path.name + ".data"))
+               if f.is_file())
+
+
+def calibration_order(order: str, sets) -> str:
+    """``whole`` or ``sequence`` for the option ``calibration_order`` (``sets``: `parts_graph_sets`). ``auto``:
+    whole while the largest graph set's float graphs, open at once in onnxruntime (about twice their bytes), fit
+    in the memory budget (``VLMRUN_MEMORY_BUDGET_GB``), else in half of this machine's memory; in sequence
+    otherwise (FastVLM-1.5B and 7B here: 6 GB and 30 GB of float32 weights)."""
+    if order != "auto":
+        return order
+    from vlmrun.checkpoint_stream import memory_budget
+
+    budget = memory_budget()
+    if budget is None:
+        budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    need = 2 * max((graph_set_bytes(paths) for _, _, paths in sets), default=0)
+    return "whole" if need <= budget else "sequence"
 
 
 def spill_feeds(feeds: list[dict], path: Path) -> Path:

@@ -80,6 +80,10 @@ def declarations() -> tuple[Option, ...]:
                help="parts form: number of parts (0 = the fewest whose binaries stay under part_limit_mb)"),
         Option(NAME, "part_limit_mb", int, stages=("decoder",), default=DEFAULT_PART_LIMIT_MB, minimum=1,
                help="parts form: largest part binary, MB (the HTP maps one context into a 32-bit address space)"),
+        Option(NAME, "calibration_order", str, stages=("decoder",), choices=calibration.ORDERS, default="auto",
+               help="parts form, quantized: the calibration's host loop over every part's float graph open at once"
+                    " (whole), one part at a time (sequence: memory of one part, the same feeds), or whole while the"
+                    " float decoder fits in the memory budget or half this machine's memory (auto)"),
         Option(NAME, "weight_sharing", str, stages=("decoder",), choices=SHARING, default="auto",
                help="parts form: a part's prompt and token graphs in one binary sharing weights (on), one binary per"
                     " graph (off), or on except on the x86_64 emulator, which cannot load shared binaries (auto)"),

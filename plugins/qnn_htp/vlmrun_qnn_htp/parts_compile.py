@@ -106,8 +106,9 @@ def _quantize_facts(facts: dict, q_times: dict, q_peaks: dict, per_layer: dict, 
     return facts
 
 
-def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> dict:
-    """Compile every part of the ``decoder/parts`` export ``source`` into ``out_dir``; the manifest."""
+def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_order: str, context=None) -> dict:
+    """Compile every part of the ``decoder/parts`` export ``source`` into ``out_dir``; the manifest.
+    ``calibration_order``: the option (`.calibration.calibration_order`); it does not key the binary."""
     soc = socs.soc(options.get("soc"))
     precision = options["precision"]
     recipe = from_key(options)
@@ -116,7 +117,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
     if desc.get("probe_part"):  # one part's probe graph (vlmrun diff --locate)
-        return compile_part_probe(model, source, options, out_dir, context=context)
+        return compile_part_probe(model, source, options, out_dir, calibration_order, context=context)
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
     fu_dir, fdesc = followup_export(src_dir, options, desc)
     limit = int(options["part_limit_mb"]) * 1_000_000
@@ -130,7 +131,8 @@ def compile_parts(model, source, options: dict, out_dir: Path, context=None) -> 
             files = calibration.calibration_files(options.get("calibration_images"))
             followup = (fu_dir, fdesc) if fu_dir is not None else None
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
-                                                               calibration.require_context(context), followup)
+                                                               calibration.require_context(context), followup,
+                                                               calibration_order)
             # on disk until their graph is quantized: only one graph's feeds are in memory at a time
             feeds = {key: calibration.spill_feeds(f, work / f"feeds_part{key[0]}_{key[1]}.npz")
                      for key, f in feeds.items()}
@@ -254,7 +256,7 @@ def _compile(src: Path, wrapper: Path, soc, share: bool, stop: bool, what: str) 
         raise BackendError(f"QNN HTP ({soc.name}/{soc.arch}) could not compile {what}: {why}") from None
 
 
-def compile_part_probe(model, source, options: dict, out_dir, context=None) -> dict:
+def compile_part_probe(model, source, options: dict, out_dir, calibration_order: str, context=None) -> dict:
     """Compile the probe graph of one part (the ``decoder/parts`` probe export ``source``, ``parts.json`` with
     ``probe_part``) into ``out_dir``: the part's prompt graph with its layer outputs, quantized exactly as
     `compile_parts` quantizes that part (the same calibration feeds, recorded from the float graphs of every
@@ -275,7 +277,8 @@ def compile_part_probe(model, source, options: dict, out_dir, context=None) -> d
             t0 = time.perf_counter()
             files = calibration.calibration_files(options.get("calibration_images"))
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
-                                                               calibration.require_context(context))
+                                                               calibration.require_context(context),
+                                                               order=calibration_order)
             dst = work / f"part{k}_prompt_probe.qdq.onnx"
             facts = quantize(src, dst, feeds[(k, "prompt")], recipe, work, _layers(options, k, "prompt"))
             extra["quantization"] = {**facts, "calibration": label, "quantize_s": round(time.perf_counter() - t0, 3)}
