@@ -454,3 +454,45 @@ def test_memory_budget_below_one_layer_stops_before_writing(apple_tiny, tmp_path
     assert res.returncode == 2 and len(errors) == 1, res.stderr  # one line (after the step's progress line)
     assert "GB of memory, more than the budget VLMRUN_MEMORY_BUDGET_GB=0.5 GB" in res.stderr and "one decoder layer alone needs" in res.stderr
     assert list(cache.rglob("*.onnx")) == []
+
+
+def test_parts_are_planned_from_the_memory_budget(monkeypatch):
+    """``parts = 0`` with ``VLMRUN_MEMORY_BUDGET_GB`` set: the fewest parts whose every part's estimated peak
+    (export, or quantization in its child: `memory.QUANTIZE_COPIES` copies of its float32 weights) is within the
+    budget; without a budget the binary limit's plan as before; a given ``parts`` is the user's; a budget no split
+    meets is one line naming the size needed (at 7B the untied lm_head alone is 2.18 GB in float32)."""
+    from types import SimpleNamespace
+
+    from vlmrun.errors import UsageError
+    from vlmrun.family import SIZES
+    from vlmrun_qnn_htp.memory import part_peak_bytes
+    from vlmrun_qnn_htp.options import parts_plan, stage_options
+    from vlmrun_qualcomm.parts import split_layers
+
+    def model(name):
+        s = SIZES[name]
+        return SimpleNamespace(hidden_size=s.hidden, num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim,
+                               vocab_size=s.vocab_rows, num_layers=s.layers,
+                               text_config={"intermediate_size": s.intermediate})
+
+    opts = stage_options("decoder", {"precision": "w4a16", "context_length": 1024})
+    monkeypatch.delenv("VLMRUN_MEMORY_BUDGET_GB", raising=False)
+    assert parts_plan(model("0.5b"), opts)["layers"] == [24] and parts_plan(model("1.5b"), opts)["layers"] == [28]
+    monkeypatch.setenv("VLMRUN_MEMORY_BUDGET_GB", "14")
+    for name, want in (("0.5b", [17, 7]), ("1.5b", [7, 7, 7, 6, 1])):
+        m = model(name)
+        layers = parts_plan(m, opts)["layers"]
+        assert layers == want, name
+        peaks = [part_peak_bytes(m, "onnxruntime", n, i == len(layers) - 1) for i, n in enumerate(layers)]
+        assert max(peaks) <= 14e9
+        fewer = split_layers(m, "w4a16", len(layers) - 1)  # the fewest: one part less is over the budget
+        assert max(part_peak_bytes(m, "onnxruntime", n, i == len(fewer) - 1) for i, n in enumerate(fewer)) > 14e9
+    fp16 = stage_options("decoder", {"precision": "fp16", "decoder_form": "parts", "context_length": 1024})
+    assert parts_plan(model("0.5b"), fp16)["layers"] == [17, 7]  # fp16: the binary limit asks 2 parts already
+    given = stage_options("decoder", {"precision": "w4a16", "context_length": 1024, "parts": 2})
+    assert len(parts_plan(model("1.5b"), given)["layers"]) == 2  # the user's count (its export checks the budget)
+    with pytest.raises(UsageError) as err:
+        parts_plan(model("7b"), opts)
+    assert str(err.value) == ("quantizing the decoder needs about 28.01 GB of memory for its largest part even at one"
+                              " layer a part (the last, with the lm_head), more than the budget"
+                              " VLMRUN_MEMORY_BUDGET_GB=14 GB; raise the budget to at least that")

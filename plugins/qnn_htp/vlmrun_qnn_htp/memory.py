@@ -46,3 +46,46 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+#: peak memory of quantizing one part graph in its child, in copies of the part's float32 weights (FastVLM-0.5B
+#: size, one part of 24 layers + lm_head, 1.98 GB: onnxruntime's min-max peaked at 17.3 GB; AIMET's simulation
+#: peaked at 12.9 GB over 1.56 GB and was killed at 21.7 GB over 1.98 GB)
+QUANTIZE_COPIES = {"onnxruntime": 9, "aimet": 11}
+
+
+def part_peak_bytes(model, quantizer: str | None, layers: int, last: bool) -> int:
+    """The estimated peak memory of making one decoder part of ``layers`` layers (+ the lm_head when ``last``): its
+    export (`vlmrun.checkpoint_stream.export_peak_bytes`) or, quantized by ``quantizer`` (None: not quantized),
+    its quantization, whichever is larger."""
+    from vlmrun.checkpoint_stream import export_peak_bytes
+    from vlmrun_qualcomm.parts import weight_counts
+
+    mm, other, head = weight_counts(model)
+    fp32 = (layers * (mm + other) + (head if last else 0)) * 4
+    peak = export_peak_bytes(fp32)
+    if quantizer is not None:
+        peak = max(peak, QUANTIZE_COPIES[quantizer] * fp32)
+    return peak
+
+
+def parts_for_budget(model, precision: str, quantizer: str | None, at_least: int) -> int:
+    """The fewest parts (at least ``at_least``: what the binary limit asks) whose every part is made within the
+    memory budget (``VLMRUN_MEMORY_BUDGET_GB``; unset: ``at_least``). `UsageError` (exit 2, before any work) when
+    even one layer a part does not fit, naming the size needed."""
+    from vlmrun.checkpoint_stream import MEMORY_BUDGET_ENV, memory_budget
+    from vlmrun.errors import UsageError
+    from vlmrun_qualcomm.parts import split_layers
+
+    budget = memory_budget()
+    if budget is None:
+        return at_least
+    for parts in range(at_least, model.num_layers + 1):
+        counts = split_layers(model, precision, parts)
+        worst = max(part_peak_bytes(model, quantizer, n, i == parts - 1) for i, n in enumerate(counts))
+        if worst <= budget:
+            return parts
+    what = "exporting" if quantizer is None else "quantizing"
+    raise UsageError(f"{what} the decoder needs about {worst / 1e9:.2f} GB of memory for its largest part even at one"
+                     f" layer a part (the last, with the lm_head), more than the budget {MEMORY_BUDGET_ENV}="
+                     f"{budget / 1e9:g} GB; raise the budget to at least that")

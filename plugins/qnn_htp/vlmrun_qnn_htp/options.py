@@ -356,15 +356,22 @@ AIMET_GRAPH_LIMIT = 1_600_000_000
 
 
 def parts_plan(model, opts: dict) -> dict:
-    """`vlmrun_qualcomm.parts.plan` (the parts, AR and context of the export), except that with the AIMET
-    engine and ``parts = 0`` each part's float graph also stays under `AIMET_GRAPH_LIMIT`."""
+    """`vlmrun_qualcomm.parts.plan` (the parts, AR and context of the export), except that with ``parts = 0`` each
+    part's float graph also stays under `AIMET_GRAPH_LIMIT` with the AIMET engine, and each part is made within the
+    memory budget when one is set (``VLMRUN_MEMORY_BUDGET_GB``: `.memory.parts_for_budget`). A given ``parts``
+    is kept (its export still checks the budget)."""
     import math
 
     from vlmrun_qualcomm.parts import plan, weight_counts
 
-    if opts.get("quantizer") == "aimet" and not opts.get("parts"):
+    from .memory import parts_for_budget
+
+    if opts.get("parts"):
+        return plan(model, opts)
+    fewest = len(plan(model, opts)["layers"])
+    rec = recipe.from_key(opts)  # None: not quantized (fp16)
+    if rec is not None and rec.quantizer == "aimet":
         mm, other, head = weight_counts(model)
-        need = math.ceil((model.num_layers * (mm + other) + head) * 4 / AIMET_GRAPH_LIMIT)
-        if need > 1:
-            return plan(model, {**opts, "parts": max(need, len(plan(model, opts)["layers"]))})
-    return plan(model, opts)
+        fewest = max(fewest, math.ceil((model.num_layers * (mm + other) + head) * 4 / AIMET_GRAPH_LIMIT))
+    parts = parts_for_budget(model, opts["precision"], rec.quantizer if rec is not None else None, fewest)
+    return plan(model, {**opts, "parts": parts}) if parts > 1 else plan(model, opts)
