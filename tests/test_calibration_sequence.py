@@ -145,3 +145,69 @@ def test_auto_calibrates_in_sequence_when_the_float_decoder_does_not_fit_the_bud
     monkeypatch.setenv("VLMRUN_MEMORY_BUDGET_GB", str(need / 1e9 * 0.99))
     assert calibration.calibration_order("auto", sets) == "sequence"
     assert calibration.calibration_order("whole", sets) == "whole"  # given: as given
+
+
+class Affine:
+    """A fake part graph: ``h_out = h * scale + calls so far``, ``logits`` from the last part."""
+
+    def __init__(self, path):
+        self.k, self.last = path
+        self.input_names = ["h"]
+        self.calls = 0
+
+    def run(self, feeds):
+        self.calls += 1
+        h = feeds["h"] * (self.k + 1) + 1.0
+        return {"h": h, "logits": h.sum(keepdims=True)} if self.last else {"h": h}
+
+
+def loop_over(start: float, calls: int):
+    """A host loop of ``calls`` calls whose next input follows from the last output (as greedy steps do)."""
+    def loop(graph):
+        h = np.full((1, 2), start, np.float32)
+        for _ in range(calls):
+            h = graph.run({"h": h})["h"] / 10
+    return loop
+
+
+def test_the_rounds_record_what_one_chain_records_in_its_order(tmp_path):
+    from vlmrun_qnn_htp.calibration_sequence import record_in_sequence
+    from vlmrun_qnn_htp.parts_run import Chain
+
+    paths = [(0, False), (1, False), (2, True)]
+    loops = [loop_over(1.0, 3), loop_over(2.0, 5), loop_over(3.0, 1)]  # prompts of different lengths
+    keep = {0, 2, 3, 7, 8}
+    chain = Chain([Affine(p) for p in paths], keep, None)
+    for loop in loops:
+        loop(chain)
+    recorded, rounds = record_in_sequence(paths, Affine, loops, keep, None, tmp_path / "spill")
+    assert rounds == 5 and chain.calls == 9  # a round per call of the longest prompt
+    assert [[f["h"].tolist() for f in part] for part in recorded] == \
+           [[f["h"].tolist() for f in part] for part in chain.recorded]
+    assert len(recorded[0]) == len(keep)
+
+
+def test_a_failing_loop_or_graph_stops_the_rounds_with_its_error(tmp_path):
+    from vlmrun_qnn_htp.calibration_sequence import record_in_sequence
+
+    def broken(graph):
+        graph.run({"h": np.ones((1, 2), np.float32)})
+        raise ValueError("loop 1 failed")
+
+    paths = [(0, False), (1, True)]
+    with pytest.raises(ValueError, match="loop 1 failed"):
+        record_in_sequence(paths, Affine, [loop_over(1.0, 4), broken], set(), None, tmp_path / "a")
+
+    class Failing(Affine):
+        def run(self, feeds):
+            raise RuntimeError("part 2 failed")
+
+    def opener(path):
+        return Failing(path) if path[0] == 1 else Affine(path)
+
+    import threading
+
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="part 2 failed"):
+        record_in_sequence(paths, opener, [loop_over(1.0, 4), loop_over(2.0, 2)], set(), None, tmp_path / "b")
+    assert threading.active_count() == before  # every prompt's thread has ended
