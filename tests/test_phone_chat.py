@@ -209,7 +209,7 @@ def bundle_on_phone(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def bundle_pipe(bundle_on_phone, phone_bundle, tiny_model, store):
+def bundle_pipe(bundle_on_phone, phone_bundle, tiny_model, store):  # noqa: F811 (the fixture)
     from vlmrun import layouts
 
     from test_bundle import phone_options
