@@ -43,7 +43,8 @@ def heldout_text(model, min_tokens: int) -> str:
     return text
 
 
-def test_the_phone_computes_perplexity_with_genie_app(phone, phone_bundle, tiny_model, store, monkeypatch):  # noqa: F811
+def test_the_phone_computes_perplexity_with_genie_app(phone, phone_bundle, tiny_model, store,  # noqa: F811
+                                                      monkeypatch):
     from vlmrun import layouts
     from vlmrun_qualcomm.genie_accuracy import accuracy_script
 
