@@ -1,6 +1,11 @@
-"""Memory of long compiles: the running peak RSS (recorded in manifests) and handing freed heap back to the OS."""
+"""Memory of long compiles: the running peak RSS (recorded in manifests), handing freed heap back to the OS, and the
+parts decoder planned from the memory budget (`parts_for_budget`)."""
 
 from __future__ import annotations
+
+from vlmrun.checkpoint_stream import MEMORY_BUDGET_ENV, export_peak_bytes, memory_budget
+from vlmrun.errors import UsageError
+from vlmrun_qualcomm.parts import split_layers, weight_counts
 
 
 def peak_rss_mb() -> int | None:
@@ -58,9 +63,6 @@ def part_peak_bytes(model, quantizer: str | None, layers: int, last: bool) -> in
     """The estimated peak memory of making one decoder part of ``layers`` layers (+ the lm_head when ``last``): its
     export (`vlmrun.checkpoint_stream.export_peak_bytes`) or, quantized by ``quantizer`` (None: not quantized),
     its quantization, whichever is larger."""
-    from vlmrun.checkpoint_stream import export_peak_bytes
-    from vlmrun_qualcomm.parts import weight_counts
-
     mm, other, head = weight_counts(model)
     fp32 = (layers * (mm + other) + (head if last else 0)) * 4
     peak = export_peak_bytes(fp32)
@@ -73,10 +75,6 @@ def parts_for_budget(model, precision: str, quantizer: str | None, at_least: int
     """The fewest parts (at least ``at_least``: what the binary limit asks) whose every part is made within the
     memory budget (``VLMRUN_MEMORY_BUDGET_GB``; unset: ``at_least``). `UsageError` (exit 2, before any work) when
     even one layer a part does not fit, naming the size needed."""
-    from vlmrun.checkpoint_stream import MEMORY_BUDGET_ENV, memory_budget
-    from vlmrun.errors import UsageError
-    from vlmrun_qualcomm.parts import split_layers
-
     budget = memory_budget()
     if budget is None:
         return at_least

@@ -24,6 +24,7 @@ from vlmrun_qualcomm.sdk import Sdk, phone_options
 
 from . import calibration, ep, recipe
 from .layers import LAYER_OPTIONS, check_keep_fp, keep_fp_key, parse_keep_fp, parts_keep_key
+from .memory import parts_for_budget
 
 NAME = "qnn_htp"
 PRECISIONS = ("fp16", "int8", "a16w8", "w8a16", "w4a16")  # w8a16, w4a16: decoder_form = "parts" only
@@ -363,8 +364,6 @@ def parts_plan(model, opts: dict) -> dict:
     import math
 
     from vlmrun_qualcomm.parts import plan, weight_counts
-
-    from .memory import parts_for_budget
 
     if opts.get("parts"):
         return plan(model, opts)
