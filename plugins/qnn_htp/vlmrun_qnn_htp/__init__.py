@@ -204,7 +204,7 @@ def _compile_binary(src: Path, out_dir: Path, name: str, soc, precision: str, op
     return ep.compile_onnx(src, out_dir, name, soc, what), {}
 
 
-def compile_stage(stage, model, source, options, out_dir: Path, context=None, all_options=None) -> dict:
+def compile_stage(stage, model, source, options, out_dir: Path, *, all_options, context=None) -> dict:
     """Compile ``source`` into a context binary in ``out_dir`` (``options``: the keyed options; ``all_options``:
     all of the stage's, for the ones that change how it is made but not its bytes); ``context`` (a
     CompileContext) gives int8 calibration its reference activations."""

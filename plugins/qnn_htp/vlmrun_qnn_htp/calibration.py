@@ -167,6 +167,19 @@ class _Recorder:
         return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
 
 
+def greedy_host_loop(dec, embeds: np.ndarray, rows: int, steps: int, embed_tokens) -> None:
+    """Drive a host-loop decoder (`.decoder.FixedKVDecoder` or a subclass) over one prompt, as calibration records
+    it: ``embeds`` prefilled (in chunks of ``rows``), then up to ``steps`` greedy steps of ``rows`` rows while they
+    fit its context; ``embed_tokens(ids)``: the reference embeddings of the tokens picked."""
+    dec.reset()
+    logits = dec.prefill(embeds)
+    for _ in range(steps):
+        if dec.n_past + rows > dec.ctx:
+            break
+        tok = int(np.argmax(logits[0, -1]))
+        logits = dec._step(embed_tokens(np.array([tok])), rows)
+
+
 def _decoder_samples(model, source, files, context) -> tuple[list[dict], str]:
     """Realistic feeds for one fixed-KV graph: the host loop (`.decoder.FixedKVDecoder`) driven over the
     reference prompt embeddings with the float graph on the onnxruntime CPU, prefill then greedy decode;
@@ -183,14 +196,8 @@ def _decoder_samples(model, source, files, context) -> tuple[list[dict], str]:
     embeds = [f["inputs_embeds"] for f in context.reference_inputs(files or None, prompts)]
     embed_tokens, what = context.embed_tokens, (f"images:{len(files)}" if files else "demo image")
     for e in embeds:
-        e = e[:, : max(1, ctx - ar - DECODER_GEN_STEPS)].astype(np.float32)
-        dec.reset()
-        logits = dec.prefill(e)
-        for _ in range(DECODER_GEN_STEPS):
-            if dec.n_past + ar > ctx:
-                break
-            tok = int(np.argmax(logits[0, -1]))
-            logits = dec._step(embed_tokens(np.array([tok])), ar)
+        greedy_host_loop(dec, e[:, : max(1, ctx - ar - DECODER_GEN_STEPS)].astype(np.float32), ar,
+                         DECODER_GEN_STEPS, embed_tokens)
     feeds = rec.feeds
     if len(feeds) > DECODER_MAX_SAMPLES:
         keep = np.unique(np.linspace(0, len(feeds) - 1, DECODER_MAX_SAMPLES).round().astype(int))
@@ -266,18 +273,14 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
     order = calibration_order(order, sets)
     embed_lock = threading.Lock()  # in sequence the prompts' loops run in threads: one token lookup at a time
 
+    def embed_tokens(ids: np.ndarray) -> np.ndarray:
+        with embed_lock:
+            return context.embed_tokens(ids)
+
     def host_loop(graph, e, rows: int, steps: int) -> None:
-        """One prompt through ``graph`` (every part of one AR): the prompt in chunks of ``rows``, then greedy steps."""
+        """One prompt through ``graph`` (every part of one AR)."""
         dec = GenieLayoutDecoder({rows: graph, 1: graph}, ctx, facts, min_chunk=1)  # only this AR is picked
-        dec.reset()
-        logits = dec.prefill(e)
-        for _ in range(steps):
-            if dec.n_past + rows > ctx:
-                break
-            tok = int(np.argmax(logits[0, -1]))
-            with embed_lock:
-                row = context.embed_tokens(np.array([tok]))
-            logits = dec._step(row, rows)
+        greedy_host_loop(dec, e, rows, steps, embed_tokens)
 
     out: dict = {}
     rounds = 0

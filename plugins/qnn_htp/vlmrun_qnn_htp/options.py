@@ -365,12 +365,13 @@ def parts_plan(model, opts: dict) -> dict:
 
     from vlmrun_qualcomm.parts import plan, weight_counts
 
+    base = plan(model, opts)
     if opts.get("parts"):
-        return plan(model, opts)
-    fewest = len(plan(model, opts)["layers"])
+        return base
+    fewest = len(base["layers"])
     rec = recipe.from_key(opts)  # None: not quantized (fp16)
     if rec is not None and rec.quantizer == "aimet":
         mm, other, head = weight_counts(model)
         fewest = max(fewest, math.ceil((model.num_layers * (mm + other) + head) * 4 / AIMET_GRAPH_LIMIT))
     parts = parts_for_budget(model, opts["precision"], rec.quantizer if rec is not None else None, fewest)
-    return plan(model, {**opts, "parts": parts}) if parts > 1 else plan(model, opts)
+    return base if parts == len(base["layers"]) else plan(model, {**opts, "parts": parts})
