@@ -136,11 +136,43 @@ def test_eval_gives_the_bundle_the_accuracy_of_the_host_engine(bundle_dir, tiny_
     from vlmrun import eval as ev
 
     run = ev.evaluate([f"bundle:{bundle_dir}", f"parts=all-npu,{PARTS}"], model=tiny_model, store=store,
-                      limit=N_ITEMS, max_new_tokens=24)
+                      limit=N_ITEMS)
     by_label = {lay["label"]: lay for lay in run.report["layouts"]}
     b, p = by_label[f"bundle:{bundle_dir}"], by_label["parts"]
     assert b["items"] == p["items"] == N_ITEMS
     assert b["accuracy"]["all"]["correct"] == p["accuracy"]["all"]["correct"] >= N_ITEMS - 1
+    # the bundle's items are the ones its verification ran (written in another folder, before the manifest held
+    # its figures): found in the store, with the figures the manifest records
+    verified = json.loads((bundle_dir / "vlmrun-bundle.json").read_text())["verified"]
+    assert verified["items"] == N_ITEMS and b["cached"] == N_ITEMS and p["cached"] == 0
+    assert verified["accuracy"] == b["accuracy"]["all"]["accuracy"]
+
+
+def test_a_bundle_file_changed_after_writing_gets_no_cached_results(bundle_dir, tmp_path):
+    """eval's results of a bundle are keyed by its manifest and by its files as they are on disk: a copy shares
+    them; a file changed in place (same size, manifest untouched) does not, nor does a changed manifest; the
+    ``verified`` figures are not part of the key."""
+    from vlmrun.eval.engine import bundle_key
+
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle_dir, copy)
+    assert bundle_key(copy) == bundle_key(bundle_dir)
+    lut = copy / "embedding_weights.raw"
+    data = bytearray(lut.read_bytes())
+    data[100] ^= 0xFF
+    lut.write_bytes(bytes(data))
+    assert lut.stat().st_size == (bundle_dir / "embedding_weights.raw").stat().st_size
+    assert bundle_key(copy) != bundle_key(bundle_dir)
+    again = tmp_path / "again"
+    shutil.copytree(bundle_dir, again)
+    mf = again / "vlmrun-bundle.json"
+    m = json.loads(mf.read_text())
+    m.pop("verified")
+    mf.write_text(json.dumps(m))
+    assert bundle_key(again) == bundle_key(bundle_dir)
+    m["recipe_note"] = "changed"
+    mf.write_text(json.dumps(m))
+    assert bundle_key(again) != bundle_key(bundle_dir)
 
 
 def rehash(bundle: Path, name: str) -> None:

@@ -216,7 +216,8 @@ def test_a_near_tie_the_logits_show_is_an_explained_divergence():
 def test_eval_reports_genies_logits_and_the_bundles_bytes(bundle_dir, tiny_model, store):
     from vlmrun import eval as ev
 
-    run = ev.evaluate([f"bundle:{bundle_dir}"], model=tiny_model, store=store, limit=2, max_new_tokens=N)
+    # eval's own settings: the items come from the bundle's verification (the same eval, run before it was handed out)
+    run = ev.evaluate([f"bundle:{bundle_dir}"], model=tiny_model, store=store, limit=2)
     lay = next(x for x in run.report["layouts"] if x["label"] == f"bundle:{bundle_dir}")
     manifest = json.loads((bundle_dir / "vlmrun-bundle.json").read_text())
     # every file the device holds, as the manifest lists them (binaries, token table, configs, tokenizer)

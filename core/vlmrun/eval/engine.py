@@ -31,7 +31,8 @@ from ..stages import CONTRACTS, STAGES, check_tensor
 from .. import layouts
 from .dataset import Record, Skipped
 
-CACHE_VERSION = 2  # 2: the runtime boundary (runtime/runtime_logits) and the generation's divergence check
+CACHE_VERSION = 3  # 2: the runtime boundary (runtime/runtime_logits) and the generation's divergence check; 3: a
+#                   bundle's key holds its files as they are on disk (`bundle_key`)
 BATCH_STAGES = ("vision", "projector", "embed")
 
 
@@ -83,6 +84,23 @@ class LayoutSpec:
         return layouts.validate(layout, registry)
 
 
+def bundle_key(folder: Path) -> dict:
+    """What a bundle's results depend on: its manifest (every file's sha256 as written; not its ``verified``
+    figures, added after the verification ran, so that an eval after ``vlmrun bundle`` finds the items the
+    verification ran) and each file as it is on disk now (size and modification time: a file changed after the
+    bundle was written, with the manifest left as it was, must not get the results of the file it replaced)."""
+    manifest = json.loads((folder / layouts.BUNDLE_MANIFEST).read_text())
+    manifest.pop("verified", None)
+    on_disk = {}
+    for name in sorted(manifest.get("files") or {}):
+        try:
+            st = (folder / name).stat()
+            on_disk[name] = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            on_disk[name] = None  # the run will say what is missing
+    return {"manifest": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(), "files": on_disk}
+
+
 def layout_key(layout, registry, model_hash: str, settings) -> str:
     """What a layout's per-item results depend on: the model, the backends and their options, the plugin
     versions and the generation settings."""
@@ -94,8 +112,8 @@ def layout_key(layout, registry, model_hash: str, settings) -> str:
         "max_new_tokens": settings.max_new_tokens,
         "system": settings.system,
     }
-    if layout.bundle:  # a bundle's results depend on its files: its manifest holds every file's sha256
-        key["bundle"] = hashlib.sha256((Path(layout.bundle) / layouts.BUNDLE_MANIFEST).read_bytes()).hexdigest()
+    if layout.bundle:
+        key["bundle"] = bundle_key(Path(layout.bundle))
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
