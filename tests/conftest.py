@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +76,48 @@ def npu_pipe(tiny_model, store):
     from vlmrun import Pipeline
 
     return Pipeline.build(tiny_model, "all-npu", store=store)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster listening on 127.0.0.1 only, in a process group of its own (``ray start --block``;
+    stopped by that group, not by ``ray stop``, which would stop every Ray of this machine) and a temp dir of its
+    own."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    port = free_port()
+    temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))  # short: Ray's socket paths live under it
+    log = open(temp / "start.log", "w")
+    proc = subprocess.Popen([str(ray_cli), "start", "--head", "--block", "--num-cpus", "2",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats",
+                             "--port", str(port), "--temp-dir", str(temp)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "will now block" not in (temp / "start.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (temp / "start.log").read_text()
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}", env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of this cluster is left (its group only)
+        except ProcessLookupError:
+            pass
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

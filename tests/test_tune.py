@@ -6,16 +6,12 @@ local Ray cluster (loopback only) the same tune gives the same points, and ``vlm
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import free_port, run_cli
 
 LAYERS = "decoder.layer0,decoder.lm_head"
 ITEMS = 3  # not the docs' 2 (tune.md runs a tune like this one on the same session store)
@@ -160,27 +156,6 @@ def test_bad_arguments_one_line_before_work(cache_dir, ref_pipe, args, message):
 
 # -- Ray ------------------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A real local Ray cluster listening on 127.0.0.1 only."""
-    ray_cli = Path(sys.executable).with_name("ray")
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    port = _free_port()
-    start = subprocess.run([str(ray_cli), "start", "--head", "--num-cpus", "2", "--node-ip-address=127.0.0.1",
-                            "--include-dashboard=false", "--disable-usage-stats", "--port", str(port)],
-                           capture_output=True, text=True, env=env, timeout=180)
-    assert start.returncode == 0, start.stderr
-    try:
-        yield f"127.0.0.1:{port}", env
-    finally:
-        subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, env=env, timeout=120)
-
 
 def test_ray_gives_the_single_process_results(first_tune, cache_dir, ray_cluster, tmp_path_factory):
     address, env = ray_cluster
@@ -210,7 +185,7 @@ def test_ray_gives_the_single_process_results(first_tune, cache_dir, ray_cluster
 
 
 def test_ray_unreachable_is_one_line(cache_dir, ref_pipe):
-    res = run_cli(["tune", "--layers", "decoder.layer0", "--ray", f"127.0.0.1:{_free_port()}"], cache_dir,
+    res = run_cli(["tune", "--layers", "decoder.layer0", "--ray", f"127.0.0.1:{free_port()}"], cache_dir,
                   env_extra={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, timeout=300)
     assert res.returncode == 2, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.startswith("vlmrun")]

@@ -5,6 +5,10 @@ The core only resolves the layout, finds the one backend all its stages are on a
 `vlmrun.stages.BundleRequest` (``write_bundle`` hook) or the folder (``verify_bundle`` hook); what a bundle
 holds is the backend's business. The folder appears only when the bundle is complete: it is written into a
 temporary directory beside ``OUT`` and renamed. Run one with ``Pipeline.build(layout="bundle:DIR")``.
+
+With ``ray = ADDRESS`` (``vlmrun bundle --ray``) the compiles' independent jobs (the decoder's parts: quantize and
+compile) run as Ray tasks on that cluster (`vlmrun.cluster`; each declares one CPU and its memory; every node must
+see the store at the same path); the artifacts are the ones a single process makes.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import atomic, plugins
+from . import atomic, cluster, plugins
 from . import layouts as layouts_mod
 from .errors import BackendError, UsageError
 from .model import open_model
@@ -35,12 +39,13 @@ VERIFY_ITEMS = 4  # held-out items a local bundle is run on before it is handed 
 
 
 def write(layout, out: Path, *, model=None, store=None, target: str = "local", image_size=None, progress=None,
-          reg=None, verify_items: int = VERIFY_ITEMS) -> dict:
+          reg=None, verify_items: int = VERIFY_ITEMS, ray: str | None = None) -> dict:
     """Write the bundle of ``layout`` to ``out`` (the Python API of ``vlmrun bundle``); its manifest.
 
     A bundle for this machine (``target = "local"``) is then run as written, through its own runtime, on
     ``verify_items`` held-out items by ``vlmrun eval`` (against the reference layout); the accuracy and drift it
-    showed go into its manifest (``verified``). A phone's bundle does not run here: ``verified`` says so."""
+    showed go into its manifest (``verified``). A phone's bundle does not run here: ``verified`` says so.
+    ``ray``: the address of a Ray cluster the compiles' jobs run on (joined before anything is written)."""
     progress = progress or no_progress
     reg = reg or plugins.load()
     layout = layouts_mod.validate(layout, reg)
@@ -49,13 +54,14 @@ def write(layout, out: Path, *, model=None, store=None, target: str = "local", i
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not empty; give a new folder (a bundle is written whole)")
     store = store if isinstance(store, ArtifactStore) else ArtifactStore(store)
+    executor = cluster.executor(ray, store.root) if ray else None  # joined and checked before any work
     fvlm = open_model(model, store, image_size, progress)
     for stage in STAGES:
         reg.hook.preflight(backend=backend, stage=stage, model=fvlm, options=dict(layout.stages[stage].options))
 
     def context(stage: str, options=None) -> StageContext:
         opts = dict(layout.stages[stage].options if options is None else options)
-        return StageContext(backend, stage, fvlm, opts, store, reg, False, progress)
+        return StageContext(backend, stage, fvlm, opts, store, reg, False, progress, executor=executor)
 
     with atomic.atomic_directory(out) as tmp:  # the folder appears only when the bundle is complete
         request = BundleRequest(model=fvlm, layout=layout, out_dir=tmp, target=target, context=context,

@@ -26,18 +26,23 @@ from .stages import STAGES
               help="Check the bundle OUT (files, sha256, configs, inputs: what its backend checks) and exit; nothing"
                    " is written. Stage option flags and -o STAGE.KEY=VALUE become the checks' settings (e.g. --soc,"
                    " or the device runtime's SDK).")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="Run the compiles' independent jobs (the decoder's parts: quantize and compile) as tasks on this"
+                   " Ray cluster (HOST:PORT; each task declares one CPU and its memory; every node must see --cache-dir"
+                   " at the same path). The artifacts are the ones one process makes.")
 @model_options
 @stage_option_flags
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest (or the checks) as JSON.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def bundle_command(out, layout, layout_file, verify_items, verify_only, model_dir, image_size, cache_dir, as_json, debug,
-                   **flag_opts):
+def bundle_command(out, layout, layout_file, verify_items, verify_only, ray_address, model_dir, image_size, cache_dir,
+                   as_json, debug, **flag_opts):
     """Write the folder a device's app loads: the whole VLM in its backend's own runtime.
 
     \b
       vlmrun bundle out/                               # all-npu, for this machine
       vlmrun bundle out/ -o decoder.precision=P        # the decoder at another precision its backend declares
       vlmrun bundle out/ --target android              # for a phone
+      vlmrun bundle out/ --ray HOST:PORT               # the decoder's parts compiled on a Ray cluster
       vlmrun bundle --verify out/                      # files, hashes, configs: before anything runs
       vlmrun --bundle out/ --image I --prompt P        # run it, in the bundle's own runtime
     \b
@@ -48,7 +53,11 @@ def bundle_command(out, layout, layout_file, verify_items, verify_only, model_di
     from .progress import step
 
     if verify_only:
+        from .errors import UsageError
         from .options import parse_assignment
+
+        if ray_address:
+            raise UsageError("--ray compiles a new bundle; --verify only checks one: give one of them")
 
         settings = {name[len("opt_"):]: v for name, v in flag_opts.items() if name.startswith("opt_") and v is not None}
         for spec in flag_opts.get("option_specs") or ():
@@ -71,7 +80,7 @@ def bundle_command(out, layout, layout_file, verify_items, verify_only, model_di
     decoder = reg.stage_options(lay.backend("decoder"), "decoder", lay.stages["decoder"].options)
     where = {"target": str(decoder["target"])} if "target" in decoder else {}
     manifest = write(lay, out, model=model_dir, store=cache_dir, image_size=image_size, progress=step, reg=reg,
-                     verify_items=verify_items, **where)
+                     verify_items=verify_items, ray=ray_address, **where)
     if as_json:
         click.echo(json.dumps(manifest))
         return

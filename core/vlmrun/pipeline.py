@@ -59,6 +59,7 @@ class StageContext:
     rebuild: bool = False
     progress: Progress = no_progress
     bundle: str | None = None  # the bundle folder when the layout is ``bundle:DIR`` (load_stage runs its files)
+    executor: object | None = None  # where a compile's jobs run (`vlmrun.cluster`; None: in this process)
 
     def __attrs_post_init__(self) -> None:
         self.options = self.registry.stage_options(self.backend, self.stage, self.options)
@@ -134,6 +135,18 @@ class StageCompileContext(ReferenceCompileContext):
         c = self._ctx
         return Pipeline.build(c.model, "reference", store=c.store, registry=c.registry, stages=stages,
                               progress=c.progress)
+
+    def map(self, fn, jobs, memory_bytes=None, names=None) -> list:
+        if self._ctx.executor is None:
+            return super().map(fn, jobs, memory_bytes, names)
+        return self._ctx.executor.map(fn, jobs, memory=memory_bytes, names=names)
+
+    def work_dir(self, prefix: str = "vlmrun-") -> Path:
+        if not getattr(self._ctx.executor, "remote", False):  # the jobs run in this process
+            return super().work_dir(prefix)
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.state_dir()))  # in the store: every node sees it
 
 
 def export_artifact(registry, store, model, form: ExportForm, progress: Progress = no_progress, rebuild=False):

@@ -329,3 +329,21 @@ class CompileContext:
     def progress(self, label: str):
         """A context manager that shows ``label`` while a long step runs."""
         raise NotImplementedError
+
+    def map(self, fn: Callable, jobs: Sequence, memory_bytes: Sequence[int] | None = None,
+            names: Sequence[str] | None = None) -> list:
+        """``[fn(job) for job in jobs]``, run where the user asked the compile's independent work to run: in this
+        process, in order (the default), or, with ``vlmrun bundle --ray ADDRESS``, each job a Ray task on that
+        cluster declaring one CPU and ``memory_bytes[i]`` bytes (at least 1 GiB). The results come in ``jobs``
+        order. ``fn`` must be a module-level function and the jobs picklable; the files they read and write must
+        be under a `work_dir` or in the store (every node sees both at the same path). ``names``: what each job is
+        (a failing task is one line naming it)."""
+        return [fn(job) for job in jobs]
+
+    def work_dir(self, prefix: str = "vlmrun-") -> Path:
+        """A new, empty directory for the compile's intermediate files that every job of `map` can read and
+        write: a temporary directory of this machine, or, when `map` runs jobs on a cluster, one inside the store.
+        The compiler removes it when done."""
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix=prefix))

@@ -23,17 +23,24 @@ Form (export ``decoder/parts``, `vlmrun_ort_reference.decoder_parts`; plan: `vlm
   ``off`` compiles each graph into its own binary (the same graphs, the weights twice). ``auto`` (default) is
   ``on`` except on the x86_64 HTP emulator, which cannot load weight-shared binaries (`.parts_run`).
 
-Every compiled part is checked against the part limit. `compile_part_probe` compiles one part's probe graph
+Each part is made (quantized, compiled, named) by `make_part` from one picklable `PartJob`, through the compile
+context's ``map``: in the compiling process, in order, or with ``vlmrun bundle --ray ADDRESS`` as Ray tasks, each
+declaring its memory (`part_memory_bytes`); the calibration feeds are recorded first, on the driver. Every compiled
+part is checked against the part limit. `compile_part_probe` compiles one part's probe graph
 (``vlmrun diff --locate``) with the same recipe and calibration feeds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+import attrs
 
 from vlmrun.errors import BackendError
 from vlmrun_qualcomm import socs
@@ -46,7 +53,7 @@ from vlmrun.stages import ExportForm
 from . import calibration, ep, image_encoder
 from .genie_names import genie_name, rename_graph, rewrite_wrapper
 from .layers import LAYER_OPTIONS, part_keep
-from .memory import peak_rss_mb, release_memory
+from .memory import part_peak_bytes, peak_rss_mb, release_memory
 from .options import compiled_artifact, parts_plan
 from .quantizer import quantize
 from .recipe import from_key
@@ -106,9 +113,123 @@ def _quantize_facts(facts: dict, q_times: dict, q_peaks: dict, per_layer: dict, 
     return facts
 
 
+@attrs.frozen
+class PartJob:
+    """Everything a process needs to quantize, compile and name the graphs of one part (picklable: with ``vlmrun
+    bundle --ray`` a Ray task makes it; every path is in the store or the compile's work dir, which every node sees
+    at the same path)."""
+
+    part: dict  # the part's entry of parts.json (index, layers)
+    count: int  # P
+    sources: dict  # {kind: (ONNX file, rows, Genie name)}: `graph_sources`
+    feeds: dict  # {kind: the .npz of its calibration feeds}, empty when not quantized
+    options: dict  # the compile's keyed options
+    work: str  # the compile's work dir
+    out_dir: str
+
+    @property
+    def name(self) -> str:
+        return f"decoder part {self.part['index']}/{self.count}"
+
+
+def make_part(job: PartJob) -> dict:
+    """Quantize (by the options' recipe), compile (one binary per part when weight-shared: the part's graphs in
+    consecutive sessions of this process) and name for Genie the graphs of ``job``'s part in ``job.out_dir``: the
+    part's manifest entry, its wrappers and graph names, and the facts of the steps (times, peaks, per-layer)."""
+    options, k, P, out_dir = job.options, job.part["index"], job.count, Path(job.out_dir)
+    work = Path(job.work) / f"part{k}"  # its own: parts made at once do not share the quantizer's scratch files
+    work.mkdir(parents=True, exist_ok=True)
+    soc, precision, recipe = socs.soc(options.get("soc")), options["precision"], from_key(options)
+    share = options["weight_sharing"] == "on"
+    embeds = image_encoder.parse_embeds_input(options.get("embeds_input"))
+    res = {"q_times": {}, "q_peaks": {}, "per_layer": {}, "facts": None, "quant_s": 0.0, "graph_s": {},
+           "process": _process()}
+    kinds = list(job.sources)
+    srcs = {}
+    for kind in kinds:
+        srcs[kind] = Path(job.sources[kind][0])
+        if recipe is not None:
+            t0 = time.perf_counter()
+            dst = work / f"part{k}_{kind}.qdq.onnx"
+            facts = quantize(srcs[kind], dst, Path(job.feeds[kind]), recipe, work, _layers(options, k, kind))
+            res["facts"] = _quantize_facts(facts, res["q_times"], res["q_peaks"], res["per_layer"], f"part{k}_{kind}")
+            srcs[kind] = dst
+            release_memory()
+            res["quant_s"] += time.perf_counter() - t0
+    if embeds is not None and k == 1:  # a bundle's decoder: the embeddings come in quantized (uint16)
+        for kind in kinds:
+            dst = work / f"part{k}_{kind}.embeds16.onnx"
+            image_encoder.with_quantized_input(srcs[kind], dst, embeds, "inputs_embeds")
+            srcs[kind] = dst
+    t0 = time.perf_counter()
+    entry = {"index": k, "layers": job.part["layers"], "graphs": {}, "binaries": [],
+             "source_sha256": {kind: graph_digest(srcs[kind]) for kind in srcs}}
+    for i, kind in enumerate(kinds):
+        wrapper = out_dir / f"part{k}_of_{P}_{kind}_ctx.onnx"
+        what = f"decoder part {k}/{P} {kind} graph ({precision})"
+        t_graph = time.perf_counter()
+        _compile(srcs[kind], wrapper, soc, share, i == len(kinds) - 1, what)
+        res["graph_s"][kind] = time.perf_counter() - t_graph
+        release_memory()
+        res["q_peaks"][f"part{k}_{kind}_qnn_compile"] = peak_rss_mb()
+        info = describe_ctx_onnx(wrapper)
+        if info["non_qnn_nodes"] or len(info["graphs"]) != 1 or len(info["binaries"]) != 1:
+            raise BackendError(f"{what}: expected one EPContext graph on QNN, got {info['graphs']}"
+                               f" ({', '.join(info['non_qnn_nodes'][:3]) or 'no other nodes'})")
+        entry["graphs"][kind] = {"wrapper": wrapper.name, "ort_graph": info["graphs"][0],
+                                 "binary": info["binaries"][0], "ar": job.sources[kind][1],
+                                 "inputs": info["inputs"], "outputs": info["outputs"]}
+    res["compile_s"] = time.perf_counter() - t0
+    # name the binaries and the graphs as Genie wants them
+    names = binary_names(k, P, kinds, share)
+    res["wrappers"], res["graphs"] = [], []
+    for kind, new_bin in zip(kinds, names):
+        g = entry["graphs"][kind]
+        if (out_dir / g["binary"]).exists() and g["binary"] != new_bin:
+            (out_dir / g["binary"]).rename(out_dir / new_bin)
+        g["binary"] = new_bin
+        g["name"] = genie_name(job.sources[kind][2], g["ort_graph"])
+        rename_graph(out_dir / new_bin, g["ort_graph"], g["name"])
+        rewrite_wrapper(out_dir / g["wrapper"], g["name"], new_bin)
+        res["wrappers"].append(g["wrapper"])
+        res["graphs"].append(g["name"])
+    entry["binaries"] = sorted(set(names), key=names.index)
+    entry["bytes"] = sum((out_dir / b).stat().st_size for b in entry["binaries"])
+    res["entry"] = entry
+    return res
+
+
+def _process() -> dict:
+    """Where a part is made: host, process and, in a Ray task, the Ray node."""
+    import socket
+
+    out = {"host": socket.gethostname(), "pid": os.getpid()}
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        try:
+            out["ray_node"] = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - a fact, not a requirement
+            pass
+    return out
+
+
+def _local_map(fn, jobs, memory_bytes=None, names=None) -> list:
+    return [fn(j) for j in jobs]
+
+
+def part_memory_bytes(model, recipe, layers: int, last: bool) -> int:
+    """What the task making one part declares to Ray: `.memory.part_peak_bytes`, at least 1 GiB."""
+    return max(1 << 30, part_peak_bytes(model, recipe.quantizer if recipe is not None else None, layers, last))
+
+
 def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_order: str, context=None) -> dict:
     """Compile every part of the ``decoder/parts`` export ``source`` into ``out_dir``; the manifest.
-    ``calibration_order``: the option (`.calibration.calibration_order`); it does not key the binary."""
+    ``calibration_order``: the option (`.calibration.calibration_order`); it does not key the binary.
+
+    The calibration feeds of every part are recorded here (the host loop needs the reference pipeline), then each
+    part is made by `make_part` as one job of ``context.map``: in this process, in order, or (``vlmrun bundle
+    --ray``) as Ray tasks, each declaring `part_memory_bytes`; the work dir is then ``context.work_dir()``, in the
+    store. When a part was made in another process, ``part_processes`` says where."""
     soc = socs.soc(options.get("soc"))
     precision = options["precision"]
     recipe = from_key(options)
@@ -121,7 +242,9 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
     fu_dir, fdesc = followup_export(src_dir, options, desc)
     limit = int(options["part_limit_mb"]) * 1_000_000
-    work = Path(tempfile.mkdtemp(prefix="vlmrun-qnn-parts-"))
+    work = (Path(context.work_dir("vlmrun-qnn-parts-")) if hasattr(context, "work_dir")
+            else Path(tempfile.mkdtemp(prefix="vlmrun-qnn-parts-")))
+    run = context.map if hasattr(context, "map") else _local_map
     extra: dict = {}
     t_all = time.perf_counter()
     try:
@@ -134,74 +257,43 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
                                                                calibration.require_context(context), followup,
                                                                calibration_order)
             # on disk until their graph is quantized: only one graph's feeds are in memory at a time
-            feeds = {key: calibration.spill_feeds(f, work / f"feeds_part{key[0]}_{key[1]}.npz")
+            feeds = {key: str(calibration.spill_feeds(f, work / f"feeds_part{key[0]}_{key[1]}.npz"))
                      for key, f in feeds.items()}
             release_memory()
             quant_s += time.perf_counter() - t0
             q_times["record_feeds_s"] = time.perf_counter() - t0
             q_peaks["record_feeds"] = peak_rss_mb()
-        parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], None, None, {}
-        graphs = []
-        compile_s = 0.0
-        graph_s: dict = {}
+        jobs = []
         for p in desc["parts"]:
-            k = p["index"]
-            sources = graph_sources(src_dir, p, fu_dir, fdesc)
-            kinds = list(sources)
-            srcs = {}
-            for kind in kinds:
-                srcs[kind] = sources[kind][0]
-                if recipe is not None:
-                    t0 = time.perf_counter()
-                    dst = work / f"part{k}_{kind}.qdq.onnx"
-                    facts = quantize(srcs[kind], dst, feeds.pop((k, kind)), recipe, work,
-                                     _layers(options, k, kind))
-                    _quantize_facts(facts, q_times, q_peaks, per_layer, f"part{k}_{kind}")
-                    srcs[kind] = dst
-                    release_memory()
-                    quant_s += time.perf_counter() - t0
-            if embeds is not None and k == 1:  # a bundle's decoder: the embeddings come in quantized (uint16)
-                for kind in kinds:
-                    dst = work / f"part{k}_{kind}.embeds16.onnx"
-                    image_encoder.with_quantized_input(srcs[kind], dst, embeds, "inputs_embeds")
-                    srcs[kind] = dst
-            t0 = time.perf_counter()
-            entry = {"index": k, "layers": p["layers"], "graphs": {}, "binaries": [],
-                     "source_sha256": {kind: graph_digest(srcs[kind]) for kind in srcs}}
-            for i, kind in enumerate(kinds):
-                wrapper = out_dir / f"part{k}_of_{P}_{kind}_ctx.onnx"
-                what = f"decoder part {k}/{P} {kind} graph ({precision})"
-                t_graph = time.perf_counter()
-                _compile(srcs[kind], wrapper, soc, share, i == len(kinds) - 1, what)
-                graph_s[kind] = graph_s.get(kind, 0.0) + time.perf_counter() - t_graph
-                release_memory()
-                q_peaks[f"part{k}_{kind}_qnn_compile"] = peak_rss_mb()
-                info = describe_ctx_onnx(wrapper)
-                if info["non_qnn_nodes"] or len(info["graphs"]) != 1 or len(info["binaries"]) != 1:
-                    raise BackendError(f"{what}: expected one EPContext graph on QNN, got {info['graphs']}"
-                                       f" ({', '.join(info['non_qnn_nodes'][:3]) or 'no other nodes'})")
-                entry["graphs"][kind] = {"wrapper": wrapper.name, "ort_graph": info["graphs"][0],
-                                         "binary": info["binaries"][0], "ar": sources[kind][1],
-                                         "inputs": info["inputs"], "outputs": info["outputs"]}
-            compile_s += time.perf_counter() - t0
-            # name the binaries and the graphs as Genie wants them
-            names = binary_names(k, P, kinds, share)
-            for kind, new_bin in zip(kinds, names):
-                g = entry["graphs"][kind]
-                if (out_dir / g["binary"]).exists() and g["binary"] != new_bin:
-                    (out_dir / g["binary"]).rename(out_dir / new_bin)
-                g["binary"] = new_bin
-                g["name"] = genie_name(sources[kind][2], g["ort_graph"])
-                rename_graph(out_dir / new_bin, g["ort_graph"], g["name"])
-                rewrite_wrapper(out_dir / g["wrapper"], g["name"], new_bin)
-                wrappers.append(g["wrapper"])
-                graphs.append(g["name"])
-            entry["binaries"] = sorted(set(names), key=names.index)
-            entry["bytes"] = sum((out_dir / b).stat().st_size for b in entry["binaries"])
-            binaries += entry["binaries"]
-            parts.append(entry)
+            sources = {kind: (str(f), rows, name) for kind, (f, rows, name)
+                       in graph_sources(src_dir, p, fu_dir, fdesc).items()}
+            jobs.append(PartJob(part={"index": p["index"], "layers": p["layers"]}, count=P, sources=sources,
+                                feeds={kind: feeds[(p["index"], kind)] for kind in sources if feeds},
+                                options=dict(options), work=str(work), out_dir=str(out_dir)))
+        memory = [part_memory_bytes(model, recipe, len(p["layers"]), p["index"] == P) for p in desc["parts"]]
+        made = run(make_part, jobs, memory, [j.name for j in jobs])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], [], None, {}
+    compile_s, graph_s = 0.0, {}
+    for r in made:  # the facts of every part, in part order (as one process gathers them)
+        for step, sec in r["q_times"].items():
+            q_times[step] = q_times.get(step, 0.0) + sec
+        q_peaks.update(r["q_peaks"])
+        for option, where in r["per_layer"].items():
+            per_layer.setdefault(option, {}).update(where)
+        facts = r["facts"] if r["facts"] is not None else facts
+        quant_s += r["quant_s"]
+        compile_s += r["compile_s"]
+        for kind, sec in r["graph_s"].items():
+            graph_s[kind] = graph_s.get(kind, 0.0) + sec
+        wrappers += r["wrappers"]
+        graphs += r["graphs"]
+        binaries += r["entry"]["binaries"]
+        parts.append(r["entry"])
+    if any(r["process"]["pid"] != os.getpid() or r["process"]["host"] != _process()["host"] for r in made):
+        extra["part_processes"] = {j.name: r["process"] for j, r in zip(jobs, made)}
+    out_dir = Path(out_dir)
     check_part_limits(out_dir, parts, limit)
     weights = weight_bytes(model, precision)
     total = sum(e["bytes"] for e in parts)
