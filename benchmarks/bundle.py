@@ -1,7 +1,7 @@
 """What ``vlmrun bundle`` ships, per precision: files and bytes, build cost, and (tiny model) the emulator's pipeline.
 
-    .venv/bin/python benchmarks/bundle.py [--full-size] [--precisions fp16,w8a16,w4a16] [--vision-precision a16w8]
-        [--target local|android] [--items 8] [--decoder-option KEY=VALUE] [--cache-dir DIR]
+    .venv/bin/python benchmarks/bundle.py [--full-size | --size 1.5b|7b] [--precisions fp16,w8a16,w4a16]
+        [--vision-precision a16w8] [--target local|android] [--items 8] [--decoder-option KEY=VALUE] [--cache-dir DIR]
 
 Per decoder precision it writes a bundle of the all-npu layout (the image encoder at ``--vision-precision``, the
 decoder's parts at the precision) in a child process and prints, as JSON: the bundle's bytes (image encoder, decoder
@@ -12,6 +12,9 @@ emulator, not a phone): answers equal to the reference's, seconds per answer.
 
 ``--full-size`` builds FastVLM-0.5B dimensions with random weights (dense vocabulary rows, as a real checkpoint's tied
 lm_head) and writes the phone form (``--target android``: weight-shared parts), which this machine cannot run.
+``--size 1.5b`` / ``7b``: the same at Apple's larger dimensions (`vlmrun.family.write_random_apple`: random bf16
+weights in Apple's sharded layout, written once into ``<cache-dir>/family-<size>``, converted tensor by tensor when
+opened); run it with ``VLMRUN_MEMORY_BUDGET_GB`` set so that the decoder's parts are planned from the budget.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def run_child(kind: str, spec: dict, log) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--full-size", action="store_true", help="FastVLM-0.5B dimensions, random weights")
+    ap.add_argument("--size", choices=("1.5b", "7b"), default=None,
+                    help="Apple's larger dimensions (random weights, Apple's sharded bf16 layout); implies --full-size")
     ap.add_argument("--precisions", default=None, help="decoder precisions (default: fp16,w8a16,w4a16; full size:"
                                                       " w4a16)")
     ap.add_argument("--vision-precision", default="a16w8")
@@ -100,7 +105,15 @@ def main() -> None:
         real_out.flush()
         return
     model = None
-    if args.full_size:
+    if args.size:
+        from vlmrun.family import write_random_apple
+
+        model = os.path.join(args.cache_dir, f"family-{args.size}")
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            print(f"writing the random FastVLM at {args.size} dimensions (once) ...", file=sys.stderr)
+            write_random_apple(model, args.size, image_size=1024)
+        args.full_size = True
+    elif args.full_size:
         from npu_decoder import dense_vocab  # (benchmarks/ is on sys.path: this script runs from there)
 
         from vlmrun.tiny import make_tiny
@@ -127,8 +140,10 @@ def main() -> None:
             res["emulator"] = run_child("run", spec, log)
         print(f"[bundle] {json.dumps(res)}", file=sys.stderr)
         results.append(res)
-    print(json.dumps({"model": "FastVLM-0.5B dims (random weights, dense vocabulary rows)" if args.full_size
-                      else "tiny default model", "bundles": results}, indent=1))
+    name = (f"FastVLM-{args.size.upper()} dims (random weights, Apple's sharded bf16 layout)" if args.size else
+            "FastVLM-0.5B dims (random weights, dense vocabulary rows)" if args.full_size else "tiny default model")
+    print(json.dumps({"model": name, "memory_budget_gb": os.environ.get("VLMRUN_MEMORY_BUDGET_GB"),
+                      "bundles": results}, indent=1))
 
 
 if __name__ == "__main__":
