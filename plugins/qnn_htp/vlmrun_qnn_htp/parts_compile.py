@@ -48,7 +48,7 @@ from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
 from vlmrun_qualcomm.parts import (FOLLOWUP, check_part_limits, followup_export, graph_digest, part_graphs,
                                    weight_bytes)
 
-from vlmrun.stages import ExportForm
+from vlmrun.stages import CompileContext, ExportForm
 
 from . import calibration, ep, image_encoder
 from .genie_names import genie_name, rename_graph, rewrite_wrapper
@@ -213,10 +213,6 @@ def _process() -> dict:
     return out
 
 
-def _local_map(fn, jobs, memory_bytes=None, names=None) -> list:
-    return [fn(j) for j in jobs]
-
-
 def part_memory_bytes(model, recipe, layers: int, last: bool) -> int:
     """What the task making one part declares to Ray: `.memory.part_peak_bytes`, at least 1 GiB."""
     return max(1 << 30, part_peak_bytes(model, recipe.quantizer if recipe is not None else None, layers, last))
@@ -242,9 +238,8 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
     fu_dir, fdesc = followup_export(src_dir, options, desc)
     limit = int(options["part_limit_mb"]) * 1_000_000
-    work = (Path(context.work_dir("vlmrun-qnn-parts-")) if hasattr(context, "work_dir")
-            else Path(tempfile.mkdtemp(prefix="vlmrun-qnn-parts-")))
-    run = context.map if hasattr(context, "map") else _local_map
+    jobs_at = context if context is not None else CompileContext()  # the base: in this process, a /tmp work dir
+    work = Path(jobs_at.work_dir("vlmrun-qnn-parts-"))
     extra: dict = {}
     t_all = time.perf_counter()
     try:
@@ -271,7 +266,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
                                 feeds={kind: feeds[(p["index"], kind)] for kind in sources if feeds},
                                 options=dict(options), work=str(work), out_dir=str(out_dir)))
         memory = [part_memory_bytes(model, recipe, len(p["layers"]), p["index"] == P) for p in desc["parts"]]
-        made = run(make_part, jobs, memory, [j.name for j in jobs])
+        made = jobs_at.map(make_part, jobs, memory, [j.name for j in jobs])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], [], None, {}
