@@ -78,9 +78,13 @@ def test_in_sequence_the_feeds_are_whole_at_onces_with_one_part_open_at_a_time(w
                 assert fa[name].dtype == fb[name].dtype and np.array_equal(fa[name], fb[name]), (key, name)
     # whole-at-once opens a graph set's 3 parts together; in sequence one at a time, part by part each round
     assert opened["whole"] == (3, 9)
-    rounds = int(label_b.rsplit(", ", 1)[1].split()[0])
+    import re
+
+    m = re.fullmatch(re.escape(label_a) + r"; in sequence \(one part's float graph at a time, (\d+) rounds, at most"
+                     r" (\d+\.\d\d) GB of kept feeds on disk\)", label_b)
+    assert m, label_b
+    rounds = int(m[1])
     assert opened["sequence"] == (1, 3 * rounds) and rounds >= 3 * (1 + calibration.GEN_STEPS)
-    assert label_b == label_a + f"; in sequence (one part's float graph at a time, {rounds} rounds)"
 
 
 def qdq_initializers(path) -> dict:
@@ -131,6 +135,36 @@ def test_a_part_calibrated_in_sequence_quantizes_and_answers_as_whole_at_once(wh
     np.testing.assert_allclose(np.stack(runs[1].step_logits), np.stack(runs[0].step_logits), rtol=0, atol=1e-6)
 
 
+def test_in_sequence_into_a_folder_the_feeds_go_to_disk_part_by_part_and_a_full_disk_is_refused_first(
+        whole, tiny_model, tmp_path, monkeypatch):
+    """``into``: each part's feeds written as an .npz (what the quantizer's child reads), the same arrays as in
+    memory; the kept feeds' disk is checked before the first round, one line naming what it needs."""
+    import shutil
+
+    from vlmrun.errors import UsageError
+    from vlmrun_qnn_htp import calibration
+
+    src, desc, followup = calibration_inputs(whole)
+    ctx = compile_context(whole, "decoder")
+    in_memory, _ = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, "sequence")
+    paths, label = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, "sequence",
+                                                       into=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"feeds_part{k}_{kind}.npz" for k in (1, 2, 3) for kind in ("followup", "prompt", "token"))  # spill gone
+    for key, path in paths.items():
+        on_disk = calibration.load_feeds(path)
+        assert len(on_disk) == len(in_memory[key]) > 0
+        for a, b in zip(on_disk, in_memory[key]):
+            assert sorted(a) == sorted(b) and all(np.array_equal(a[n], b[n]) for n in a), key
+    assert "GB of kept feeds on disk" in label
+    real = shutil.disk_usage
+    monkeypatch.setattr(calibration.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(UsageError, match=r"calibrating the prompt graphs in sequence \(\d+ kept calls x 3 parts\)"
+                                         r" needs about [\d.]+ GB of disk in .*, 0.00 GB are free"):
+        calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, "sequence",
+                                            into=tmp_path / "full")
+
+
 def test_auto_calibrates_in_sequence_when_the_float_decoder_does_not_fit_the_budget(whole, monkeypatch):
     from vlmrun_qnn_htp import calibration
 
@@ -171,7 +205,7 @@ def loop_over(start: float, calls: int):
 
 
 def test_the_rounds_record_what_one_chain_records_in_its_order(tmp_path):
-    from vlmrun_qnn_htp.calibration_sequence import record_in_sequence
+    from vlmrun_qnn_htp.calibration_sequence import load, record_in_sequence
     from vlmrun_qnn_htp.parts_run import Chain
 
     paths = [(0, False), (1, False), (2, True)]
@@ -180,11 +214,54 @@ def test_the_rounds_record_what_one_chain_records_in_its_order(tmp_path):
     chain = Chain([Affine(p) for p in paths], keep, None)
     for loop in loops:
         loop(chain)
-    recorded, rounds = record_in_sequence(paths, Affine, loops, keep, None, tmp_path / "spill")
+    spill = tmp_path / "spill"
+    folders, names, rounds = record_in_sequence(paths, Affine, loops, [3, 5, 1], keep, None, spill)
     assert rounds == 5 and chain.calls == 9  # a round per call of the longest prompt
+    recorded = [[load(f, names[k]) for f in part] for k, part in enumerate(folders)]
     assert [[f["h"].tolist() for f in part] for part in recorded] == \
            [[f["h"].tolist() for f in part] for part in chain.recorded]
     assert len(recorded[0]) == len(keep)
+    # only the kept calls reach the disk: 5 of 9 calls, for each of the 3 parts
+    assert sorted(p.name for p in spill.iterdir()) == ["part0", "part1", "part2"]
+    assert all(len(list((spill / part).iterdir())) == len(keep) for part in ("part0", "part1", "part2"))
+
+
+def test_a_prompt_making_other_calls_than_counted_is_an_error(tmp_path):
+    from vlmrun_qnn_htp.calibration_sequence import record_in_sequence
+
+    loops = [loop_over(1.0, 3), loop_over(2.0, 5)]
+    with pytest.raises(RuntimeError, match=r"made \[3, 5\] calls, \[3, 4\] expected"):
+        record_in_sequence([(0, False), (1, True)], Affine, loops, [3, 4], {0, 6}, None, tmp_path / "spill")
+
+
+def test_the_host_loop_calls_are_counted_as_the_loop_makes_them():
+    """`host_loop_calls` against the calibration's own loop (`greedy_host_loop` over `GenieLayoutDecoder`, a graph
+    of zeros), at lengths where the greedy steps stop at the context."""
+    from types import SimpleNamespace
+
+    from vlmrun_qnn_htp.calibration import greedy_host_loop, host_loop_calls
+    from vlmrun_qnn_htp.genie_engine import GenieLayoutDecoder
+
+    facts = SimpleNamespace(layers=1, kv_heads=1, head_dim=2, hidden=4, rope_theta=10000.0)
+
+    class Zeros:
+        def __init__(self, rows):
+            self.rows, self.calls = rows, 0
+
+        def run(self, feeds):
+            self.calls += 1
+            return {"past_key_0_out": np.zeros((1, 1, 2, self.rows), np.float32),
+                    "past_value_0_out": np.zeros((1, 1, self.rows, 2), np.float32),
+                    "logits": np.zeros((1, self.rows, 5), np.float32)}
+
+    def loop_calls(length, rows, steps, ctx):
+        graph = Zeros(rows)
+        dec = GenieLayoutDecoder({rows: graph, 1: graph}, ctx, facts, min_chunk=1)
+        greedy_host_loop(dec, np.zeros((1, length, 4), np.float32), rows, steps, lambda ids: np.zeros((1, 1, 4)))
+        return graph.calls
+
+    cases = [(20, 8, 4, 128), (20, 1, 4, 128), (120, 8, 4, 128), (118, 8, 4, 128), (125, 1, 8, 128), (30, 16, 8, 48)]
+    assert [host_loop_calls(*c) for c in cases] == [loop_calls(*c) for c in cases] == [7, 24, 16, 18, 128, 2 + 3]
 
 
 def test_a_failing_loop_or_graph_stops_the_rounds_with_its_error(tmp_path):
@@ -196,7 +273,7 @@ def test_a_failing_loop_or_graph_stops_the_rounds_with_its_error(tmp_path):
 
     paths = [(0, False), (1, True)]
     with pytest.raises(ValueError, match="loop 1 failed"):
-        record_in_sequence(paths, Affine, [loop_over(1.0, 4), broken], set(), None, tmp_path / "a")
+        record_in_sequence(paths, Affine, [loop_over(1.0, 4), broken], [4, 1], set(), None, tmp_path / "a")
 
     class Failing(Affine):
         def run(self, feeds):
@@ -209,5 +286,6 @@ def test_a_failing_loop_or_graph_stops_the_rounds_with_its_error(tmp_path):
 
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="part 2 failed"):
-        record_in_sequence(paths, opener, [loop_over(1.0, 4), loop_over(2.0, 2)], set(), None, tmp_path / "b")
+        record_in_sequence(paths, opener, [loop_over(1.0, 4), loop_over(2.0, 2)], [4, 2], set(), None,
+                           tmp_path / "b")
     assert threading.active_count() == before  # every prompt's thread has ended

@@ -184,3 +184,28 @@ def test_decompression_bomb_is_a_usage_error(warm, tmp_path):
     assert line == (f"vlmrun: error: image {f} has 400,000,000 pixels, over Pillow's decompression-bomb limit of"
                     " 178,956,970 pixels; downscale it first (the model resizes it to its own input size anyway)")
     assert "internal error" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_full_disk_is_one_line_naming_the_file(monkeypatch, capsys):
+    """ENOSPC anywhere under a command (an export, the calibration's spilled feeds) is one line, exit 1; other
+    OS errors stay internal errors."""
+    import errno
+
+    from vlmrun import cli
+
+    def full(**kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/big/feeds/part3/000012/past_key_0_in.npy")
+
+    monkeypatch.setattr(cli.cli, "main", full)
+    assert cli.main(["plugins"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("vlmrun: error: no space left on the disk writing /big/feeds/part3/000012/past_key_0_in.npy; free"
+                   " space there, or move the artifact store (--cache-dir, VLMRUN_CACHE_DIR) or the temporary files"
+                   " (TMPDIR) to a larger disk")
+
+    def denied(**kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", "/root/x")
+
+    monkeypatch.setattr(cli.cli, "main", denied)
+    assert cli.main(["plugins"]) == 1
+    assert capsys.readouterr().err.startswith("vlmrun: internal error: PermissionError")

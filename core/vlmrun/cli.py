@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -423,6 +424,12 @@ def main(argv=None) -> int:
     except Exception as exc:
         if debug:
             raise
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            where = f" writing {exc.filename}" if exc.filename else ""
+            click.echo(f"vlmrun: error: no space left on the disk{where}; free space there, or move the artifact"
+                       " store (--cache-dir, VLMRUN_CACHE_DIR) or the temporary files (TMPDIR) to a larger disk",
+                       err=True)
+            return 1
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         click.echo(f"vlmrun: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)",
                    err=True)

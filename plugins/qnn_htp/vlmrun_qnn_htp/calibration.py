@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -28,7 +29,7 @@ import numpy as np
 
 from vlmrun.errors import UsageError
 
-from .calibration_sequence import record_in_sequence
+from .calibration_sequence import load, record_in_sequence
 from .parts_run import Chain
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
@@ -252,13 +253,53 @@ def parts_graph_sets(src_dir: Path, desc: dict, followup: tuple[Path, dict] | No
     return sets
 
 
+def host_loop_calls(length: int, rows: int, steps: int, ctx: int) -> int:
+    """The calls `greedy_host_loop` makes over a prompt of ``length`` rows through an AR-``rows`` graph of context
+    ``ctx``: the prefill in chunks of ``rows``, then a call per greedy step while ``rows`` more fit."""
+    n_past, calls = length, -(-length // rows)
+    for _ in range(steps):
+        if n_past + rows > ctx:
+            break
+        n_past, calls = n_past + 1, calls + 1
+    return calls
+
+
+def call_bytes(path: Path) -> int:
+    """Bytes of one call's feeds of a float part graph (its inputs' static shapes; the graph's weights not read)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name for i in graph.initializer}
+    total = 0
+    for i in graph.input:
+        if i.name in inits:
+            continue
+        t = i.type.tensor_type
+        n = int(np.prod([d.dim_value or 1 for d in t.shape.dim], dtype=np.int64))
+        total += n * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).itemsize
+    return total
+
+
+def check_disk(folder: Path, need: int, what: str) -> None:
+    """Refuse, in one line, to start writing ``need`` bytes into ``folder`` when its disk has less free."""
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise UsageError(f"{what} needs about {need / 1e9:.2f} GB of disk in {folder}, {free / 1e9:.2f} GB are free;"
+                         " free space there or move the temporary files (TMPDIR) or the artifact store to a larger"
+                         " disk")
+
+
 def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
-                            followup: tuple[Path, dict] | None = None, order: str = "auto") -> tuple[dict, str]:
+                            followup: tuple[Path, dict] | None = None, order: str = "auto",
+                            into: Path | None = None) -> tuple[dict, str]:
     """{(part index, "prompt"|"token"|"followup"): [feeds]} recorded from the float part graphs on the CPU, and a
     label. Each graph set runs the host loop alone: the prompts in chunks of its rows, then greedy steps through
     it (so the follow-up graphs see calls on a filled past, as a conversation's next turn gives them). ``order``
     (`calibration_order`): every part's float graph open at once (``whole``), or one at a time
-    (``sequence``, `.calibration_sequence`): the same feeds either way."""
+    (``sequence``, `.calibration_sequence`): the same feeds either way. With ``into`` (a folder), each part's
+    feeds of a graph set are written there as they are made (`spill_feeds`, ``feeds_part{k}_{kind}.npz``) and the
+    dict holds those paths: in sequence, memory then holds one part's kept feeds at a time, and the disk the kept
+    calls of one graph set (checked before it starts) plus the files written."""
     from vlmrun_qualcomm.genie_config import GenieModel
 
     from .genie_engine import GenieLayoutDecoder
@@ -282,35 +323,54 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
         dec = GenieLayoutDecoder({rows: graph, 1: graph}, ctx, facts, min_chunk=1)  # only this AR is picked
         greedy_host_loop(dec, e, rows, steps, embed_tokens)
 
+    sizes: dict = {}
+
+    def keep_feeds(p: dict, kind: str, feeds: list[dict]):
+        sizes[(p["index"], kind)] = len(feeds)
+        return feeds if into is None else spill_feeds(feeds, Path(into) / f"feeds_part{p['index']}_{kind}.npz")
+
+    if into is not None:
+        Path(into).mkdir(parents=True, exist_ok=True)
     out: dict = {}
-    rounds = 0
+    rounds, spilled = 0, 0
     for kind, rows, paths in sets:
         steps = GEN_STEPS if kind == "token" else PROMPT_GEN_STEPS
-        calls = sum(-(-e.shape[1] // rows) + steps for e in embeds)
+        counts = [host_loop_calls(e.shape[1], rows, steps, ctx) for e in embeds]
+        calls = sum(counts)
         keep = set(np.unique(np.linspace(0, calls - 1, min(calls, MAX_SAMPLES)).round().astype(int)).tolist())
         loops = [functools.partial(host_loop, e=e, rows=rows, steps=steps) for e in embeds]
         if order == "sequence":
-            with tempfile.TemporaryDirectory(prefix="vlmrun-calibration-") as spill:
-                recorded, n = record_in_sequence(paths, CpuGraph, loops, keep, MASK_CLIP, Path(spill))
+            with tempfile.TemporaryDirectory(prefix="vlmrun-calibration-", dir=into) as spill:
+                need = len(keep) * sum(call_bytes(path) for path in paths)
+                check_disk(Path(spill), need * (2 if into is not None else 1),
+                           f"calibrating the {kind} graphs in sequence ({len(keep)} kept calls x {len(paths)} parts)")
+                folders, names, n = record_in_sequence(paths, CpuGraph, loops, counts, keep, MASK_CLIP, Path(spill))
+                spilled = max(spilled, need)
+                for k, p in enumerate(desc["parts"]):  # one part's kept feeds in memory at a time
+                    out[(p["index"], kind)] = keep_feeds(p, kind, [load(f, names[k]) for f in folders[k]])
+                    shutil.rmtree(Path(spill) / f"part{k}", ignore_errors=True)
             rounds += n
         else:
             runners = [CpuGraph(path) for path in paths]
             chain = Chain(runners, keep, MASK_CLIP)
             for loop in loops:
                 loop(chain)
-            recorded = chain.recorded
-            del runners, chain
-        for p, rec in zip(desc["parts"], recorded):
-            out[(p["index"], kind)] = rec
+            if chain.calls != calls:
+                raise RuntimeError(f"calibration: the prompts made {chain.calls} calls, {calls} expected")
+            del runners
+            for p, rec in zip(desc["parts"], chain.recorded):
+                out[(p["index"], kind)] = keep_feeds(p, kind, rec)
+            del chain
     what = f"images:{len(files)}" if files else "demo image"
-    n = {k: len(v) for k, v in out.items() if k[0] == 1}
+    n = {k: v for k, v in sizes.items() if k[0] == 1}
     fu = f" / {n[(1, 'followup')]} follow-up" if (1, "followup") in n else ""
     label = (f"{what} x {len(embeds)} prompt(s): reference (ort_reference) prompt embeddings through the float part"
              f" graphs on the CPU (prefill + {GEN_STEPS} greedy steps, prompt graphs and token graphs separately);"
              f" {n.get((1, 'prompt'), 0)} prompt / {n.get((1, 'token'), 0)} token{fu} feeds per part; mask clipped"
              f" at {MASK_CLIP:g}")
     if order == "sequence":
-        label += f"; in sequence (one part's float graph at a time, {rounds} rounds)"
+        label += (f"; in sequence (one part's float graph at a time, {rounds} rounds, at most"
+                  f" {spilled / 1e9:.2f} GB of kept feeds on disk)")
     return out, label
 
 

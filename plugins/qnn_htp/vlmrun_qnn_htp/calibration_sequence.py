@@ -8,9 +8,13 @@ The scheduler works in rounds: once every prompt's loop waits on a call or has e
 and runs every waiting call, then part 2 on part 1's outputs, and so on; the last part's outputs (the logits a
 greedy step needs) go back to the loops. Graphs opened: parts x rounds (a round per call of the longest prompt).
 
-Every part's feeds are written to disk as they are made (`np.save`, one folder per part). At the end the calls are
-numbered prompt by prompt, the order whole-at-once makes them in, and the same calls are kept: the same feeds, the
-same quantized part (tests/test_calibration_sequence.py).
+Only the kept calls' feeds are written to disk (`np.save`, one folder per part): which calls are kept is known
+before the first round, because each prompt's number of calls is (``counts``, `.calibration.host_loop_calls`;
+checked at the end). The calls are numbered prompt by prompt, the order whole-at-once makes them in, so the same
+calls are kept: the same feeds, the same quantized part (tests/test_calibration_sequence.py). The disk this takes
+is the kept calls (at most `.calibration.MAX_SAMPLES` per graph set) times a call's feeds over all parts
+(`.calibration.call_bytes`), checked against the free space before the first round; a disk that fills anyway is
+one line from the CLI.
 """
 
 from __future__ import annotations
@@ -91,19 +95,34 @@ def _save(folder: Path, feeds: dict, clip: float | None) -> None:
         np.save(folder / f"{name}.npy", value)
 
 
-def _load(folder: Path, names: Sequence[str]) -> dict:
+def load(folder: Path, names: Sequence[str]) -> dict:
+    """One kept call's feeds of one part, as `record_in_sequence` saved them."""
     return {name: np.load(folder / f"{name}.npy") for name in names}
 
 
-def record_in_sequence(paths: Sequence[Path], open_graph: Callable, loops: Sequence[Callable], keep: set[int],
-                       clip: float | None, spill: Path) -> tuple[list[list[dict]], int]:
+def kept_calls(counts: Sequence[int], keep: set[int]) -> dict[tuple[int, int], int]:
+    """{(prompt, its call): index} of the kept calls, numbered prompt by prompt (``counts``: calls per prompt)."""
+    out, index = {}, 0
+    for lane, n in enumerate(counts):
+        for i in range(n):
+            if index in keep:
+                out[(lane, i)] = index
+            index += 1
+    return out
+
+
+def record_in_sequence(paths: Sequence[Path], open_graph: Callable, loops: Sequence[Callable], counts: Sequence[int],
+                       keep: set[int], clip: float | None, spill: Path) -> tuple[list[list[Path]], list[list[str]], int]:
     """Each part's feeds on the calls ``keep`` selects (numbered prompt by prompt), as `.parts_run.Chain` records
-    them over the same ``loops`` run one after another, and the number of rounds.
+    them over the same ``loops`` run one after another: per part, the folders they were saved to (in call order;
+    `load` reads one), per part its input names, and the number of rounds.
 
     ``paths``: the parts' float graphs in order; ``open_graph(path)``: a graph with ``input_names`` and ``run``;
-    ``loops``: one per prompt, ``loop(graph)`` runs that prompt's host loop over ``graph``; ``clip``: the floor of
-    the recorded attention masks; ``spill``: an empty folder for the feeds until the kept ones are read back."""
+    ``loops``: one per prompt, ``loop(graph)`` runs that prompt's host loop over ``graph``; ``counts``: the calls
+    each loop makes (a loop that makes another number is an error: the kept calls would not be whole-at-once's);
+    ``clip``: the floor of the recorded attention masks; ``spill``: an empty folder for the kept feeds."""
     rounds = _Rounds(len(loops))
+    kept = kept_calls(counts, keep)
 
     def run_loop(lane: int, loop: Callable) -> None:
         try:
@@ -130,7 +149,8 @@ def record_in_sequence(paths: Sequence[Path], open_graph: Callable, loops: Seque
                 names[k] = list(graph.input_names)
                 for lane in sorted(batch):
                     feeds = {n: values[lane][n] for n in graph.input_names}
-                    _save(spill / f"part{k}" / f"{lane}_{calls[lane]}", feeds, clip)
+                    if (lane, calls[lane]) in kept:
+                        _save(spill / f"part{k}" / f"{kept[(lane, calls[lane])]:06d}", feeds, clip)
                     result = graph.run(feeds)
                     values[lane].update(result)
                     outputs[lane].update(result)
@@ -142,10 +162,7 @@ def record_in_sequence(paths: Sequence[Path], open_graph: Callable, loops: Seque
         rounds.stop()
         for t in threads:
             t.join()
-    order = [(lane, i) for lane in range(len(loops)) for i in range(calls[lane])]
-    recorded: list[list[dict]] = [[] for _ in paths]
-    for index, (lane, i) in enumerate(order):
-        if index in keep:
-            for k in range(len(paths)):
-                recorded[k].append(_load(spill / f"part{k}" / f"{lane}_{i}", names[k]))
-    return recorded, n_rounds
+    if calls != list(counts):
+        raise RuntimeError(f"calibration in sequence: the prompts made {calls} calls, {list(counts)} expected")
+    folders = [[spill / f"part{k}" / f"{index:06d}" for index in sorted(kept.values())] for k in range(len(paths))]
+    return folders, names, n_rounds

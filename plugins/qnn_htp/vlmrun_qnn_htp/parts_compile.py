@@ -248,12 +248,11 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
             t0 = time.perf_counter()
             files = calibration.calibration_files(options.get("calibration_images"))
             followup = (fu_dir, fdesc) if fu_dir is not None else None
+            # on disk as they are made, until their graph is quantized: one graph's feeds in memory at a time
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
                                                                calibration.require_context(context), followup,
-                                                               calibration_order)
-            # on disk until their graph is quantized: only one graph's feeds are in memory at a time
-            feeds = {key: str(calibration.spill_feeds(f, work / f"feeds_part{key[0]}_{key[1]}.npz"))
-                     for key, f in feeds.items()}
+                                                               calibration_order, into=work)
+            feeds = {key: str(path) for key, path in feeds.items()}
             release_memory()
             quant_s += time.perf_counter() - t0
             q_times["record_feeds_s"] = time.perf_counter() - t0
