@@ -6,6 +6,7 @@ graphs and the same logits on the emulator; ``auto`` picks the order from the me
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -76,15 +77,26 @@ def test_in_sequence_the_feeds_are_whole_at_onces_with_one_part_open_at_a_time(w
             assert sorted(fa) == sorted(fb), key
             for name in fa:
                 assert fa[name].dtype == fb[name].dtype and np.array_equal(fa[name], fb[name]), (key, name)
-    # whole-at-once opens a graph set's 3 parts together; in sequence one at a time, part by part each round
+    # whole-at-once opens a graph set's 3 parts together; in sequence one at a time: each part once for the
+    # prefills (part-major), then once per round of greedy steps (a round per step of the prompt making most)
     assert opened["whole"] == (3, 9)
     import re
 
-    m = re.fullmatch(re.escape(label_a) + r"; in sequence \(one part's float graph at a time, (\d+) rounds, at most"
-                     r" (\d+\.\d\d) GB of kept feeds on disk\)", label_b)
+    m = re.fullmatch(re.escape(label_a) + r"; in sequence \(one part's float graph at a time, (\d+) graphs opened, at"
+                     r" most (\d+\.\d\d) GB of kept feeds on disk\)", label_b)
     assert m, label_b
-    rounds = int(m[1])
-    assert opened["sequence"] == (1, 3 * rounds) and rounds >= 3 * (1 + calibration.GEN_STEPS)
+    C, prompts = desc["ctx"], list(calibration.CALIBRATION_PROMPTS)
+    lengths = [min(f["inputs_embeds"].shape[1], C - desc["ar"] - calibration.GEN_STEPS)
+               for f in ctx.reference_inputs(None, prompts)]
+    calls, rounds = {}, {}
+    for kind, rows, _ in calibration.parts_graph_sets(src, desc, followup):
+        steps = calibration.GEN_STEPS if kind == "token" else calibration.PROMPT_GEN_STEPS
+        calls[kind] = [calibration.host_loop_calls(n, rows, steps, C) for n in lengths]
+        rounds[kind] = max(c - -(-n // rows) for c, n in zip(calls[kind], lengths))  # greedy steps of a prompt
+    assert rounds == {"prompt": 8, "token": 8, "followup": 8}  # every prompt's 8 steps fit the context
+    assert opened["sequence"] == (1, int(m[1])) == (1, sum(3 * (1 + r) for r in rounds.values())) == (1, 81)
+    # before, a round per call of the longest prompt: 3 x (13 + 86 + 18), the token graphs' prefill row by row
+    assert sum(3 * max(c) for c in calls.values()) == 351
 
 
 def qdq_initializers(path) -> dict:
@@ -181,63 +193,125 @@ def test_auto_calibrates_in_sequence_when_the_float_decoder_does_not_fit_the_bud
     assert calibration.calibration_order("whole", sets) == "whole"  # given: as given
 
 
-class Affine:
-    """A fake part graph: ``h_out = h * scale + calls so far``, ``logits`` from the last part."""
-
-    def __init__(self, path):
-        self.k, self.last = path
-        self.input_names = ["h"]
-        self.calls = 0
-
-    def run(self, feeds):
-        self.calls += 1
-        h = feeds["h"] * (self.k + 1) + 1.0
-        return {"h": h, "logits": h.sum(keepdims=True)} if self.last else {"h": h}
+FACTS = SimpleNamespace(layers=4, kv_heads=1, head_dim=2, hidden=4, rope_theta=10000.0, vocab=5)
+SPLIT = [(0, 2), (2, 3), (3, 4)]  # the layers of 3 fake parts
+TABLE = np.random.default_rng(0).standard_normal((FACTS.vocab, FACTS.hidden)).astype(np.float32)  # token embeddings
+HEAD = np.random.default_rng(1).standard_normal((FACTS.hidden, FACTS.vocab)).astype(np.float32)
 
 
-def loop_over(start: float, calls: int):
-    """A host loop of ``calls`` calls whose next input follows from the last output (as greedy steps do)."""
-    def loop(graph):
-        h = np.full((1, 2), start, np.float32)
-        for _ in range(calls):
-            h = graph.run({"h": h})["h"] / 10
-    return loop
+class Part:
+    """A fake part graph with the parts export's I/O (`vlmrun_ort_reference.decoder_parts.part_io`): layers
+    ``lo..hi-1`` of a toy attention (each row takes in the past keys and values its mask shows it, and writes its
+    own from its hidden state and position), the hidden state on to the next part as ``residual_{hi}``, the logits
+    from the last part."""
+
+    def __init__(self, layers: tuple[int, int]):
+        self.lo, self.hi = layers
+        own = [f"past_{kv}_{i}" for i in range(self.lo, self.hi) for kv in ("key", "value")]
+        self.input_names = ["inputs_embeds" if self.lo == 0 else f"residual_{self.lo}", "attention_mask",
+                            "position_ids_cos", "position_ids_sin", *(n + "_in" for n in own)]
+        self.outputs = ["logits" if self.hi == FACTS.layers else f"residual_{self.hi}", *(n + "_out" for n in own)]
+
+    def run(self, feeds: dict) -> dict:
+        h = feeds[self.input_names[0]]
+        T = h.shape[1]
+        seen = (feeds["attention_mask"][0, :, :-T] > -50).astype(np.float32)  # [T, past slots]
+        pos = feeds["position_ids_cos"][0, 0] + feeds["position_ids_sin"][0, 0]  # [T, 1]
+        out = {}
+        for i in range(self.lo, self.hi):
+            keys, values = feeds[f"past_key_{i}_in"][0, 0], feeds[f"past_value_{i}_in"][0, 0]  # [D, past], [past, D]
+            k, v = h[0, :, :2] * (i + 1) + pos, h[0, :, 2:] - pos
+            out[f"past_key_{i}_out"], out[f"past_value_{i}_out"] = k.T[None, None], v[None, None]
+            h = np.tanh(h + np.concatenate([seen @ keys.T, seen @ values], axis=1)[None] / 4 + 0.1 * (i + 1))
+        out[self.outputs[0]] = h @ HEAD if self.hi == FACTS.layers else h
+        return out
 
 
-def test_the_rounds_record_what_one_chain_records_in_its_order(tmp_path):
+class Opener:
+    """Opens fake parts (``fail``: the parts that raise, by (part, nth open)), counting the graphs opened and
+    those open at once."""
+
+    def __init__(self, fail=()):
+        self.opened, self.live, self.most, self.fail, self.per_part = 0, 0, 0, set(fail), {}
+        opener = self
+
+        class Counted(Part):
+            def __init__(self, layers):
+                super().__init__(layers)
+                k = SPLIT.index(layers)
+                opener.per_part[k] = opener.per_part.get(k, 0) + 1
+                self.fails = (k, opener.per_part[k]) in opener.fail
+                opener.opened, opener.live = opener.opened + 1, opener.live + 1
+                opener.most = max(opener.most, opener.live)
+
+            def run(self, feeds):
+                if self.fails:
+                    raise RuntimeError("part 2 failed")
+                return super().run(feeds)
+
+            def __del__(self):
+                opener.live -= 1
+
+        self.graph = Counted
+
+    def __call__(self, layers):
+        return self.graph(layers)
+
+
+def prompt_loops(rows: int, lengths=(5, 9, 13), steps: int = 4, ctx: int = 16, embed_tokens=None):
+    """The calibration's host loop (`PromptLoop` over `GenieLayoutDecoder`) for prompts of ``lengths`` rows."""
+    from vlmrun_qnn_htp.calibration import PromptLoop
+
+    rng = np.random.default_rng(2)
+    embeds = [rng.standard_normal((1, n, FACTS.hidden)).astype(np.float32) for n in lengths]
+    return [PromptLoop(e, rows, steps, ctx, FACTS, embed_tokens or (lambda ids: TABLE[ids][None])) for e in embeds]
+
+
+@pytest.mark.parametrize("rows, greedy", [(1, [4, 4, 3]), (4, [4, 4, 0])])
+def test_the_part_major_prefill_and_the_greedy_rounds_record_what_one_chain_records(tmp_path, rows, greedy):
+    """The token graphs (a call per prefill row) and the prompt graphs (chunks of 4): prompts of 5, 9 and 13 rows in
+    a context of 16 (the last one's greedy steps stop at the context). Every call kept, every part's feeds equal to
+    whole-at-once's; each part opened once for all the prefills, then once per greedy round."""
+    from vlmrun_qnn_htp.calibration import host_loop_calls
     from vlmrun_qnn_htp.calibration_sequence import load, record_in_sequence
     from vlmrun_qnn_htp.parts_run import Chain
 
-    paths = [(0, False), (1, False), (2, True)]
-    loops = [loop_over(1.0, 3), loop_over(2.0, 5), loop_over(3.0, 1)]  # prompts of different lengths
-    keep = {0, 2, 3, 7, 8}
-    chain = Chain([Affine(p) for p in paths], keep, None)
-    for loop in loops:
+    counts = [host_loop_calls(n, rows, 4, 16) for n in (5, 9, 13)]
+    assert [c - -(-n // rows) for c, n in zip(counts, (5, 9, 13))] == greedy  # the greedy steps each prompt makes
+    keep = set(range(sum(counts)))
+    chain = Chain([Part(p) for p in SPLIT], keep, -100.0)
+    for loop in prompt_loops(rows):
         loop(chain)
-    spill = tmp_path / "spill"
-    folders, names, rounds = record_in_sequence(paths, Affine, loops, [3, 5, 1], keep, None, spill)
-    assert rounds == 5 and chain.calls == 9  # a round per call of the longest prompt
+    assert chain.calls == sum(counts)
+    opener = Opener()
+    folders, names, opened = record_in_sequence(SPLIT, opener, prompt_loops(rows), counts, keep, -100.0,
+                                                tmp_path / "spill")
+    assert opened == opener.opened == 3 * (1 + max(greedy)) and opener.most == 1
+    assert 3 * max(counts) == {1: 48, 4: 21}[rows]  # graphs opened in lockstep rounds over every call
+    assert names == [Part(p).input_names for p in SPLIT] and names[1][0] == "residual_2"
     recorded = [[load(f, names[k]) for f in part] for k, part in enumerate(folders)]
-    assert [[f["h"].tolist() for f in part] for part in recorded] == \
-           [[f["h"].tolist() for f in part] for part in chain.recorded]
-    assert len(recorded[0]) == len(keep)
-    # only the kept calls reach the disk: 5 of 9 calls, for each of the 3 parts
-    assert sorted(p.name for p in spill.iterdir()) == ["part0", "part1", "part2"]
-    assert all(len(list((spill / part).iterdir())) == len(keep) for part in ("part0", "part1", "part2"))
+    assert [len(part) for part in recorded] == [len(part) for part in chain.recorded] == [len(keep)] * 3
+    for k, (ours, theirs) in enumerate(zip(recorded, chain.recorded)):
+        for call, (a, b) in enumerate(zip(ours, theirs)):
+            assert sorted(a) == sorted(b), (k, call)
+            for name in a:
+                assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), (k, call, name)
+    # meaningful: the past of later calls is filled (keys of part 3's layer from its own prefill pass) and the
+    # masks clipped
+    last = recorded[2][counts[0] - 1]
+    assert np.abs(last["past_key_3_in"]).sum() > 0 and last["attention_mask"].min() == -100.0
 
 
 def test_a_prompt_making_other_calls_than_counted_is_an_error(tmp_path):
     from vlmrun_qnn_htp.calibration_sequence import record_in_sequence
 
-    loops = [loop_over(1.0, 3), loop_over(2.0, 5)]
-    with pytest.raises(RuntimeError, match=r"made \[3, 5\] calls, \[3, 4\] expected"):
-        record_in_sequence([(0, False), (1, True)], Affine, loops, [3, 4], {0, 6}, None, tmp_path / "spill")
+    with pytest.raises(RuntimeError, match=r"made \[9, 13, 16\] calls, \[9, 12, 16\] expected"):
+        record_in_sequence(SPLIT, Opener(), prompt_loops(1), [9, 12, 16], set(), None, tmp_path / "spill")
 
 
 def test_the_host_loop_calls_are_counted_as_the_loop_makes_them():
     """`host_loop_calls` against the calibration's own loop (`greedy_host_loop` over `GenieLayoutDecoder`, a graph
     of zeros), at lengths where the greedy steps stop at the context."""
-    from types import SimpleNamespace
 
     from vlmrun_qnn_htp.calibration import greedy_host_loop, host_loop_calls
     from vlmrun_qnn_htp.genie_engine import GenieLayoutDecoder
@@ -264,28 +338,24 @@ def test_the_host_loop_calls_are_counted_as_the_loop_makes_them():
     assert [host_loop_calls(*c) for c in cases] == [loop_calls(*c) for c in cases] == [7, 24, 16, 18, 128, 2 + 3]
 
 
-def test_a_failing_loop_or_graph_stops_the_rounds_with_its_error(tmp_path):
-    from vlmrun_qnn_htp.calibration_sequence import record_in_sequence
-
-    def broken(graph):
-        graph.run({"h": np.ones((1, 2), np.float32)})
-        raise ValueError("loop 1 failed")
-
-    paths = [(0, False), (1, True)]
-    with pytest.raises(ValueError, match="loop 1 failed"):
-        record_in_sequence(paths, Affine, [loop_over(1.0, 4), broken], [4, 1], set(), None, tmp_path / "a")
-
-    class Failing(Affine):
-        def run(self, feeds):
-            raise RuntimeError("part 2 failed")
-
-    def opener(path):
-        return Failing(path) if path[0] == 1 else Affine(path)
-
+def test_a_failing_loop_or_graph_stops_the_calibration_with_its_error(tmp_path):
+    """A prompt's loop failing in its greedy steps (its thread), a part failing in the prefill pass or in a greedy
+    round: the error is raised, and every prompt's thread has ended."""
     import threading
 
+    from vlmrun_qnn_htp.calibration_sequence import record_in_sequence
+
+    def embed_tokens(ids):
+        raise ValueError("loop 1 failed")
+
+    loops = prompt_loops(1)
+    loops[1] = prompt_loops(1, embed_tokens=embed_tokens)[1]
     before = threading.active_count()
-    with pytest.raises(RuntimeError, match="part 2 failed"):
-        record_in_sequence(paths, opener, [loop_over(1.0, 4), loop_over(2.0, 2)], [4, 2], set(), None,
-                           tmp_path / "b")
-    assert threading.active_count() == before  # every prompt's thread has ended
+    with pytest.raises(ValueError, match="loop 1 failed"):
+        record_in_sequence(SPLIT, Opener(), loops, [9, 13, 16], set(), None, tmp_path / "a")
+    for nth, where in ((1, "b"), (2, "c"), (3, "d")):  # part 2's first open: the prefill pass; then greedy rounds
+        opener = Opener(fail={(1, nth)})
+        with pytest.raises(RuntimeError, match="part 2 failed"):
+            record_in_sequence(SPLIT, opener, prompt_loops(1), [9, 13, 16], set(), None, tmp_path / where)
+        assert opener.per_part[1] == nth
+    assert threading.active_count() == before

@@ -17,7 +17,6 @@ feeds on disk until that graph is quantized.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import shutil
@@ -172,8 +171,17 @@ def greedy_host_loop(dec, embeds: np.ndarray, rows: int, steps: int, embed_token
     """Drive a host-loop decoder (`.decoder.FixedKVDecoder` or a subclass) over one prompt, as calibration records
     it: ``embeds`` prefilled (in chunks of ``rows``), then up to ``steps`` greedy steps of ``rows`` rows while they
     fit its context; ``embed_tokens(ids)``: the reference embeddings of the tokens picked."""
+    greedy_steps(dec, greedy_prefill(dec, embeds), rows, steps, embed_tokens)
+
+
+def greedy_prefill(dec, embeds: np.ndarray) -> np.ndarray:
+    """`greedy_host_loop`'s first half: ``embeds`` prefilled from an empty state; the last row's logits."""
     dec.reset()
-    logits = dec.prefill(embeds)
+    return dec.prefill(embeds)
+
+
+def greedy_steps(dec, logits: np.ndarray, rows: int, steps: int, embed_tokens) -> None:
+    """`greedy_host_loop`'s second half: the greedy steps from ``dec``'s state and the ``logits`` that led there."""
     for _ in range(steps):
         if dec.n_past + rows > dec.ctx:
             break
@@ -241,6 +249,68 @@ class CpuGraph:
         return dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
 
 
+class PromptLoop:
+    """One calibration prompt through the parts decoder's host loop (`greedy_host_loop` over
+    `.genie_engine.GenieLayoutDecoder`, its graphs of ``rows`` rows): whole (``loop(graph)``, every part chained
+    in ``graph``), or in the halves `.calibration_sequence.record_in_sequence` runs: ``prefill(graph)`` once per
+    part, each time followed by ``keep`` (that part's layers' keys and values, and the logits from the part making
+    them), then ``steps(graph)`` from the state kept."""
+
+    def __init__(self, embeds: np.ndarray, rows: int, steps: int, ctx: int, facts, embed_tokens):
+        self.embeds, self.rows, self.n_steps, self.ctx, self.facts = embeds, rows, steps, ctx, facts
+        self.embed_tokens = embed_tokens
+        self.k: list = [None] * facts.layers
+        self.v: list = [None] * facts.layers
+        self.n_past = self.logits = self._made = None
+        self._zeros: dict[int, dict] = {}
+
+    def _decoder(self, graph):
+        from .genie_engine import GenieLayoutDecoder
+
+        return GenieLayoutDecoder({self.rows: graph, 1: graph}, self.ctx, self.facts, min_chunk=1)  # only this AR
+
+    def __call__(self, graph) -> None:
+        greedy_host_loop(self._decoder(graph), self.embeds, self.rows, self.n_steps, self.embed_tokens)
+
+    def prefill(self, graph) -> None:
+        dec = self._decoder(graph)
+        logits = greedy_prefill(dec, self.embeds)
+        self._made = dec.k, dec.v, dec.n_past, logits
+
+    def zeros(self, feeds: dict) -> dict:
+        """What the loop reads of a call with ``feeds``, as zeros: every layer's new keys and values, the logits."""
+        T, f = feeds["inputs_embeds"].shape[1], self.facts
+        if T not in self._zeros:
+            z = {"logits": np.zeros((1, T, f.vocab), np.float32)}
+            for i in range(f.layers):
+                z[f"past_key_{i}_out"] = np.zeros((f.kv_heads, 1, f.head_dim, T), np.float32)
+                z[f"past_value_{i}_out"] = np.zeros((f.kv_heads, 1, T, f.head_dim), np.float32)
+            self._zeros[T] = z
+        return self._zeros[T]
+
+    def keep(self, names) -> None:
+        """After a prefill through one part, whose outputs ``names`` the loop read: keep what that part made."""
+        k, v, n_past, logits = self._made
+        self._made = None
+        if self.n_past not in (None, n_past):
+            raise RuntimeError(f"calibration in sequence: a prefill ended at {n_past} rows, another at {self.n_past}")
+        self.n_past = n_past
+        for i in range(self.facts.layers):
+            if f"past_key_{i}_out" in names or f"past_value_{i}_out" in names:
+                self.k[i], self.v[i] = k[i], v[i]
+        if "logits" in names:
+            self.logits = logits
+
+    def steps(self, graph) -> None:
+        missing = [i for i, k in enumerate(self.k) if k is None]
+        if missing or self.logits is None:
+            raise RuntimeError(f"calibration in sequence: no part made the keys of layers {missing}"
+                               if missing else "calibration in sequence: no part made the logits")
+        dec = self._decoder(graph)
+        dec.k, dec.v, dec.n_past = list(self.k), list(self.v), self.n_past
+        greedy_steps(dec, self.logits, self.rows, self.n_steps, self.embed_tokens)
+
+
 def parts_graph_sets(src_dir: Path, desc: dict, followup: tuple[Path, dict] | None = None) -> list[tuple]:
     """``(kind, rows, [float ONNX file per part])`` of each graph set to calibrate: the prompt graphs, the token
     graphs and, with ``followup`` (the follow-up export's directory and ``parts.json``), its prompt graphs as
@@ -295,14 +365,13 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
     """{(part index, "prompt"|"token"|"followup"): [feeds]} recorded from the float part graphs on the CPU, and a
     label. Each graph set runs the host loop alone: the prompts in chunks of its rows, then greedy steps through
     it (so the follow-up graphs see calls on a filled past, as a conversation's next turn gives them). ``order``
-    (`calibration_order`): every part's float graph open at once (``whole``), or one at a time
-    (``sequence``, `.calibration_sequence`): the same feeds either way. With ``into`` (a folder), each part's
+    (`calibration_order`): every part's float graph open at once (``whole``), or one at a time (``sequence``,
+    `.calibration_sequence`: the prompts' prefills part by part, then their greedy steps in rounds, each prompt's
+    loop a `PromptLoop`): the same feeds either way. With ``into`` (a folder), each part's
     feeds of a graph set are written there as they are made (`spill_feeds`, ``feeds_part{k}_{kind}.npz``) and the
     dict holds those paths: in sequence, memory then holds one part's kept feeds at a time, and the disk the kept
     calls of one graph set (checked before it starts) plus the files written."""
     from vlmrun_qualcomm.genie_config import GenieModel
-
-    from .genie_engine import GenieLayoutDecoder
 
     facts = GenieModel.from_model(model)
     ar, ctx = desc["ar"], desc["ctx"]
@@ -312,16 +381,11 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
               for f in context.reference_inputs(files or None, prompts)]
     sets = parts_graph_sets(src_dir, desc, followup)
     order = calibration_order(order, sets)
-    embed_lock = threading.Lock()  # in sequence the prompts' loops run in threads: one token lookup at a time
+    embed_lock = threading.Lock()  # in sequence the prompts' greedy steps run in threads: one token lookup at a time
 
     def embed_tokens(ids: np.ndarray) -> np.ndarray:
         with embed_lock:
             return context.embed_tokens(ids)
-
-    def host_loop(graph, e, rows: int, steps: int) -> None:
-        """One prompt through ``graph`` (every part of one AR)."""
-        dec = GenieLayoutDecoder({rows: graph, 1: graph}, ctx, facts, min_chunk=1)  # only this AR is picked
-        greedy_host_loop(dec, e, rows, steps, embed_tokens)
 
     sizes: dict = {}
 
@@ -332,13 +396,13 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
     if into is not None:
         Path(into).mkdir(parents=True, exist_ok=True)
     out: dict = {}
-    rounds, spilled = 0, 0
+    opened, spilled = 0, 0
     for kind, rows, paths in sets:
         steps = GEN_STEPS if kind == "token" else PROMPT_GEN_STEPS
         counts = [host_loop_calls(e.shape[1], rows, steps, ctx) for e in embeds]
         calls = sum(counts)
         keep = set(np.unique(np.linspace(0, calls - 1, min(calls, MAX_SAMPLES)).round().astype(int)).tolist())
-        loops = [functools.partial(host_loop, e=e, rows=rows, steps=steps) for e in embeds]
+        loops = [PromptLoop(e, rows, steps, ctx, facts, embed_tokens) for e in embeds]
         if order == "sequence":
             with tempfile.TemporaryDirectory(prefix="vlmrun-calibration-", dir=into) as spill:
                 need = len(keep) * sum(call_bytes(path) for path in paths)
@@ -349,7 +413,7 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
                 for k, p in enumerate(desc["parts"]):  # one part's kept feeds in memory at a time
                     out[(p["index"], kind)] = keep_feeds(p, kind, [load(f, names[k]) for f in folders[k]])
                     shutil.rmtree(Path(spill) / f"part{k}", ignore_errors=True)
-            rounds += n
+            opened += n
         else:
             runners = [CpuGraph(path) for path in paths]
             chain = Chain(runners, keep, MASK_CLIP)
@@ -369,7 +433,7 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
              f" {n.get((1, 'prompt'), 0)} prompt / {n.get((1, 'token'), 0)} token{fu} feeds per part; mask clipped"
              f" at {MASK_CLIP:g}")
     if order == "sequence":
-        label += (f"; in sequence (one part's float graph at a time, {rounds} rounds, at most"
+        label += (f"; in sequence (one part's float graph at a time, {opened} graphs opened, at most"
                   f" {spilled / 1e9:.2f} GB of kept feeds on disk)")
     return out, label
 
