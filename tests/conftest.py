@@ -135,9 +135,10 @@ def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
 #: The groups that take longest (measured on a 2-core machine, longest first): started first, so that under
 #: pytest-xdist the two workers finish together instead of one running a long module alone at the end. A stale
 #: list only costs balance; every other group keeps its collection order after these.
-LONG_FIRST = ("bundle", "test_examples_run[diff.md]", "test_tune", "docs-tour", "test_locate",
-              "test_examples_run[npu.md]", "test_examples_run[bundles.md]", "test_phone_chat", "test_quantizer",
-              "test_qnn_htp")
+LONG_FIRST = ("bundle", "test_examples_run[diff.md]", "docs-tour", "test_tune", "test_locate", "test_phone_chat",
+              "test_quantizer", "test_qnn_htp", "test_calibration_sequence", "test_examples_run[bundles.md]",
+              "test_examples_run[npu.md]", "test_eval", "test_bundle_ray", "test_npu_decoder",
+              "test_examples_run[eval.md]")
 
 #: the modules that use the session's all-npu bundle (`bundle_dir`: written and verified on 4 held-out items) and
 #: all-npu pipeline (`npu_pipe`): one group, so that one worker builds them once (as two groups, both workers
@@ -179,6 +180,10 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    # xdist orders scopes by their number of tests unless told not to (--no-loadscope-reorder): the one-test docs
+    # pages, among the longest groups, then started last (diff.md at minute 43 of 58). Keep `LONG_FIRST`'s order.
+    config.option.loadscopereorder = False
 
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -399,7 +399,9 @@ def test_round_trip_generates_identical_tokens(native_dir, roundtrip_dir):
     tokens_b, logits_b = _greedy(roundtrip_dir, ids, pixels)
     assert tokens_a == tokens_b
     assert len(tokens_a) == 20 and len(set(tokens_a)) > 1
-    assert torch.equal(logits_a, logits_b)
+    # the weights are bitwise equal (test_round_trip_weights_are_identical); the float sums are not always: a
+    # tensor's alignment can pick another SIMD path (exact equality failed once, under load, with equal tokens)
+    torch.testing.assert_close(logits_b, logits_a, rtol=0, atol=1e-5)
     # the image must matter, or the comparison would be vacuous
     _, logits_other = _greedy(native_dir, ids, torch.rand((1, 3, IMAGE_SIZE, IMAGE_SIZE), generator=gen), steps=1)
     assert float((logits_other - logits_a).abs().max()) > 1e-4
