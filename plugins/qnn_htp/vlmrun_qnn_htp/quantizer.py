@@ -103,7 +103,7 @@ def _quantize(src: Path, dst: Path, feeds: list[dict], recipe: Recipe, work: Pat
         release_memory()
         facts = quantize_aimet(model_in, dst, feeds, recipe, work, nodes, big)
     else:
-        facts = _onnxruntime(model_in, proto, dst, feeds, recipe, nodes, ranges, big)
+        facts = _onnxruntime(model_in, proto, dst, feeds, recipe, nodes, ranges, big, work)
     times["calibrate_quantize_s"] = time.perf_counter() - t0
     peaks["calibrate_quantize"] = peak_rss_mb()
     for f in work.glob(f"{src.stem}.pre.onnx*"):
@@ -137,13 +137,14 @@ def engine_version(recipe: Recipe) -> dict:
 
 
 def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Recipe, nodes: dict, ranges: dict,
-                 big: bool) -> dict:
+                 big: bool, work: Path) -> dict:
     """onnxruntime's QNN-aware QDQ recipe (see the module docstring)."""
     from onnxruntime.quantization import CalibrationMethod, QuantType
     from onnxruntime.quantization import quantize as ort_quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     from .calibration import Reader
+    from .calibration_batches import calibrate_in_batches, quantize_cached
 
     parts = recipe.precision in PARTS_PRECISIONS
     inits = {i.name: list(i.dims) for i in proto.graph.initializer}
@@ -183,7 +184,12 @@ def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Re
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime.quantization warns through the root logger ("consider pre-processing")
     try:
-        ort_quantize(str(model_in), str(dst), config)
+        batched = calibrate_in_batches(model_in, feeds, config, big, work)
+        if batched is None:
+            ort_quantize(str(model_in), str(dst), config)
+        else:
+            quantize_cached(model_in, dst, config, batched[0])
+            facts["calibration_batches"] = batched[1]
     finally:
         root.setLevel(level)
     facts["activation"] = act.name

@@ -1,0 +1,117 @@
+"""onnxruntime's MinMax calibration of a graph with big activations, in batches of tensors.
+
+onnxruntime's MinMax calibrator adds a ReduceMin and a ReduceMax of every tensor it calibrates to the graph and runs
+that augmented graph over the feeds. Its memory follows the activations it keeps alive, all at once: the image
+encoder at 1024 x 1024 (FastVLM's, every size) peaked above 15.9 GB while quantizing to a16w8, where the plain
+graph runs in 1.06 GB; 100 of its tensors at a time took 3.95 GB. So when the activations of the tensors to
+calibrate (float32, from the graph's inferred shapes) sum to more than `BATCH_BYTES`, they are calibrated in
+batches up to that size, one augmented graph per batch over the same feeds, fed one at a time as
+``CalibStridedMinMax = 1`` feeds them. Per tensor that is the same reductions over the same values: the merged
+ranges are one pass's, written as onnxruntime's calibration cache (`save_tensors_data`), which ``quantize_static``
+reads instead of calibrating (tests/test_calibration_batches.py: the same QDQ graph, byte for byte).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+BATCH_BYTES = 1 << 30  # activations of the tensors one augmented graph calibrates at once
+
+#: quantize_static's extra options that set the MinMax calibrator, and its argument names
+_MINMAX_OPTIONS = (("CalibTensorRangeSymmetric", "symmetric"), ("CalibMovingAverage", "moving_average"),
+                   ("CalibMovingAverageConstant", "averaging_constant"),
+                   ("CalibMaxIntermediateOutputs", "max_intermediate_outputs"))
+
+
+def tensor_bytes(value_info) -> int:
+    """float32 bytes of a tensor from its inferred shape (an unknown dimension counts as 1)."""
+    dims = value_info.type.tensor_type.shape.dim
+    return 4 * math.prod(max(1, d.dim_value) for d in dims)
+
+
+def batches(sizes: dict[str, int], order: list[str], limit: int) -> list[list[str]]:
+    """``order``'s tensors in consecutive batches whose ``sizes`` sum to at most ``limit`` (a bigger one alone)."""
+    out: list[list[str]] = []
+    total = limit + 1
+    for name in order:
+        if total + sizes[name] > limit:
+            out.append([])
+            total = 0
+        out[-1].append(name)
+        total += sizes[name]
+    return out
+
+
+def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, work: Path,
+                         limit: int | None = None) -> tuple[Path, int] | None:
+    """onnxruntime's calibration cache of ``model_in`` under ``config`` (the StaticQuantConfig ``quantize_static``
+    gets) and the number of batches, when the activations to calibrate exceed ``limit`` (`BATCH_BYTES`); ``None``
+    when they fit one pass (onnxruntime calibrates as usual)."""
+    from onnxruntime.quantization.calibrate import (CalibrationMethod, MinMaxCalibrater, TensorsData,
+                                                     save_tensors_data)
+
+    from .calibration import Reader
+
+    limit = BATCH_BYTES if limit is None else limit
+    extra = config.extra_options or {}
+    options = {arg: extra[name] for name, arg in _MINMAX_OPTIONS if name in extra}
+    scratch = Path(work) / "calibration-batches"
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        probe = MinMaxCalibrater(str(model_in), config.op_types_to_quantize, str(scratch / "probe.onnx"),
+                                 use_external_data_format=big, **options)
+        tensors, value_infos = probe.select_tensors_to_calibrate(probe.model)
+        order = [name for node in probe.model.graph.node for name in (*node.input, *node.output) if name in tensors]
+        order = list(dict.fromkeys(order + sorted(tensors)))  # graph order, each once
+        del probe
+        sizes = {name: tensor_bytes(value_infos[name]) for name in order}
+        if sum(sizes.values()) <= limit:
+            return None
+        groups = batches(sizes, order, limit)
+        ranges: dict = {}
+        for i, group in enumerate(groups):
+            chosen = set(group)
+
+            class _Batch(MinMaxCalibrater):
+                def select_tensors_to_calibrate(self, model):
+                    found, infos = super().select_tensors_to_calibrate(model)
+                    return found & chosen, infos
+
+            calibrator = _Batch(str(model_in), config.op_types_to_quantize, str(scratch / f"batch{i}.onnx"),
+                                use_external_data_format=big, **options)
+            calibrator.augment_graph()
+            calibrator.create_inference_session()
+            for feed in feeds:  # one at a time, as CalibStridedMinMax = 1
+                calibrator.collect_data(Reader([feed]))
+            ranges.update(calibrator.compute_data().data)
+            del calibrator
+            for f in scratch.glob(f"batch{i}.onnx*"):
+                f.unlink()
+        missing = set(order) - set(ranges)
+        if missing:
+            raise RuntimeError(f"calibration in batches: no range for {len(missing)} tensors ({sorted(missing)[:3]})")
+        cache = Path(work) / "calibration-ranges.json"
+        save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
+        return cache, len(groups)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def quantize_cached(model_in: Path, dst: Path, config, cache: Path) -> None:
+    """``onnxruntime.quantization.quantize(model_in, dst, config)`` with its ranges read from ``cache`` (removed
+    after)."""
+    from onnxruntime.quantization import quantize_static
+
+    try:
+        quantize_static(str(model_in), str(dst), None, calibrate_method=config.calibrate_method,
+                        quant_format=config.quant_format, activation_type=config.activation_type,
+                        weight_type=config.weight_type, op_types_to_quantize=config.op_types_to_quantize,
+                        nodes_to_quantize=config.nodes_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
+                        per_channel=config.per_channel, reduce_range=config.reduce_range,
+                        use_external_data_format=config.use_external_data_format,
+                        calibration_providers=config.calibration_providers, extra_options=config.extra_options,
+                        calibration_cache_path=str(cache))
+    finally:
+        Path(cache).unlink(missing_ok=True)
