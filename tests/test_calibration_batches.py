@@ -44,3 +44,34 @@ def test_tensors_go_in_consecutive_batches_up_to_the_limit():
     assert batches(sizes, list(sizes), 10) == [["a", "b"], ["c", "d"], ["e"], ["f"]]
     assert batches(sizes, list(sizes), 100) == [list(sizes)]
     assert np.sum([sizes[n] for g in batches(sizes, list(sizes), 10) for n in g]) == sum(sizes.values())
+
+
+def test_a_graph_under_the_limit_is_decided_from_its_weightless_proto(vision_graph, tmp_path, monkeypatch):
+    """The bound from the weightless proto covers what onnxruntime would calibrate; under the limit no calibrator is
+    built (a decoder part's would load its weights a second time just to be measured)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantType
+    from onnxruntime.quantization import calibrate as ort_calibrate
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from vlmrun_qnn_htp import calibration_batches
+    from vlmrun_qnn_htp.calibration import Reader
+
+    proto = onnx.load(str(vision_graph), load_external_data=False)
+    bound = calibration_batches.activation_bound(proto)
+    config = get_qnn_qdq_config(str(vision_graph), Reader([]), calibrate_method=CalibrationMethod.MinMax,
+                                activation_type=QuantType.QUInt16, weight_type=QuantType.QInt8)
+    probe = ort_calibrate.MinMaxCalibrater(str(vision_graph), config.op_types_to_quantize,
+                                           str(tmp_path / "probe.onnx"))
+    tensors, infos = probe.select_tensors_to_calibrate(probe.model)
+    exact = sum(calibration_batches.tensor_bytes(infos[n]) for n in tensors)
+    assert 0 < exact <= bound < 4 * exact  # an upper bound, not a wild one
+
+    def no_calibrator(*args, **kwargs):
+        raise AssertionError("a calibrator was built for a graph under the limit")
+
+    monkeypatch.setattr(ort_calibrate, "MinMaxCalibrater", no_calibrator)
+    assert calibration_batches.calibrate_in_batches(vision_graph, [], config, False, tmp_path, limit=bound,
+                                                    proto=proto) is None
+    with pytest.raises(AssertionError, match="calibrator was built"):  # over the bound: the exact probe runs
+        calibration_batches.calibrate_in_batches(vision_graph, [], config, False, tmp_path, limit=bound - 1,
+                                                 proto=proto)

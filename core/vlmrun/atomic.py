@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from .errors import VlmrunError
+from .errors import UsageError, VlmrunError
 
 TMP_PREFIX = ".tmp-"
 OWNER_FILE = "vlmrun-owner.json"
@@ -205,6 +205,21 @@ def discard(path: str | os.PathLike) -> None:
         os.replace(path, work / OLD_DIR)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def check_free_space(target: str | os.PathLike, need: int, label: str | None = None, margin: int = 64 << 20) -> None:
+    """Refuse, in one line (`UsageError`), to start writing ``need`` bytes at ``target`` (a file or directory, made
+    or to be made) when its disk has fewer than ``need + margin`` free. ``label`` says what needs the room (default:
+    ``target`` itself)."""
+    parent = Path(target).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    total = need + margin
+    if free < total:
+        raise UsageError(f"{label or target} needs {total} bytes ({total / 1e9:.1f} GB) free on its disk, which has"
+                         f" {free} ({free / 1e9:.1f} GB); free space there or choose another directory (the artifact"
+                         " store: --cache-dir or VLMRUN_CACHE_DIR; temporary files: TMPDIR)")
 
 
 def tree_size(path: Path) -> int:

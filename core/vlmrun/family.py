@@ -26,13 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .atomic import check_free_space
 from .errors import UsageError
 
 __all__ = [
     "FORMATS",
     "SIZES",
     "FamilySize",
-    "check_disk",
     "check_target",
     "checkpoint_bytes",
     "size_named",
@@ -141,24 +141,12 @@ def checkpoint_bytes(size: FamilySize) -> int:
 
 def check_target(out_dir: str | os.PathLike, size: FamilySize) -> pathlib.Path:
     """The absolute path of ``out_dir`` once it is known to be writable for ``size``: `UsageError` when it
-    exists and is not an empty directory, or its disk has too little room (`check_disk`)."""
+    exists and is not an empty directory, or its disk has too little room (`vlmrun.atomic.check_free_space`)."""
     target = pathlib.Path(out_dir).expanduser().absolute()
     if os.path.lexists(target) and (not target.is_dir() or target.is_symlink() or any(target.iterdir())):
         raise UsageError(f"{target} exists and is not empty; remove it or choose another output directory")
-    check_disk(target, checkpoint_bytes(size))
+    check_free_space(target, checkpoint_bytes(size))
     return target
-
-
-def check_disk(target: pathlib.Path, needed: int) -> None:
-    """`UsageError` saying how many bytes ``target`` (a directory to be made) needs when its disk has fewer free."""
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    free = shutil.disk_usage(parent).free
-    margin = 64 << 20
-    if free < needed + margin:
-        raise UsageError(f"{target} needs {needed + margin} bytes ({(needed + margin) / 1e9:.1f} GB) free on its"
-                         f" disk, which has {free} ({free / 1e9:.1f} GB); free space or choose another directory")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmrun.atomic import check_free_space
 from vlmrun.errors import UsageError
 
 from .calibration_sequence import load, record_in_sequence
@@ -350,15 +351,6 @@ def call_bytes(path: Path) -> int:
     return total
 
 
-def check_disk(folder: Path, need: int, what: str) -> None:
-    """Refuse, in one line, to start writing ``need`` bytes into ``folder`` when its disk has less free."""
-    free = shutil.disk_usage(folder).free
-    if need > free:
-        raise UsageError(f"{what} needs about {need / 1e9:.2f} GB of disk in {folder}, {free / 1e9:.2f} GB are free;"
-                         " free space there or move the temporary files (TMPDIR) or the artifact store to a larger"
-                         " disk")
-
-
 def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
                             followup: tuple[Path, dict] | None = None, order: str = "auto",
                             into: Path | None = None) -> tuple[dict, str]:
@@ -406,8 +398,9 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
         if order == "sequence":
             with tempfile.TemporaryDirectory(prefix="vlmrun-calibration-", dir=into) as spill:
                 need = len(keep) * sum(call_bytes(path) for path in paths)
-                check_disk(Path(spill), need * (2 if into is not None else 1),
-                           f"calibrating the {kind} graphs in sequence ({len(keep)} kept calls x {len(paths)} parts)")
+                check_free_space(spill, need * (2 if into is not None else 1),
+                                 f"calibrating the {kind} graphs in sequence ({len(keep)} kept calls x {len(paths)}"
+                                 f" parts) in {spill}")
                 folders, names, n = record_in_sequence(paths, CpuGraph, loops, counts, keep, MASK_CLIP, Path(spill))
                 spilled = max(spilled, need)
                 for k, p in enumerate(desc["parts"]):  # one part's kept feeds in memory at a time

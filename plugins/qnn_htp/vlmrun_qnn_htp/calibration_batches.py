@@ -9,6 +9,11 @@ batches up to that size, one augmented graph per batch over the same feeds, fed 
 ``CalibStridedMinMax = 1`` feeds them. Per tensor that is the same reductions over the same values: the merged
 ranges are one pass's, written as onnxruntime's calibration cache (`save_tensors_data`), which ``quantize_static``
 reads instead of calibrating (tests/test_calibration_batches.py: the same QDQ graph, byte for byte).
+
+Whether a graph needs batches is decided first from its weightless proto (`activation_bound`: every float tensor's
+bytes, an upper bound of what onnxruntime would calibrate), so that a graph well under the limit (every decoder
+part) is not loaded with its weights a second time just to be measured; only a graph above the bound is probed
+exactly (onnxruntime's own choice of tensors).
 """
 
 from __future__ import annotations
@@ -31,6 +36,28 @@ def tensor_bytes(value_info) -> int:
     return 4 * math.prod(max(1, d.dim_value) for d in dims)
 
 
+def activation_bound(proto) -> int | None:
+    """An upper bound of the float32 bytes onnxruntime's MinMax calibrator would reduce in ``proto`` (loaded
+    without its weights): every float graph input and node output, by the same shape inference the calibrator
+    runs. ``None`` when a node output has no inferred type (the bound would not hold: probe exactly)."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    graph = inferred.graph
+    typed = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+    inits = {i.name for i in graph.initializer}
+    total = 0
+    for name in [i.name for i in graph.input] + [o for node in graph.node for o in node.output]:
+        if not name or name in inits:
+            continue
+        info = typed.get(name)
+        if info is None or not info.type.HasField("tensor_type"):
+            return None
+        if info.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+            total += tensor_bytes(info)
+    return total
+
+
 def batches(sizes: dict[str, int], order: list[str], limit: int) -> list[list[str]]:
     """``order``'s tensors in consecutive batches whose ``sizes`` sum to at most ``limit`` (a bigger one alone)."""
     out: list[list[str]] = []
@@ -45,16 +72,21 @@ def batches(sizes: dict[str, int], order: list[str], limit: int) -> list[list[st
 
 
 def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, work: Path,
-                         limit: int | None = None) -> tuple[Path, int] | None:
+                         limit: int | None = None, proto=None) -> tuple[Path, int] | None:
     """onnxruntime's calibration cache of ``model_in`` under ``config`` (the StaticQuantConfig ``quantize_static``
     gets) and the number of batches, when the activations to calibrate exceed ``limit`` (`BATCH_BYTES`); ``None``
-    when they fit one pass (onnxruntime calibrates as usual)."""
+    when they fit one pass (onnxruntime calibrates as usual). With ``proto`` (``model_in`` loaded without its
+    weights), a graph whose `activation_bound` is under the limit is answered ``None`` without loading it."""
     from onnxruntime.quantization.calibrate import (CalibrationMethod, MinMaxCalibrater, TensorsData,
                                                      save_tensors_data)
 
     from .calibration import Reader
 
     limit = BATCH_BYTES if limit is None else limit
+    if proto is not None:
+        bound = activation_bound(proto)
+        if bound is not None and bound <= limit:
+            return None
     extra = config.extra_options or {}
     options = {arg: extra[name] for name, arg in _MINMAX_OPTIONS if name in extra}
     scratch = Path(work) / "calibration-batches"

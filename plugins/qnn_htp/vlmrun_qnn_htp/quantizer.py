@@ -184,7 +184,7 @@ def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Re
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime.quantization warns through the root logger ("consider pre-processing")
     try:
-        batched = calibrate_in_batches(model_in, feeds, config, big, work)
+        batched = calibrate_in_batches(model_in, feeds, config, big, work, proto=proto)
         if batched is None:
             ort_quantize(str(model_in), str(dst), config)
         else:
