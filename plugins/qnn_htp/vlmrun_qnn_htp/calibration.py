@@ -181,10 +181,16 @@ def greedy_prefill(dec, embeds: np.ndarray) -> np.ndarray:
     return dec.prefill(embeds)
 
 
+def step_fits(n_past: int, rows: int, ctx: int) -> bool:
+    """Whether a greedy step through an AR-``rows`` graph of context ``ctx`` fits after ``n_past`` positions (the
+    stop rule of `greedy_steps`, which `host_loop_calls` counts by)."""
+    return n_past + rows <= ctx
+
+
 def greedy_steps(dec, logits: np.ndarray, rows: int, steps: int, embed_tokens) -> None:
     """`greedy_host_loop`'s second half: the greedy steps from ``dec``'s state and the ``logits`` that led there."""
     for _ in range(steps):
-        if dec.n_past + rows > dec.ctx:
+        if not step_fits(dec.n_past, rows, dec.ctx):
             break
         tok = int(np.argmax(logits[0, -1]))
         logits = dec._step(embed_tokens(np.array([tok])), rows)
@@ -329,7 +335,7 @@ def host_loop_calls(length: int, rows: int, steps: int, ctx: int) -> int:
     ``ctx``: the prefill in chunks of ``rows``, then a call per greedy step while ``rows`` more fit."""
     n_past, calls = length, -(-length // rows)
     for _ in range(steps):
-        if n_past + rows > ctx:
+        if not step_fits(n_past, rows, ctx):
             break
         n_past, calls = n_past + 1, calls + 1
     return calls
