@@ -52,6 +52,11 @@ def test_every_page_is_in_the_site_and_every_example_block_is_checked():
         assert f'"{page.name}"' in nav, f"{page.name} is not in mkdocs.yml's nav"
         for block in docs_examples.blocks(page):
             assert block.lang in ("console", "python", "toml", "json", "text", ""), (page.name, block.line, block.lang)
+        # a section included from another page (pymdownx.snippets) is checked there: it must exist in a checked page
+        for name, section in re.findall(r'^--8<-- "([^":]+):(\w+)"$', page.read_text(), re.M):
+            source = (ROOT / name).read_text()
+            assert ROOT / name in PAGES, (page.name, name)
+            assert f"--8<-- [start:{section}]" in source and f"--8<-- [end:{section}]" in source, (page.name, name)
 
 
 # -- the checker itself ---------------------------------------------------------------------------------------------
@@ -149,6 +154,7 @@ def test_site_builds_strictly_with_the_api_reference(site):
     # a broken link fails the strict build
     broken = site.parent / "broken"
     shutil.copytree(ROOT / "docs", broken / "docs")
+    shutil.copy(ROOT / "README.md", broken / "README.md")  # index.md includes its tour
     (broken / "docs" / "eval.md").write_text((broken / "docs" / "eval.md").read_text() + "\n[gone](nosuch.md)\n")
     cfg = (ROOT / "mkdocs.yml").read_text().replace("paths: [core]", f"paths: [{ROOT / 'core'}]")
     (broken / "mkdocs.yml").write_text(cfg)
