@@ -71,22 +71,22 @@ def batches(sizes: dict[str, int], order: list[str], limit: int) -> list[list[st
     return out
 
 
-def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, work: Path,
-                         limit: int | None = None, proto=None) -> tuple[Path, int] | None:
+def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, work: Path, *, proto,
+                         limit: int | None = None) -> tuple[Path, int] | None:
     """onnxruntime's calibration cache of ``model_in`` under ``config`` (the StaticQuantConfig ``quantize_static``
     gets) and the number of batches, when the activations to calibrate exceed ``limit`` (`BATCH_BYTES`); ``None``
-    when they fit one pass (onnxruntime calibrates as usual). With ``proto`` (``model_in`` loaded without its
-    weights), a graph whose `activation_bound` is under the limit is answered ``None`` without loading it."""
+    when they fit one pass (onnxruntime calibrates as usual). ``proto`` is ``model_in`` loaded without its weights:
+    a graph whose `activation_bound` is under the limit is answered ``None`` from it, without loading the graph;
+    above it (or unbounded), onnxruntime's own calibrator measures the tensors it would reduce."""
     from onnxruntime.quantization.calibrate import (CalibrationMethod, MinMaxCalibrater, TensorsData,
                                                      save_tensors_data)
 
     from .calibration import Reader
 
     limit = BATCH_BYTES if limit is None else limit
-    if proto is not None:
-        bound = activation_bound(proto)
-        if bound is not None and bound <= limit:
-            return None
+    bound = activation_bound(proto)
+    if bound is not None and bound <= limit:
+        return None
     extra = config.extra_options or {}
     options = {arg: extra[name] for name, arg in _MINMAX_OPTIONS if name in extra}
     scratch = Path(work) / "calibration-batches"
