@@ -25,7 +25,7 @@ from conftest import run_cli
 pytest.importorskip("onnxruntime_qnn")
 
 from vlmrun import GenerationSettings, Pipeline  # noqa: E402
-from vlmrun.errors import BackendError, UsageError, VlmrunError  # noqa: E402
+from vlmrun.errors import BackendError, InputError, UsageError, VlmrunError  # noqa: E402
 
 N_ITEMS = 4  # one held-out item per question kind (the bundle verifies 4 more before it is handed out)
 PARTS = "decoder.decoder_form=parts"
@@ -285,6 +285,31 @@ def test_the_cli_runs_the_bundle(bundle_dir, image_path, cache_dir):
     out = json.loads(r.stdout)
     assert out["text"] == "A red circle on a blue background." and out["stopped_by"] == "eos"
 
+
+
+def test_genies_context_limit_is_one_input_error_and_the_next_request_runs(bundle_pipe, bundle_dir, image_path,
+                                                                           cache_dir):
+    """Genie's pipeline holds fewer positions than the bundle's context: it feeds a prompt in whole calls of its
+    AR-N graph (measured at AR-127: 416 of 512 positions, 159 of 256). A prompt the core lets through but Genie
+    cannot hold is one input error with the numbers, not the encoders' "does not support kpis method" log line,
+    whole or in a conversation, and the next request runs."""
+    long = "Describe the image." + " a" * 349
+    n = int(bundle_pipe.prepare(image_path, long).input_ids.shape[1])
+    assert n == 417 and bundle_pipe.context_length == 512
+    limit = rf"Genie's pipeline ran out of its context \(512 positions\) on a prompt of {n} tokens"
+    with pytest.raises(InputError, match=limit):
+        bundle_pipe.generate(image_path, long, GenerationSettings(max_new_tokens=4)).run()
+    assert bundle_pipe.generate(image_path, "Describe the image.").run().text == PHONE_TEXT
+    chat = bundle_pipe.chat(settings=GenerationSettings(max_new_tokens=4))
+    with pytest.raises(InputError, match=limit):
+        chat.ask(long, image=image_path).run()
+    again = chat.ask("Describe the image.", image=image_path, settings=GenerationSettings(max_new_tokens=32)).run()
+    assert again.text == PHONE_TEXT and len(chat.messages) == 2  # the failed turn was not kept
+    r = run_cli(["--bundle", str(bundle_dir), "--image", str(image_path), "--prompt", long, "--max-new-tokens", "4"],
+                cache_dir, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("vlmrun")]
+    assert r.returncode == 1 and len(errors) == 1 and "ran out of its context (512 positions)" in errors[0], r.stderr
+    assert "kpis" not in r.stderr and "Traceback" not in r.stderr
 
 # -- on a phone: genie-app over adb (stand-ins) --------------------------------------------------------------------
 STANDINS = Path(__file__).parent / "standins"

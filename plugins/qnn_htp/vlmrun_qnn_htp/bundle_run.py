@@ -19,9 +19,10 @@ from typing import Iterator
 import attrs
 import numpy as np
 
-from vlmrun.errors import BackendError, UsageError
+from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.handles import DecoderHandle, RequestState
 from vlmrun_qualcomm import genie_pipeline
+from vlmrun_qualcomm.genie import ContextLimitError
 from vlmrun_qualcomm.genie_pipeline import PipelineSession
 from vlmrun.layouts import bundle_manifest
 
@@ -228,8 +229,8 @@ class BundleRuntime:
             result: dict = {}
             t0 = time.perf_counter()
             text, first = "", None
-            for piece in genie_pipeline.stream_pipeline(self.lib, request, cwd=self.path, timeout=self.timeout, result=result,
-                                         logits=rows):
+            for piece in _in_context(self, req, genie_pipeline.stream_pipeline(
+                    self.lib, request, cwd=self.path, timeout=self.timeout, result=result, logits=rows)):
                 if first is None:
                     first = time.perf_counter()
                     if "embeddings_dims" not in result:  # the worker hands the image's output before any text
@@ -247,6 +248,18 @@ class BundleRuntime:
                                  "ttft_wall_ms": (first - t0) * 1e3}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _out_of_context(self, req) -> InputError:
+        """Genie's pipeline stopped at its context ("Context Size was exceeded.") on a prompt that fits the
+        bundle's context_length: it runs a prompt through its prompt graphs in whole calls of their rows, and held
+        fewer positions than the context (docs/bundles.md, "The context in Genie's pipeline")."""
+        m = self.manifest
+        return InputError(
+            f"bundle {self.path.name}: Genie's pipeline ran out of its context ({m['context_length']} positions) on"
+            f" a prompt of {int(req.input_ids.shape[1])} tokens with up to {req.max_new_tokens} new ones (\"Context"
+            f" Size was exceeded.\"; it feeds a prompt in calls of its AR-{m['decoder']['ar']} graph and holds fewer"
+            " positions than its context); shorten the conversation or start a new one, or write the bundle with a"
+            " larger decoder context_length")
 
     def _no_image(self) -> BackendError:
         return BackendError(f"bundle {self.path.name}: the image encoder's embeddings never reached the text"
@@ -344,7 +357,7 @@ class BundleConversation(RequestState):
             self.length, count, answer, sampled = total, 0, "", []
             t0 = time.perf_counter()
             first = None
-            pieces = self.session.turn(inputs, str(tmp / "image_embeddings.npy"), result)
+            pieces = _in_context(rt, req, self.session.turn(inputs, str(tmp / "image_embeddings.npy"), result))
             try:
                 for piece in pieces:
                     if first is None:
@@ -385,6 +398,14 @@ class BundleConversation(RequestState):
         self.length = int(req.input_ids.shape[1]) + len(sampled)
         self.rt.last_timings = {"pipeline_wall_ms": (time.perf_counter() - t0) * 1e3,
                                 **({"ttft_wall_ms": (first - t0) * 1e3} if first is not None else {})}
+
+
+def _in_context(rt: BundleRuntime, req, pieces: Iterator[str]) -> Iterator[str]:
+    """``pieces`` of Genie's pipeline; its context limit as the one-line input error of `BundleRuntime._out_of_context`."""
+    try:
+        yield from pieces
+    except ContextLimitError:
+        raise rt._out_of_context(req) from None
 
 
 def request_state(handles: dict) -> RequestState | None:

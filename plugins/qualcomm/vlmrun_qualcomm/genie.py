@@ -111,6 +111,13 @@ def last_error_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+#: Genie's ContextLimitException (qualla dialogs, the CPU engine, the pipeline's generator): "Context Size was
+#: exceeded."
+CONTEXT_LIMIT = re.compile(r"Context Size was exceeded|context size exceeded|Context limit exceeded", re.I)
+#: an ``[ ERROR ]`` line the pipeline's encoders log on every run, failed or not (not a reason)
+NOT_A_REASON = re.compile(r"does not support kpis method")
+
+
 class ContextLimitError(BackendError):
     """Genie stopped because the prompt plus the generated tokens reached the dialog context
     (`GENIE_STATUS_WARNING_CONTEXT_EXCEEDED` from libGenie; exit 1 with "Failed to query with embedding." from

@@ -25,8 +25,8 @@ from vlmrun.errors import BackendError, UsageError
 from vlmrun.handles import DecoderState
 
 from .adb import Adb
-from .genie import ContextLimitError, last_error_line, check_context, write_embeddings
-from .genie_t2t import BENIGN_LINE, CONTEXT_LIMIT, Retokenizer, answer_pieces, split_t2t_stdout
+from .genie import CONTEXT_LIMIT, ContextLimitError, check_context, last_error_line, write_embeddings
+from .genie_t2t import BENIGN_LINE, Retokenizer, answer_pieces, split_t2t_stdout
 
 APP = "genie-app"
 #: colour codes: genie-app prints each failing script line's exception in red on Linux and Android

@@ -33,7 +33,7 @@ import numpy as np
 
 from vlmrun.errors import BackendError
 
-from .genie import last_error_line
+from .genie import CONTEXT_LIMIT, NOT_A_REASON, ContextLimitError, last_error_line
 from .genie_binding import capture_fd, status_name
 from .genie_sampler import LogitsRows, LogitsTap
 from .genie_session import WorkerSession
@@ -253,20 +253,29 @@ def run_pipeline(lib: PipelineLibrary, nodes: Mapping[str, str], connections: Se
 
 @contextlib.contextmanager
 def _with_reason(log: list[str]):
-    """A BackendError raised inside the block gets the log's last error line (Genie's reason) appended."""
+    """A BackendError raised inside the block gets the log's reason (`_genie_reason`) appended; one whose log
+    says the generator ran out of its context ("Context Size was exceeded.", which the pipeline reports as
+    status UNKNOWN) is a `ContextLimitError`."""
     try:
         yield
     except BackendError as exc:
-        reason = _genie_reason("".join(log))
+        text = "".join(log)
+        if CONTEXT_LIMIT.search(text):
+            raise ContextLimitError(f"{exc}: Context Size was exceeded.") from None
+        reason = _genie_reason(text)
         if reason and reason not in str(exc):
             raise BackendError(f"{exc}: {reason}") from None
         raise
 
 
 def _genie_reason(text: str) -> str:
-    """The last ``[ ERROR ]`` line of Genie's default logger, else the last line that reads as an error."""
-    errors = [ln.split("]", 1)[-1].strip() for ln in text.splitlines() if "[ ERROR ]" in ln]
-    return errors[-1][:300] if errors else last_error_line(text)
+    """The last ``[ ERROR ]`` line of Genie's default logger that is a reason (not the encoders' "does not support
+    kpis method", logged on every run), else the last line that reads as an error."""
+    errors = [ln.split("]", 1)[-1].strip() for ln in text.splitlines()
+              if "[ ERROR ]" in ln and not NOT_A_REASON.search(ln)]
+    if errors:
+        return errors[-1][:300]
+    return last_error_line("\n".join(ln for ln in text.splitlines() if not NOT_A_REASON.search(ln)))
 
 
 # -- the worker process ---------------------------------------------------------------------------------------
@@ -379,12 +388,12 @@ def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str |
         yield from pipeline_text(run, result, logits)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    done, error = result.pop("done", False), result.pop("error", None)
+    done, error, limit = result.pop("done", False), result.pop("error", None), result.pop("context_limit", False)
     if run.timed_out and not done:
         raise BackendError(f"the Genie pipeline timed out after {timeout:g} s (worker killed); raise --option"
                            " timeout or check the bundle with vlmrun bundle --verify")
     if error:
-        raise BackendError(error)
+        raise (ContextLimitError if limit else BackendError)(error)
     if not done or run.returncode != 0:
         detail = last_error_line(run.stderr) or "no message"
         raise BackendError(f"the Genie pipeline worker exited with status {run.returncode}: {detail}")

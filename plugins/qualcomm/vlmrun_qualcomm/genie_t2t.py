@@ -29,7 +29,7 @@ import attrs
 from vlmrun import procs
 from vlmrun.errors import BackendError, UsageError
 
-from .genie import ContextLimitError, last_error_line, parse_profile
+from .genie import CONTEXT_LIMIT, ContextLimitError, last_error_line, parse_profile
 
 
 # -- genie-t2t-run ------------------------------------------------------------------------------------------
@@ -102,8 +102,6 @@ ERROR_LINE = re.compile(r"^\s*(ERROR\b|Error\b|error:|Failed to|Unknown option|C
 GENIE_ERROR = re.compile(r'^[ \t]*\[ERROR\][ \t]*"?(?P<msg>.*?)"?[ \t]*$', re.M)
 #: messages genie-t2t-run prints on stderr when it cleans up (not failures of the query)
 BENIGN_LINE = re.compile(r"^\s*Failed to free\b")
-#: Genie's ContextLimitException (qualla dialogs and the CPU engine): "Context Size was exceeded."
-CONTEXT_LIMIT = re.compile(r"Context Size was exceeded|context size exceeded|Context limit exceeded", re.I)
 
 
 def split_t2t_stdout(stdout: str) -> tuple[str | None, str, str]:

@@ -55,7 +55,8 @@ def serve_commands(replies: Replies, commands: Mapping[str, Callable[[str], None
 def pipeline_text(events: Iterable[tuple[str, str]], result: dict, logits=None) -> Iterator[str]:
     """A Genie pipeline worker's events as its text pieces: ``EMBEDDINGS dims`` into ``result["embeddings_dims"]``,
     each ``LOGITS`` row to ``logits`` (a `vlmrun_qualcomm.genie_sampler.LogitsRows`), ``DONE`` into
-    ``result["done"]``, ``ERROR reason`` into ``result["error"]``."""
+    ``result["done"]``, ``ERROR reason`` into ``result["error"]`` (``CONTEXT reason`` too, with
+    ``result["context_limit"]``)."""
     for word, rest in events:
         if word == "TEXT":
             text, _ = json.loads(rest)
@@ -67,5 +68,5 @@ def pipeline_text(events: Iterable[tuple[str, str]], result: dict, logits=None) 
             logits.event(rest)
         elif word == "DONE":
             result["done"] = True
-        elif word == "ERROR":
-            result["error"] = rest
+        elif word in ("ERROR", "CONTEXT"):
+            result["error"], result["context_limit"] = rest, word == "CONTEXT"
