@@ -290,9 +290,9 @@ def test_the_cli_runs_the_bundle(bundle_dir, image_path, cache_dir):
 def test_genies_context_limit_is_one_input_error_and_the_next_request_runs(bundle_pipe, bundle_dir, image_path,
                                                                            cache_dir):
     """Genie's pipeline holds fewer positions than the bundle's context: it feeds a prompt in whole calls of its
-    AR-N graph (measured at AR-127: 416 of 512 positions, 159 of 256). A prompt the core lets through but Genie
-    cannot hold is one input error with the numbers, not the encoders' "does not support kpis method" log line,
-    whole or in a conversation, and the next request runs."""
+    AR-N graph (measured: 416 of 512 positions at AR-128, 159 of 256 at AR-127). A prompt the core lets through
+    but Genie cannot hold is one input error with the numbers, not the encoders' "does not support kpis method"
+    log line, whole or in a conversation, and the next request runs."""
     long = "Describe the image." + " a" * 349
     n = int(bundle_pipe.prepare(image_path, long).input_ids.shape[1])
     assert n == 417 and bundle_pipe.context_length == 512
