@@ -258,6 +258,15 @@ def test_random_writer_streams_apple_shards_that_load(tmp_path, store):
     with torch.no_grad():
         image = fvlm.get_image_features(pixel_values=torch.rand(1, 3, 64, 64)).pooler_output
     assert 0.01 < float(image.std()) < 0.04  # calibrated to the token embeddings' 0.02
+    # the embedding rows past the tokenizer's are 0; dense_vocab makes every row random (a real lm_head's bytes)
+    rows = {}
+    for dense in (False, True):
+        out = write_random_apple(tmp_path / f"apple-{dense}", size, image_size=64, dense_vocab=dense)
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        name = next(k for k in index["weight_map"] if k.endswith("embed_tokens.weight"))
+        with safe_open(str(out / index["weight_map"][name]), framework="pt") as f:
+            rows[dense] = int((f.get_tensor(name).float().abs().sum(1) > 0).sum())
+    assert rows[True] == 448 and rows[False] < 448
 
 
 def test_default_model_in_apple_sharded_bf16_answers_like_the_default(ref_pipe, store, tmp_path):

@@ -206,7 +206,7 @@ def _vision_and_projector(model, image_size: int, seed: int) -> dict[str, Any]:
     return out
 
 
-def _specs(size: FamilySize, image_size: int, seed: int, tokenizer) -> tuple[list, Any]:
+def _specs(size: FamilySize, image_size: int, seed: int, tokenizer, dense_vocab: bool = False) -> tuple[list, Any]:
     """The `TensorSpec` list of the Apple checkpoint (Apple's names, bf16) and the native meta model."""
     import torch
 
@@ -216,7 +216,7 @@ def _specs(size: FamilySize, image_size: int, seed: int, tokenizer) -> tuple[lis
 
     bos, _, eos, image = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     model = _native_model_on_meta(size, image_size, {"bos": bos, "eos": eos, "image": image})
-    n_tokens = image  # Apple's tokenizer has no <image>: the rows past it stay 0
+    n_tokens = size.vocab_rows if dense_vocab else image  # Apple's tokenizer has no <image>: the rows past it stay 0
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if size.tie:
         shapes.pop("lm_head.weight", None)
@@ -234,11 +234,16 @@ def _specs(size: FamilySize, image_size: int, seed: int, tokenizer) -> tuple[lis
 
 def write_random_apple(out_dir: str | os.PathLike, size: FamilySize | str, *, image_size: int = 1024, seed: int = 0,
                        shard_bytes: int | None = None, on_bytes: Callable[[int], None] | None = None,
-                       on_total: Callable[[int], None] | None = None) -> pathlib.Path:
+                       on_total: Callable[[int], None] | None = None, dense_vocab: bool = False) -> pathlib.Path:
     """Write a random-weight FastVLM of ``size`` in Apple's ``llava_qwen2`` layout, bf16, sharded, into
     ``out_dir`` (which must not exist or be empty; it appears complete or not at all). ``on_total(bytes)`` is
     called once the tensors are planned, ``on_bytes(n)`` after each tensor (progress). `UsageError` when the
-    disk has too little room (the bytes needed are named). Returns the absolute path."""
+    disk has too little room (the bytes needed are named). Returns the absolute path.
+
+    The embedding rows past the tokenizer's are 0 (Apple's vocabulary has rows this tokenizer never reads), unless
+    ``dense_vocab``: then every row is random, as in a real checkpoint, whose tied lm_head is dense. Measure a
+    bundle's bytes on a dense one: the HTP compile of a mostly-zero lm_head is a fraction of its int4 size (the
+    1.5B's last part: 26 MB for a 152000 x 1536 lm_head and one layer)."""
     from .checkpoint_formats import write_checkpoint_dir
     from .checkpoint_shards import DEFAULT_SHARD_BYTES
 
@@ -246,13 +251,14 @@ def write_random_apple(out_dir: str | os.PathLike, size: FamilySize | str, *, im
     target = check_target(out_dir, size)
 
     def build(tmp: pathlib.Path) -> None:
-        _write_random(tmp, size, image_size, seed, shard_bytes or DEFAULT_SHARD_BYTES, on_bytes, on_total)
+        _write_random(tmp, size, image_size, seed, shard_bytes or DEFAULT_SHARD_BYTES, on_bytes, on_total,
+                      dense_vocab)
 
     return write_checkpoint_dir(target, build)
 
 
 def _write_random(tmp: pathlib.Path, size: FamilySize, image_size: int, seed: int, shard_bytes: int,
-                  on_bytes, on_total) -> None:
+                  on_bytes, on_total, dense_vocab: bool) -> None:
     import json
 
     from transformers import GenerationConfig
@@ -268,7 +274,7 @@ def _write_random(tmp: pathlib.Path, size: FamilySize, image_size: int, seed: in
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     write_apple_tokenizer(native_tok, tmp, image_id)
     shutil.rmtree(native_tok)
-    specs, model = _specs(size, image_size, seed, tokenizer)
+    specs, model = _specs(size, image_size, seed, tokenizer, dense_vocab)
     if on_total:
         on_total(sum(s.nbytes for s in specs))
     write_shards(tmp, specs, shard_bytes, on_bytes)
