@@ -242,8 +242,8 @@ def write_random_apple(out_dir: str | os.PathLike, size: FamilySize | str, *, im
 
     The embedding rows past the tokenizer's are 0 (Apple's vocabulary has rows this tokenizer never reads), unless
     ``dense_vocab``: then every row is random, as in a real checkpoint, whose tied lm_head is dense. Measure a
-    bundle's bytes on a dense one: the HTP compile of a mostly-zero lm_head is a fraction of its int4 size (the
-    1.5B's last part: 26 MB for a 152000 x 1536 lm_head and one layer)."""
+    bundle's bytes on a dense one: a compiled mostly-zero lm_head is a fraction of its 4-bit size (the 1.5B's last
+    part: 26 MB for a 152000 x 1536 lm_head and one layer)."""
     from .checkpoint_formats import write_checkpoint_dir
     from .checkpoint_shards import DEFAULT_SHARD_BYTES
 
