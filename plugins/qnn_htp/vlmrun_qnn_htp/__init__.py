@@ -265,7 +265,7 @@ def load_stage(backend, stage, ctx):
     if not mine(backend, NAME):
         return None
     if getattr(ctx, "bundle", None):  # a bundle:DIR layout: Genie's VLM pipeline over the folder's files
-        from .bundle_run import load_bundle_stage
+        from .bundle_stage import load_bundle_stage
 
         return load_bundle_stage(stage, ctx)
     plan = StagePlan.of(stage, ctx.options)
@@ -354,7 +354,7 @@ def run_request(backend, handles, request):
     """A bundle's whole request through Genie's pipeline (`.bundle`); other layouts go stage by stage."""
     if not mine(backend, NAME) or not hasattr(handles.get("decoder"), "runtime"):
         return None
-    from .bundle_run import run_request as run
+    from .bundle_stage import run_request as run
 
     return run(handles, request)
 
