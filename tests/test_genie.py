@@ -170,6 +170,16 @@ def fake_libs(d: Path, skip=()) -> Path:
     return d
 
 
+def test_the_error_line_is_never_the_encoders_kpis_noise():
+    """Genie's pipeline logs "<encoder> does not support kpis method" as an [ ERROR ] on every run; the line that
+    says why a call failed is another one, or none (then the last line)."""
+    noise = ("[ ERROR ]  ImageEncoder-Encoder does not support kpis method\n[ INFO ]  pipeline ready\n"
+             "[ ERROR ]  lut-Encoder does not support kpis method\n")
+    assert genie.last_error_line(noise) == "[ INFO ]  pipeline ready"
+    assert genie.last_error_line(noise + "Failed to open embedding_weights.raw\n") == "Failed to open embedding_weights.raw"
+    assert genie.last_error_line("Failed to open x.bin\n" + noise) == "Failed to open x.bin"
+
+
 def test_t2t_flag_rules(tmp_path):
     with pytest.raises(UsageError, match="-t .* needs -e"):
         genie_t2t.t2t_argv("g", "c.json", prompt="hi", lut="l.raw")

@@ -101,10 +101,15 @@ def parse_profile(data: str | bytes | Mapping) -> dict[str, float]:
 
 
 # -- errors -------------------------------------------------------------------------------------------------
+#: an ``[ ERROR ]`` line the pipeline's encoders log on every run, failed or not (not a reason)
+NOT_A_REASON = re.compile(r"does not support kpis method")
+
+
 def last_error_line(text: str) -> str:
     """The line of native output (Genie's stderr) that says what failed: the last one naming an error, else the
-    last one; QNN's LIBNATIVE banner lines are skipped."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "LIBNATIVE" not in ln]
+    last one; QNN's LIBNATIVE banner lines and Genie's lines that are never a reason (`NOT_A_REASON`) are skipped."""
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and "LIBNATIVE" not in ln and not NOT_A_REASON.search(ln)]
     for ln in reversed(lines):
         if re.search(r"error|fail|exception|invalid|cannot|unable", ln, re.I):
             return ln[:300]
@@ -114,8 +119,6 @@ def last_error_line(text: str) -> str:
 #: Genie's ContextLimitException (qualla dialogs, the CPU engine, the pipeline's generator): "Context Size was
 #: exceeded."
 CONTEXT_LIMIT = re.compile(r"Context Size was exceeded|context size exceeded|Context limit exceeded", re.I)
-#: an ``[ ERROR ]`` line the pipeline's encoders log on every run, failed or not (not a reason)
-NOT_A_REASON = re.compile(r"does not support kpis method")
 
 
 class ContextLimitError(BackendError):

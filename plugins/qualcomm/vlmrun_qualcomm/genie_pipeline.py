@@ -275,7 +275,7 @@ def _genie_reason(text: str) -> str:
               if "[ ERROR ]" in ln and not NOT_A_REASON.search(ln)]
     if errors:
         return errors[-1][:300]
-    return last_error_line("\n".join(ln for ln in text.splitlines() if not NOT_A_REASON.search(ln)))
+    return last_error_line(text)
 
 
 # -- the worker process ---------------------------------------------------------------------------------------
