@@ -139,19 +139,21 @@ LONG_FIRST = ("bundle", "docs-tour", "test_examples_run[diff.md]", "test_locate"
               "test_quantizer", "test_qnn_htp", "test_calibration_sequence", "test_examples_run[npu.md]",
               "test_eval", "test_bundle_ray", "test_npu_decoder", "test_examples_run[eval.md]")
 
-#: the modules that use the session's all-npu bundle (`bundle_dir`: written and verified on 4 held-out items) and
-#: all-npu pipeline (`npu_pipe`): one group, so that one worker builds them once (as two groups, both workers
-#: built both); the docs page that writes the same bundle joins them (it runs after test_bundle and test_chat, in
-#: collection order, and finds the bundle's binaries in the worker's store)
-BUNDLE_USERS = ("test_bundle", "test_chat", "test_followup", "test_runtime_boundary", "test_serve")
-BUNDLE_PAGES = ("bundles.md",)
-
-#: docs pages that run the same tour (README's commands: the tuned build, the w4a16 eval, the bundle): one group,
-#: README first, so that the later pages find its builds and tune in the worker's store (apart, tune.md took 174 s
-#: instead of 11 s, index.md 98 s instead of 44 s); test_tune, whose tunes compile the same w4a16 base and
-#: candidates (decoder.layer0, decoder.lm_head), runs after them (alone, its first tune compiled them all: 434 s)
-DOCS_TOUR = ("README.md", "api.md", "getting-started.md", "index.md", "tune.md")
-TOUR_MODULES = ("test_tune",)
+#: Modules and docs pages that build the same binaries, as one scheduling group each: one worker builds them once,
+#: in collection order (as two groups, both workers built both):
+#:
+#: * ``bundle``: the modules that use the session's all-npu bundle (`bundle_dir`: written and verified on 4 held-out
+#:   items) and all-npu pipeline (`npu_pipe`), and bundles.md, which writes the same bundle after test_bundle and
+#:   test_chat and finds its binaries in the worker's store;
+#: * ``docs-tour``: the docs pages that run README's tour (the tuned build, the w4a16 eval, the bundle), README
+#:   first, so that the later pages find its builds and tune in the worker's store (apart, tune.md took 174 s
+#:   instead of 11 s, index.md 98 s instead of 44 s); then test_tune, whose tunes compile the same w4a16 base and
+#:   candidates (decoder.layer0, decoder.lm_head) (alone, its first tune compiled them all: 434 s).
+SHARED_BUILDS = {
+    "bundle": ("test_bundle", "test_chat", "test_followup", "test_runtime_boundary", "test_serve", "bundles.md"),
+    "docs-tour": ("README.md", "api.md", "getting-started.md", "index.md", "tune.md", "test_tune"),
+}
+GROUP_OF_NAME = {name: group for group, names in SHARED_BUILDS.items() for name in names}
 
 
 DOCS_PAGE = "tests/test_docs.py::test_examples_run["
@@ -159,15 +161,13 @@ DOCS_PAGE = "tests/test_docs.py::test_examples_run["
 
 def group_of(nodeid: str) -> str:
     """The scheduling group of a test: its module (its tests run on one worker, in order: module fixtures such as a
-    fake hub keep their state between them, and the session fixtures it needs are built once), the modules of
-    `BUNDLE_USERS` with `BUNDLE_PAGES` together, the pages of `DOCS_TOUR` with `TOUR_MODULES` together, or one docs
-    page."""
+    fake hub keep their state between them, and the session fixtures it needs are built once) or its docs page, or
+    the `SHARED_BUILDS` group that module or page belongs to."""
     if nodeid.startswith(DOCS_PAGE):
-        page = nodeid[len(DOCS_PAGE):].split("@")[0].rstrip("]")
-        return ("docs-tour" if page in DOCS_TOUR else "bundle" if page in BUNDLE_PAGES
-                else f"test_examples_run[{page}]")
-    module = Path(nodeid.split("::")[0]).stem
-    return "bundle" if module in BUNDLE_USERS else "docs-tour" if module in TOUR_MODULES else module
+        name = nodeid[len(DOCS_PAGE):].split("@")[0].rstrip("]")
+        return GROUP_OF_NAME.get(name, f"test_examples_run[{name}]")
+    name = Path(nodeid.split("::")[0]).stem
+    return GROUP_OF_NAME.get(name, name)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -176,7 +176,8 @@ def test_the_error_line_is_never_the_encoders_kpis_noise():
     noise = ("[ ERROR ]  ImageEncoder-Encoder does not support kpis method\n[ INFO ]  pipeline ready\n"
              "[ ERROR ]  lut-Encoder does not support kpis method\n")
     assert genie.last_error_line(noise) == "[ INFO ]  pipeline ready"
-    assert genie.last_error_line(noise + "Failed to open embedding_weights.raw\n") == "Failed to open embedding_weights.raw"
+    missing = "Failed to open embedding_weights.raw"
+    assert genie.last_error_line(noise + missing + "\n") == missing
     assert genie.last_error_line("Failed to open x.bin\n" + noise) == "Failed to open x.bin"
 
 
