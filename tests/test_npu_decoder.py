@@ -256,6 +256,8 @@ def test_quantized_parts_figures_are_what_we_measure(precision, tiny_model, stor
     assert m["precision"] == precision and q["activation"] == "QUInt16" and q["mask_range"] == "[-100, 0]"
     assert q["weights"].startswith("QInt4" if precision == "w4a16" else "QInt8")
     assert "demo image" in q["calibration"] and "reference (ort_reference) prompt embeddings" in q["calibration"]
+    lo, hi = m["decoder_parts"]["parts"][-1]["layers"]  # the facts are the last graph's: the last part's
+    assert q["inputs_quantized_at_their_where"] == 2 * (hi - lo)  # its past keys and values enter quantized
     genie_tokens, host_tokens, _ = host_and_genie(pipe, image_path)
     assert genie_tokens == host_tokens
 

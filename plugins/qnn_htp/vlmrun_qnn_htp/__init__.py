@@ -80,7 +80,7 @@ from .options import Q_STAGES, stage_options  # noqa: F401 (vlmrun_qnn_htp.stage
 from .plan import StagePlan
 from .quantizer import io_quant, quantize
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 
 # -- hooks -------------------------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Re
 
     from .calibration import Reader
     from .calibration_batches import calibrate_in_batches, quantize_cached
+    from .qdq_inputs import quantize_where_inputs
 
     parts = recipe.precision in PARTS_PRECISIONS
     inits = {i.name: list(i.dims) for i in proto.graph.initializer}
@@ -192,6 +193,9 @@ def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Re
             facts["calibration_batches"] = batched[1]
     finally:
         root.setLevel(level)
+    where_inputs = quantize_where_inputs(dst)
+    if where_inputs:
+        facts["inputs_quantized_at_their_where"] = len(where_inputs)
     facts["activation"] = act.name
     if recipe.precision == "int8":
         facts["softmax"] = "QUInt16"
