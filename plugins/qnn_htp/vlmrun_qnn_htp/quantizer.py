@@ -178,9 +178,8 @@ def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Re
         nodes_to_exclude=nodes.get("keep_fp") or None,
     )
     config.use_external_data_format = big
-    # MinMax over the feeds one at a time (ranges merged feed by feed: the same min/max) instead of holding every
-    # feed's intermediate tensors until the end
-    config.extra_options["CalibStridedMinMax"] = 1
+    if big:  # MinMax over the feeds one at a time (ranges merged feed by feed: the same min/max)
+        config.extra_options["CalibStridedMinMax"] = 1
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime.quantization warns through the root logger ("consider pre-processing")
