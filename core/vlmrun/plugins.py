@@ -187,7 +187,8 @@ class Registry:
         backends = self.backends()
         if not backends:
             return f"none (install a plugin such as vlmrun-ort-reference, or check {ENV_PLUGINS})"
-        return "; ".join(f"{b.name} ({', '.join(b.stages)})" for b in backends.values())
+        # by name: the order entry points are found in follows how the packages were installed
+        return "; ".join(f"{b.name} ({', '.join(b.stages)})" for b in sorted(backends.values(), key=lambda b: b.name))
 
 
 class HookRelay:
