@@ -64,3 +64,21 @@ def test_a_where_fed_by_a_computed_tensor_is_left_alone(tmp_path):
     data = path.read_bytes()
     assert quantize_where_inputs(path) == []
     assert path.read_bytes() == data
+
+
+def test_weights_in_external_data_stay_where_they_are(tmp_path):
+    """A full-size part keeps its weights beside the graph (``<graph>.data``): the rewrite leaves that file and
+    the graph still loads and computes the same."""
+    path = tmp_path / "m.onnx"
+    where_model(path)
+    m = onnx.load(str(path))
+    onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="m.onnx.data",
+              size_threshold=0)
+    data = (tmp_path / "m.onnx.data").read_bytes()
+    feeds = {"seen": np.array([[True] * 6 + [False] * 2]),
+             "past": np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)}
+    before = run(path, feeds)
+
+    assert quantize_where_inputs(path) == ["past"]
+    assert (tmp_path / "m.onnx.data").read_bytes() == data
+    np.testing.assert_array_equal(run(path, feeds), before)
