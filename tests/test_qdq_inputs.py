@@ -82,3 +82,36 @@ def test_weights_in_external_data_stay_where_they_are(tmp_path):
     assert quantize_where_inputs(path) == ["past"]
     assert (tmp_path / "m.onnx.data").read_bytes() == data
     np.testing.assert_array_equal(run(path, feeds), before)
+
+
+def test_an_input_feeding_two_wheres_gets_one_pair_per_encoding(tmp_path):
+    """past feeds the modelled Where and a second one: the same encoding shares one pair; another encoding gets
+    its own, named apart, and the graph stays valid and computes the same."""
+    path = tmp_path / "m.onnx"
+    where_model(path)
+    m = onnx.load(str(path))
+    g = m.graph
+    g.initializer.extend([numpy_helper.from_array(np.array(0.02, np.float32), "out2_scale"),
+                          numpy_helper.from_array(np.array(100, np.uint16), "out2_zp")])
+    for scale, zp, tag in (("out_scale", "out_zp", "b"), ("out2_scale", "out2_zp", "c")):
+        g.node.extend([helper.make_node("Where", ["seen", "past", "zeros"], [f"w_{tag}"], name=f"/Where_{tag}"),
+                       helper.make_node("QuantizeLinear", [f"w_{tag}", scale, zp], [f"q_{tag}"], name=f"q_{tag}"),
+                       helper.make_node("DequantizeLinear", [f"q_{tag}", scale, zp], [f"out_{tag}"],
+                                        name=f"dq_{tag}")])
+        g.output.append(helper.make_tensor_value_info(f"out_{tag}", TensorProto.FLOAT, [2, 8]))
+    onnx.save(m, str(path))
+    feeds = {"seen": np.array([[True] * 4 + [False] * 4]),
+             "past": np.linspace(-2, 2, 16, dtype=np.float32).reshape(2, 8)}
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    before = sess.run(None, feeds)
+
+    assert quantize_where_inputs(path) == ["past"]
+    m = onnx.load(str(path))
+    onnx.checker.check_model(m)
+    by_name = {n.name: n for n in m.graph.node}
+    assert by_name["/Where"].input[1] == by_name["/Where_b"].input[1] == "past_DequantizeLinear_Output"
+    assert by_name["/Where_c"].input[1] == "past_1_DequantizeLinear_Output"
+    assert list(by_name["past_1_QuantizeLinear"].input) == ["past", "out2_scale", "out2_zp"]
+    after = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)

@@ -23,8 +23,8 @@ from pathlib import Path
 def quantize_where_inputs(path: Path) -> list[str]:
     """Rewrite the QDQ model at ``path`` in place: every float graph input that feeds a ``Where`` whose output
     goes only to a ``QuantizeLinear`` is quantized and dequantized at that output's scale and zero point before
-    the ``Where``. Returns the inputs rewritten (none: the file is left untouched). Weights stored as external
-    data stay where they are."""
+    the ``Where``; an input that feeds several such ``Where`` gets one pair per encoding. Returns the inputs
+    rewritten (none: the file is left untouched). Weights stored as external data stay where they are."""
     import onnx
     from onnx import helper
 
@@ -35,7 +35,8 @@ def quantize_where_inputs(path: Path) -> list[str]:
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    added, done = [], []
+    added: list = []
+    made: dict[tuple, str] = {}  # (input, scale, zero point, axis) -> its dequantized tensor: one pair per encoding
     for node in graph.node:
         if node.op_type != "Where":
             continue
@@ -48,18 +49,22 @@ def quantize_where_inputs(path: Path) -> list[str]:
             name = node.input[k]
             if name not in inputs:
                 continue
-            q, dq = f"{name}_QuantizeLinear", f"{name}_DequantizeLinear"
-            quantize = helper.make_node("QuantizeLinear", [name, scale, zero_point], [f"{q}_Output"], name=q)
-            dequantize = helper.make_node("DequantizeLinear", [f"{q}_Output", scale, zero_point], [f"{dq}_Output"],
-                                          name=dq)
-            for n in (quantize, dequantize):
-                n.attribute.extend(axis)
-            added += [quantize, dequantize]
-            node.input[k] = f"{dq}_Output"
-            done.append(name)
-    if not done:
+            key = (name, scale, zero_point, tuple(a.i for a in axis))
+            if key not in made:
+                earlier = sum(other[0] == name for other in made)  # pairs this input already has
+                tag = f"{name}_{earlier}" if earlier else name
+                q, dq = f"{tag}_QuantizeLinear", f"{tag}_DequantizeLinear"
+                quantize = helper.make_node("QuantizeLinear", [name, scale, zero_point], [f"{q}_Output"], name=q)
+                dequantize = helper.make_node("DequantizeLinear", [f"{q}_Output", scale, zero_point],
+                                              [f"{dq}_Output"], name=dq)
+                for n in (quantize, dequantize):
+                    n.attribute.extend(axis)
+                added += [quantize, dequantize]
+                made[key] = f"{dq}_Output"
+            node.input[k] = made[key]
+    if not made:
         return []
     for n in reversed(added):  # graph inputs and initializers only: they go first, in topological order
         graph.node.insert(0, n)
     onnx.save(model, str(path))
-    return done
+    return list(dict.fromkeys(key[0] for key in made))
