@@ -141,7 +141,7 @@ def quantize_aimet(model_in: Path, dst: Path, feeds: list[dict], recipe: Recipe,
 
     sim, facts = build_sim(model_in, feeds, recipe, work, nodes, big)
     sim.session = None  # the export needs the encodings, not the calibration session (its own copy of the weights)
-    release_memory()
+    release_memory(big)
     qdq = sim.to_onnx_qdq(export_int32_bias=True, prequantize_constants=True)
     del sim
     if big:

@@ -55,7 +55,7 @@ from .genie_names import genie_name, rename_graph, rewrite_wrapper
 from .layers import LAYER_OPTIONS, part_keep
 from .memory import part_peak_bytes, peak_rss_mb, release_memory
 from .options import compiled_artifact, parts_plan
-from .quantizer import quantize
+from .quantizer import is_big, quantize
 from .recipe import from_key
 
 
@@ -145,6 +145,7 @@ def make_part(job: PartJob) -> dict:
     res = {"q_times": {}, "q_peaks": {}, "per_layer": {}, "facts": None, "quant_s": 0.0, "graph_s": {},
            "process": _process()}
     kinds = list(job.sources)
+    big = any(is_big(Path(job.sources[kind][0])) for kind in kinds)
     srcs = {}
     for kind in kinds:
         srcs[kind] = Path(job.sources[kind][0])
@@ -154,7 +155,7 @@ def make_part(job: PartJob) -> dict:
             facts = quantize(srcs[kind], dst, Path(job.feeds[kind]), recipe, work, _layers(options, k, kind))
             res["facts"] = _quantize_facts(facts, res["q_times"], res["q_peaks"], res["per_layer"], f"part{k}_{kind}")
             srcs[kind] = dst
-            release_memory()
+            release_memory(big)
             res["quant_s"] += time.perf_counter() - t0
     if embeds is not None and k == 1:  # a bundle's decoder: the embeddings come in quantized (uint16)
         for kind in kinds:
@@ -170,7 +171,7 @@ def make_part(job: PartJob) -> dict:
         t_graph = time.perf_counter()
         _compile(srcs[kind], wrapper, soc, share, i == len(kinds) - 1, what)
         res["graph_s"][kind] = time.perf_counter() - t_graph
-        release_memory()
+        release_memory(big)
         res["q_peaks"][f"part{k}_{kind}_qnn_compile"] = peak_rss_mb()
         info = describe_ctx_onnx(wrapper)
         if info["non_qnn_nodes"] or len(info["graphs"]) != 1 or len(info["binaries"]) != 1:
@@ -253,7 +254,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
                                                                calibration.require_context(context), followup,
                                                                calibration_order, into=work)
             feeds = {key: str(path) for key, path in feeds.items()}
-            release_memory()
+            release_memory(any(is_big(src_dir / p["graphs"]["prompt"]["file"]) for p in desc["parts"]))
             quant_s += time.perf_counter() - t0
             q_times["record_feeds_s"] = time.perf_counter() - t0
             q_peaks["record_feeds"] = peak_rss_mb()

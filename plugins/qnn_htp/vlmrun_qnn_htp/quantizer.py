@@ -100,7 +100,7 @@ def _quantize(src: Path, dst: Path, feeds: list[dict], recipe: Recipe, work: Pat
         from .aimet_engine import quantize_aimet
 
         del proto
-        release_memory()
+        release_memory(big)
         facts = quantize_aimet(model_in, dst, feeds, recipe, work, nodes, big)
     else:
         facts = _onnxruntime(model_in, proto, dst, feeds, recipe, nodes, ranges, big, work)
