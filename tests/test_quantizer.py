@@ -296,12 +296,40 @@ def test_a_big_graph_is_quantized_in_a_child_with_the_same_bytes(lpbq, store, tm
         assert (here / "q.onnx").read_bytes() == (there / "q.onnx").read_bytes(), engine
 
 
-def test_a_child_the_kernel_kills_is_one_line():
+def _crash():
+    import ctypes
+
+    ctypes.string_at(0)  # a null read: SIGSEGV, as a crash in a native library
+
+
+def _exit():
+    import os
+
+    os._exit(3)
+
+
+def _fail():
+    raise ValueError("the step's own error")
+
+
+def test_a_child_that_dies_is_one_line_saying_how():
     from vlmrun.errors import BackendError
     from vlmrun_qnn_htp.memory import in_child
 
-    with pytest.raises(BackendError, match="quantizing part1: its worker process died .*out of memory"):
+    with pytest.raises(BackendError) as err:
         in_child(_die, what="quantizing part1")
+    assert str(err.value) == ("quantizing part1: its worker process was killed (SIGKILL: most likely the kernel's"
+                              " out-of-memory killer); free memory, or split the decoder into more parts"
+                              " (-o decoder.parts=N)")
+    with pytest.raises(BackendError) as err:  # before, a crash was reported as "most likely out of memory" too
+        in_child(_crash, what="quantizing part1")
+    assert str(err.value) == ("quantizing part1: its worker process died of SIGSEGV (a crash in a native library);"
+                              " rerun with --debug and report it")
+    with pytest.raises(BackendError, match=r"^quantizing part1: its worker process exited with code 3 before"):
+        in_child(_exit, what="quantizing part1")
+    with pytest.raises(ValueError, match="^the step's own error$"):  # an error the step raises comes back as itself
+        in_child(_fail, what="quantizing part1")
+    assert in_child(divmod, 7, 2, what="a sum") == (3, 1)
 
 
 def test_aimets_default_plan_keeps_each_part_graph_quantizable():

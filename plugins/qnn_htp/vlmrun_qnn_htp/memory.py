@@ -24,19 +24,60 @@ def in_child(fn, *args, what: str):
     """``fn(*args)`` in a fresh (spawned) process; its result. A step that parses a 2 GB graph several times
     (AIMET's simulation, onnxruntime's calibration) leaves the heap of this process fragmented and large; in a
     child, all of it goes back to the OS when the step ends, before the next step (the QNN compile) starts. An
-    error the step raises comes back as itself; a child the kernel kills is one line naming ``what``."""
+    error the step raises comes back as itself; a child that dies is one line naming ``what`` and how it ended
+    (`child_death`): the kernel's SIGKILL (most likely its out-of-memory killer), another signal (a crash in a
+    native library), or an exit code."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
 
     from vlmrun.errors import BackendError
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_in_child, args=(send, fn, args), daemon=True, name=f"vlmrun: {what}"[:60])
+    proc.start()
+    send.close()  # the child holds the only sending end: a dead child is EOF here
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        proc.join()
+        raise BackendError(f"{what}: {child_death(proc.exitcode)}") from None
+    finally:
+        receive.close()
+    proc.join()
+    if ok:
+        return value
+    raise value
+
+
+def _run_in_child(send, fn, args) -> None:
+    try:
+        result = (True, fn(*args))
+    except BaseException as exc:  # noqa: BLE001 (handed back to the parent, raised there)
+        result = (False, exc)
+    try:
+        send.send(result)
+    except Exception as exc:  # an exception (or a result) that does not pickle: its text
+        from vlmrun.errors import BackendError
+
+        send.send((False, BackendError(f"{type(result[1]).__name__}: {result[1]}" if not result[0] else
+                                       f"the step's result could not be sent back: {exc}")))
+    send.close()
+
+
+def child_death(exitcode: int | None) -> str:
+    """How a child that sent no result ended, and what to do, in words."""
+    import signal
+
+    if exitcode == -signal.SIGKILL:
+        return ("its worker process was killed (SIGKILL: most likely the kernel's out-of-memory killer); free memory,"
+                " or split the decoder into more parts (-o decoder.parts=N)")
+    if exitcode is not None and exitcode < 0:
         try:
-            return pool.submit(fn, *args).result()
-        except BrokenProcessPool:
-            raise BackendError(f"{what}: its worker process died (killed by the kernel: most likely out of memory);"
-                               " free memory, or split the decoder into more parts (-o decoder.parts=N)") from None
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"its worker process died of {name} (a crash in a native library); rerun with --debug and report it"
+    return f"its worker process exited with code {exitcode} before sending a result; rerun with --debug"
 
 
 def release_memory(big: bool) -> None:
