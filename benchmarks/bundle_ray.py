@@ -93,7 +93,11 @@ def run_child(kind: str, spec: dict, log, env: dict | None = None) -> dict:
 def own_address() -> str:
     """This machine's address on its network (the one a UDP socket would send from; nothing is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere, only the route is looked up
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+        except OSError as exc:
+            raise SystemExit(f"benchmarks/bundle_ray.py: this machine has no network address for Ray's nodes ({exc});"
+                             " give a cluster with --address") from None
         return s.getsockname()[0]
 
 
