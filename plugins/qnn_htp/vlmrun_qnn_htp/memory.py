@@ -1,10 +1,11 @@
-"""Memory of long compiles: the running peak RSS (recorded in manifests), handing freed heap back to the OS, and the
-parts decoder planned from the memory budget (`parts_for_budget`)."""
+"""Memory of long compiles: a step in a child process of its own (`in_child`), the running peak RSS (recorded in
+manifests), handing freed heap back to the OS, and the parts decoder planned from the memory budget
+(`parts_for_budget`)."""
 
 from __future__ import annotations
 
 from vlmrun.checkpoint_stream import MEMORY_BUDGET_ENV, export_peak_bytes, memory_budget
-from vlmrun.errors import UsageError
+from vlmrun.errors import BackendError, UsageError
 from vlmrun_qualcomm.parts import split_layers, weight_counts
 
 
@@ -28,8 +29,6 @@ def in_child(fn, *args, what: str):
     (`child_death`): the kernel's SIGKILL (most likely its out-of-memory killer), another signal (a crash in a
     native library), or an exit code."""
     import multiprocessing
-
-    from vlmrun.errors import BackendError
 
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
@@ -57,8 +56,6 @@ def _run_in_child(send, fn, args) -> None:
     try:
         send.send(result)
     except Exception as exc:  # an exception (or a result) that does not pickle: its text
-        from vlmrun.errors import BackendError
-
         send.send((False, BackendError(f"{type(result[1]).__name__}: {result[1]}" if not result[0] else
                                        f"the step's result could not be sent back: {exc}")))
     send.close()
