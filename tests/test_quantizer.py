@@ -349,3 +349,27 @@ def test_aimets_default_plan_keeps_each_part_graph_quantizable():
         assert parts_plan(model, opts)["layers"] == want, engine
     opts = stage_options("decoder", {"precision": "w4a16", "quantizer": "aimet", "parts": 3, "context_length": 1024})
     assert len(parts_plan(full, opts)["layers"]) == 3  # an explicit parts count is the user's
+
+
+def _peak_after_spawn():
+    from vlmrun_qnn_htp.memory import peak_rss_mb
+
+    return peak_rss_mb()
+
+
+def test_a_childs_peak_is_its_own_not_its_parents():
+    """Linux keeps ru_maxrss across fork and exec: a spawned child's started at its parent's peak. The peak a
+    quantization child records is its own (VmHWM)."""
+    import ctypes
+    import resource
+
+    from vlmrun_qnn_htp.memory import in_child, peak_rss_mb
+
+    big = bytearray(600 * 2**20)
+    big[::4096] = b"x" * len(big[::4096])  # touched: 600 MB resident
+    del big
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    assert parent_peak >= 600 and peak_rss_mb() >= 600
+    child = in_child(_peak_after_spawn, what="a child")
+    assert child < parent_peak - 300, (child, parent_peak)  # a fresh interpreter with vlmrun's imports

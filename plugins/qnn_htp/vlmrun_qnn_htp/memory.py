@@ -11,14 +11,34 @@ from vlmrun_qualcomm.parts import split_layers, weight_counts
 
 def peak_rss_mb() -> int | None:
     """The peak resident memory so far, in MB, of this process or of any child it waited for (a graph quantized in
-    a child: `in_child`), whichever is larger (None where the OS does not say)."""
+    a child: `in_child`), whichever is larger (None where the OS does not say).
+
+    This process's own peak is the kernel's high-water mark of its memory (``VmHWM``), not ``ru_maxrss``: Linux
+    keeps ``ru_maxrss`` across fork and exec, so a spawned child's started at its parent's peak (a quantization
+    child of a 3.6 GB parent said 3.6 GB for a step that took less)."""
     try:
         import resource
-
-        return int(max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-                   / 1024)  # Linux: kilobytes
-    except (ImportError, OSError):
+    except ImportError:
         return None
+    own = _vm_hwm_kb()
+    try:
+        if own is None:
+            own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kilobytes
+        return int(max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024)
+    except OSError:
+        return None
+
+
+def _vm_hwm_kb() -> int | None:
+    """This process's peak resident set in kB (``VmHWM`` of /proc/self/status), or None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def in_child(fn, *args, what: str):
