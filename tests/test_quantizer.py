@@ -327,8 +327,10 @@ def test_a_child_that_dies_is_one_line_saying_how():
                               " rerun with --debug and report it")
     with pytest.raises(BackendError, match=r"^quantizing part1: its worker process exited with code 3 before"):
         in_child(_exit, what="quantizing part1")
-    with pytest.raises(ValueError, match="^the step's own error$"):  # an error the step raises comes back as itself
+    with pytest.raises(ValueError) as err:  # the step's own error comes back as itself
         in_child(_fail, what="quantizing part1")
+    assert str(err.value) == "the step's own error"
+    assert "in the child process:" in err.value.__notes__[0] and "in _fail" in err.value.__notes__[0]  # for --debug
     assert in_child(divmod, 7, 2, what="a sum") == (3, 1)
 
 
@@ -351,9 +353,13 @@ def test_aimets_default_plan_keeps_each_part_graph_quantizable():
     assert len(parts_plan(full, opts)["layers"]) == 3  # an explicit parts count is the user's
 
 
-def _peak_after_spawn():
+def _peak_after_spawn(mb: int = 0):
     from vlmrun_qnn_htp.memory import peak_rss_mb
 
+    if mb:
+        block = bytearray(mb * 2**20)
+        block[::4096] = b"x" * len(block[::4096])  # touched: resident
+        del block
     return peak_rss_mb()
 
 
@@ -373,3 +379,9 @@ def test_a_childs_peak_is_its_own_not_its_parents():
     assert parent_peak >= 600 and peak_rss_mb() >= 600
     child = in_child(_peak_after_spawn, what="a child")
     assert child < parent_peak - 300, (child, parent_peak)  # a fresh interpreter with vlmrun's imports
+    # a child's own peak comes back into the parent's figure (before: RUSAGE_CHILDREN, the same inherited number)
+    from vlmrun_qnn_htp import memory
+
+    child = in_child(_peak_after_spawn, 700, what="a child")
+    assert 700 <= child < 700 + 800  # the block + the child's imports
+    assert memory._children_peak_kb // 1024 == child and peak_rss_mb() == max(child, memory._vm_hwm_kb() // 1024)

@@ -9,24 +9,26 @@ from vlmrun.errors import BackendError, UsageError
 from vlmrun_qualcomm.parts import split_layers, weight_counts
 
 
-def peak_rss_mb() -> int | None:
-    """The peak resident memory so far, in MB, of this process or of any child it waited for (a graph quantized in
-    a child: `in_child`), whichever is larger (None where the OS does not say).
+#: the largest own peak (kB) of a child `in_child` ran, as the child measured it
+_children_peak_kb = 0
 
-    This process's own peak is the kernel's high-water mark of its memory (``VmHWM``), not ``ru_maxrss``: Linux
-    keeps ``ru_maxrss`` across fork and exec, so a spawned child's started at its parent's peak (a quantization
-    child of a 3.6 GB parent said 3.6 GB for a step that took less)."""
-    try:
-        import resource
-    except ImportError:
-        return None
+
+def peak_rss_mb() -> int | None:
+    """The peak resident memory so far, in MB, of this process or of any child `in_child` ran for it (a graph
+    quantized in a child), whichever is larger (None where the OS does not say).
+
+    Each peak is the process's own high-water mark (``VmHWM``), not ``ru_maxrss``: Linux keeps ``ru_maxrss`` across
+    fork and exec, so a spawned child's started at its parent's peak (a quantization child of a 3.6 GB parent said
+    3.6 GB for a step that took less), and ``RUSAGE_CHILDREN`` carried the same figure back."""
     own = _vm_hwm_kb()
-    try:
-        if own is None:
+    if own is None:
+        try:
+            import resource
+
             own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kilobytes
-        return int(max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024)
-    except OSError:
-        return None
+        except (ImportError, OSError):
+            return None
+    return int(max(own, _children_peak_kb) / 1024)
 
 
 def _vm_hwm_kb() -> int | None:
@@ -55,29 +57,35 @@ def in_child(fn, *args, what: str):
     proc = ctx.Process(target=_run_in_child, args=(send, fn, args), daemon=True, name=f"vlmrun: {what}"[:60])
     proc.start()
     send.close()  # the child holds the only sending end: a dead child is EOF here
+    global _children_peak_kb
     try:
-        ok, value = receive.recv()
+        ok, value, peak_kb = receive.recv()
     except EOFError:
         proc.join()
         raise BackendError(f"{what}: {child_death(proc.exitcode)}") from None
     finally:
         receive.close()
     proc.join()
+    _children_peak_kb = max(_children_peak_kb, peak_kb or 0)
     if ok:
         return value
     raise value
 
 
 def _run_in_child(send, fn, args) -> None:
+    import traceback
+
     try:
         result = (True, fn(*args))
     except BaseException as exc:  # noqa: BLE001 (handed back to the parent, raised there)
+        exc.add_note("in the child process:\n" + "".join(traceback.format_exception(exc)).rstrip())  # --debug
         result = (False, exc)
+    peak = _vm_hwm_kb()
     try:
-        send.send(result)
+        send.send((*result, peak))
     except Exception as exc:  # an exception (or a result) that does not pickle: its text
         send.send((False, BackendError(f"{type(result[1]).__name__}: {result[1]}" if not result[0] else
-                                       f"the step's result could not be sent back: {exc}")))
+                                       f"the step's result could not be sent back: {exc}"), peak))
     send.close()
 
 
