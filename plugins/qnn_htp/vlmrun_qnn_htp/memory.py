@@ -49,7 +49,8 @@ def in_child(fn, *args, what: str):
     child, all of it goes back to the OS when the step ends, before the next step (the QNN compile) starts. An
     error the step raises comes back as itself; a child that dies is one line naming ``what`` and how it ended
     (`child_death`): the kernel's SIGKILL (most likely its out-of-memory killer), another signal (a crash in a
-    native library), or an exit code."""
+    native library), or an exit code. The child's own peak memory counts in `peak_rss_mb` from then on."""
+    global _children_peak_kb
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -57,7 +58,6 @@ def in_child(fn, *args, what: str):
     proc = ctx.Process(target=_run_in_child, args=(send, fn, args), daemon=True, name=f"vlmrun: {what}"[:60])
     proc.start()
     send.close()  # the child holds the only sending end: a dead child is EOF here
-    global _children_peak_kb
     try:
         ok, value, peak_kb = receive.recv()
     except EOFError:
