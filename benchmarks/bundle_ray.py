@@ -26,11 +26,9 @@ joins (so the tests' loopback-only ``ray_cluster`` is one node). Run it where th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +37,8 @@ import time
 from pathlib import Path
 
 import children  # benchmarks/children.py: a measured child process
+from vlmrun.procs import kill_group
+from vlmrun.store import sha256_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = "Describe the image."
@@ -140,10 +140,7 @@ class Nodes:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # whatever of that node is left (its group only)
-            except ProcessLookupError:
-                pass
+            kill_group(p)  # whatever of that node is left (its group only)
 
 
 def nodes_of(address: str) -> list[str]:
@@ -154,10 +151,6 @@ def nodes_of(address: str) -> list[str]:
         return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
     finally:
         ray.shutdown()
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def main(args, log) -> dict:
@@ -186,7 +179,7 @@ def main(args, log) -> dict:
         made_on = {part: w.get("ray_node") for part, w in b.get("part_processes", {}).items()}
         parts = [{"part": pa["index"], "layers": pa["layers"], "qdq_same_bytes": pa["source_sha256"] == pb["source_sha256"]}
                  for pa, pb in zip(a["decoder_parts"]["parts"], b["decoder_parts"]["parts"], strict=True)]
-        files = {f.name: f.is_file() and sha(f) == sha(ray_out / f.name) for f in sorted(one_out.iterdir())
+        files = {f.name: f.is_file() and sha256_file(f) == sha256_file(ray_out / f.name) for f in sorted(one_out.iterdir())
                  if f.is_file()}
         image = work / "scene.jpg"
         from vlmrun.demo_image import demo_image

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -94,6 +93,8 @@ def ray_cluster():
     ray_cli = Path(sys.executable).with_name("ray")
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     port = free_port()
+    from vlmrun.procs import kill_group
+
     temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))  # short: Ray's socket paths live under it
     log = open(temp / "start.log", "w")
     proc = subprocess.Popen([str(ray_cli), "start", "--head", "--block", "--num-cpus", "2",
@@ -112,10 +113,7 @@ def ray_cluster():
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of this cluster is left (its group only)
-        except ProcessLookupError:
-            pass
+        kill_group(proc)  # whatever of this cluster is left (its group only)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 
