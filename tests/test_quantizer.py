@@ -258,13 +258,6 @@ def test_an_encoding_the_htp_refuses_is_named_in_one_line(tiny_model, tmp_path, 
     assert "keep_fp" in msg and not list((tmp_path / "store" / "artifacts").glob("vision-qnn_htp-*"))
 
 
-def _die():
-    import os
-    import signal
-
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def test_a_big_graph_is_quantized_in_a_child_with_the_same_bytes(lpbq, store, tmp_path, monkeypatch):
     """A full-size part graph is quantized in a spawned child (its memory freed before the compile): the QDQ model
     is byte-identical to the in-process one's, for each engine."""
@@ -296,44 +289,6 @@ def test_a_big_graph_is_quantized_in_a_child_with_the_same_bytes(lpbq, store, tm
         assert (here / "q.onnx").read_bytes() == (there / "q.onnx").read_bytes(), engine
 
 
-def _crash():
-    import ctypes
-
-    ctypes.string_at(0)  # a null read: SIGSEGV, as a crash in a native library
-
-
-def _exit():
-    import os
-
-    os._exit(3)
-
-
-def _fail():
-    raise ValueError("the step's own error")
-
-
-def test_a_child_that_dies_is_one_line_saying_how():
-    from vlmrun.errors import BackendError
-    from vlmrun_qnn_htp.memory import in_child
-
-    with pytest.raises(BackendError) as err:
-        in_child(_die, what="quantizing part1")
-    assert str(err.value) == ("quantizing part1: its worker process was killed (SIGKILL: most likely the kernel's"
-                              " out-of-memory killer); free memory, or split the decoder into more parts"
-                              " (-o decoder.parts=N)")
-    with pytest.raises(BackendError) as err:  # before, a crash was reported as "most likely out of memory" too
-        in_child(_crash, what="quantizing part1")
-    assert str(err.value) == ("quantizing part1: its worker process died of SIGSEGV (a crash in a native library);"
-                              " rerun with --debug and report it")
-    with pytest.raises(BackendError, match=r"^quantizing part1: its worker process exited with code 3 before"):
-        in_child(_exit, what="quantizing part1")
-    with pytest.raises(ValueError) as err:  # the step's own error comes back as itself
-        in_child(_fail, what="quantizing part1")
-    assert str(err.value) == "the step's own error"
-    assert "in the child process:" in err.value.__notes__[0] and "in _fail" in err.value.__notes__[0]  # for --debug
-    assert in_child(divmod, 7, 2, what="a sum") == (3, 1)
-
-
 def test_aimets_default_plan_keeps_each_part_graph_quantizable():
     """With AIMET and parts = 0 the full-size decoder goes in two parts (its simulation of the whole 2 GB graph was
     killed at 21.7 GB; 17 + 7 layers peaked at 12.9 GB); onnxruntime's min-max keeps the one part the size limit
@@ -351,37 +306,3 @@ def test_aimets_default_plan_keeps_each_part_graph_quantizable():
         assert parts_plan(model, opts)["layers"] == want, engine
     opts = stage_options("decoder", {"precision": "w4a16", "quantizer": "aimet", "parts": 3, "context_length": 1024})
     assert len(parts_plan(full, opts)["layers"]) == 3  # an explicit parts count is the user's
-
-
-def _peak_after_spawn(mb: int = 0):
-    from vlmrun_qnn_htp.memory import peak_rss_mb
-
-    if mb:
-        block = bytearray(mb * 2**20)
-        block[::4096] = b"x" * len(block[::4096])  # touched: resident
-        del block
-    return peak_rss_mb()
-
-
-def test_a_childs_peak_is_its_own_not_its_parents():
-    """Linux keeps ru_maxrss across fork and exec: a spawned child's started at its parent's peak. The peak a
-    quantization child records is its own (VmHWM)."""
-    import ctypes
-    import resource
-
-    from vlmrun_qnn_htp.memory import in_child, peak_rss_mb
-
-    big = bytearray(600 * 2**20)
-    big[::4096] = b"x" * len(big[::4096])  # touched: 600 MB resident
-    del big
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    assert parent_peak >= 600 and peak_rss_mb() >= 600
-    child = in_child(_peak_after_spawn, what="a child")
-    assert child < parent_peak - 300, (child, parent_peak)  # a fresh interpreter with vlmrun's imports
-    # a child's own peak comes back into the parent's figure (before: RUSAGE_CHILDREN, the same inherited number)
-    from vlmrun_qnn_htp import memory
-
-    child = in_child(_peak_after_spawn, 700, what="a child")
-    assert 700 <= child < 700 + 800  # the block + the child's imports
-    assert memory._children_peak_kb // 1024 == child and peak_rss_mb() == max(child, memory._vm_hwm_kb() // 1024)
