@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -532,3 +533,56 @@ def test_compile_cli_quantize(cpu_env):
     arts = json.loads(res.stdout)["artifacts"]
     assert arts[0]["quantize"] == "q4" and "model.bin" in arts[0]["files"]
     assert json.loads((cpu_env / "c.json").read_text())["argv"][-2:] == ["--quantize", "Q4"]
+
+
+# -- a hung libGenie worker says where it was ---------------------------------------------------------------------
+HUNG_WORKER = """
+import sys, time
+from vlmrun_qualcomm.worker_protocol import Replies
+
+def stuck_in_the_sampler_callback():
+    time.sleep(120)
+
+out = Replies()
+out.write("READY")
+for line in ({session} and sys.stdin or [None]):
+    stuck_in_the_sampler_callback()
+"""
+
+
+def _stacks_file(message: str) -> str:
+    path = message.rsplit("; its threads' stacks when it was killed: ", 1)[1]
+    text = Path(path).read_text()
+    Path(path).unlink()
+    return text
+
+
+def test_a_hung_worker_is_killed_with_its_stacks_saved(tmp_path):
+    """Before the host kills a worker past its timeout it asks it (SIGUSR1, faulthandler) for every thread's stack;
+    the timeout's one line names the file they went to: the CI hang of the Genie pipeline said only "timed out"."""
+    from vlmrun_qualcomm.genie_session import WorkerSession
+    from vlmrun_qualcomm.genie_worker import WorkerLines
+    from vlmrun_qualcomm.worker_protocol import hung_worker_stacks
+
+    one_shot = tmp_path / "one_shot.py"
+    one_shot.write_text(HUNG_WORKER.format(session=False))
+    run = WorkerLines([sys.executable, str(one_shot)], timeout=2, what="the Genie pipeline worker",
+                      env=dict(os.environ))
+    t0 = time.monotonic()
+    assert list(run) == [("READY", "")]
+    assert run.timed_out and time.monotonic() - t0 < 15
+    stacks = _stacks_file(run.hang_detail)
+    assert stacks.startswith("the Genie pipeline worker: every thread's Python stack when it was killed")
+    assert "in stuck_in_the_sampler_callback" in stacks and "in <module>" in stacks
+
+    session_py = tmp_path / "session.py"
+    session_py.write_text(HUNG_WORKER.format(session=True))
+    session = WorkerSession([sys.executable, str(session_py)], timeout=2)
+    session.send("TURN {}")
+    with pytest.raises(BackendError) as err:
+        list(session.events())
+    message = str(err.value)
+    assert message.startswith("the Genie worker timed out after 2 s (worker killed); raise --option timeout; its"
+                              " threads' stacks when it was killed: ") and "\n" not in message
+    assert "in stuck_in_the_sampler_callback" in _stacks_file(message) and not session.alive
+    assert hung_worker_stacks("Segmentation fault\n", "w") == ""  # nothing dumped: nothing named

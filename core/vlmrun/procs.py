@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable, Iterator, Mapping, Sequence
 
 import attrs
@@ -44,10 +45,22 @@ class Watch:
     proc: subprocess.Popen
     timeout: float
     timed_out: bool = False
+    stacks_signal: int | None = None
 
     def _expire(self) -> None:
         self.timed_out = True
+        ask_for_stacks(self.proc, self.stacks_signal)
         kill_group(self.proc)
+
+
+def ask_for_stacks(proc: subprocess.Popen, sig: int | None, wait_s: float = 1.0) -> None:
+    """Send a hung ``proc`` the signal on which it dumps its threads' stacks (to its stderr) and give it
+    ``wait_s`` to write them, before it is killed; nothing when ``sig`` is None."""
+    if sig is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(proc.pid, sig)
+    time.sleep(wait_s)
 
 
 def _start(argv: Sequence[str], what: str, **kw) -> subprocess.Popen:
@@ -62,12 +75,13 @@ def _start(argv: Sequence[str], what: str, **kw) -> subprocess.Popen:
 @contextlib.contextmanager
 def watched(argv: Sequence[str], *, timeout: float, what: str, cwd: str | os.PathLike | None = None,
             env: Mapping[str, str] | None = None, text: bool = True,
-            stdin: int | None = subprocess.DEVNULL) -> Iterator[Watch]:
+            stdin: int | None = subprocess.DEVNULL, stacks_signal: int | None = None) -> Iterator[Watch]:
     """Start ``argv`` with piped stdout/stderr and kill its group after ``timeout`` s, on an exception in the
-    block, or when the block ends with the process still running. ``env`` replaces the environment."""
+    block, or when the block ends with the process still running. ``env`` replaces the environment.
+    ``stacks_signal``: sent before a timeout's kill to a process that dumps its stacks on it (vlmrun's workers)."""
     proc = _start(argv, what, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, cwd=cwd,
                   env=dict(env) if env is not None else None, text=text)
-    w = Watch(proc, timeout)
+    w = Watch(proc, timeout, stacks_signal=stacks_signal)
     timer = threading.Timer(timeout, w._expire)
     timer.daemon = True
     timer.start()

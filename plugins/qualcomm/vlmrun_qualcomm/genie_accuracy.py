@@ -61,6 +61,7 @@ from .genie import last_error_line
 from .genie_binding import AllocCB, alloc_callback, capture_fd, status_name
 from .genie_pipeline import LOG_LEVEL_WARN, PipelineLibrary
 from .genie_worker import WorkerLines
+from .worker_protocol import Replies
 
 ACCURACY_SIG = {
     "GenieAccuracyConfig_createFromJson": ([ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int32),
@@ -182,14 +183,13 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--node-config", required=True, help="the text generator's node config (JSON file)")
     ap.add_argument("--accuracy-config", required=True, help="GenieAccuracy's config (JSON file)")
     a = ap.parse_args(argv)
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # native code's stdout goes to stderr; the protocol has its own fd
+    out = Replies()  # native code's stdout goes to stderr; the protocol has its own fd
     try:
         ppl = compute(PipelineLibrary(a.lib), Path(a.node_config).read_text(), Path(a.accuracy_config).read_text())
-        out.write(f"PERPLEXITY {ppl!r}\n")
+        out.write("PERPLEXITY", repr(ppl))
         return 0
     except BackendError as exc:
-        out.write(f"ERROR {' '.join(str(exc).split())}\n")
+        out.write("ERROR", " ".join(str(exc).split()))
         return 3
 
 
@@ -238,7 +238,7 @@ def perplexity(lib_path: str | os.PathLike, bundle_dir: str | os.PathLike, gener
         shutil.rmtree(tmp, ignore_errors=True)
     if run.timed_out and ppl is None:
         raise BackendError(f"GenieAccuracy timed out after {timeout:g} s (worker killed); give a shorter text or a"
-                           " longer timeout")
+                           f" longer timeout{run.hang_detail}")
     if error:
         ctx, n = context_size(generator_config), count_tokens(bundle_dir, generator_config, text)
         if ctx and n is not None and n < ctx:

@@ -391,7 +391,7 @@ def stream_pipeline(lib_path: str | os.PathLike, request: Mapping, *, cwd: str |
     done, error, limit = result.pop("done", False), result.pop("error", None), result.pop("context_limit", False)
     if run.timed_out and not done:
         raise BackendError(f"the Genie pipeline timed out after {timeout:g} s (worker killed); raise --option"
-                           " timeout or check the bundle with vlmrun bundle --verify")
+                           f" timeout or check the bundle with vlmrun bundle --verify{run.hang_detail}")
     if error:
         raise (ContextLimitError if limit else BackendError)(error)
     if not done or run.returncode != 0:

@@ -34,7 +34,7 @@ from vlmrun.handles import DecoderState
 
 from .genie import ContextLimitError, last_error_line, write_embeddings
 from .genie_binding import GenieLibrary
-from .worker_protocol import Replies, serve_commands
+from .worker_protocol import STACKS_SIGNAL, Replies, hung_worker_stacks, serve_commands
 
 
 class WorkerSession:
@@ -84,9 +84,11 @@ class WorkerSession:
             try:
                 line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.001))
             except queue.Empty:
+                procs.ask_for_stacks(self.proc, STACKS_SIGNAL)
                 self.close()
+                detail = hung_worker_stacks("".join(self._err), self.what)
                 raise BackendError(f"{self.what} timed out after {self.timeout:g} s (worker killed); raise --option"
-                                   " timeout") from None
+                                   f" timeout{detail}") from None
             if line is None:
                 self.close()
                 detail = last_error_line("".join(self._err)) or "no message"

@@ -33,7 +33,7 @@ from vlmrun.errors import BackendError
 from .genie import ContextLimitError, last_error_line, parse_profile, write_embeddings
 from .genie_binding import GenieLibrary
 from .genie_sampler import LogitsRows, LogitsTap, custom_sampler_block
-from .worker_protocol import Replies
+from .worker_protocol import STACKS_SIGNAL, Replies, hung_worker_stacks
 
 #: the name a diff gives Genie when it generates over binaries vlmrun's host engine also runs
 RUNTIME_NAME = "Genie (libGenie dialog)"
@@ -91,10 +91,12 @@ class WorkerLines:
         self.returncode: int | None = None
         self.timed_out = False
         self.stderr = ""
+        self.hang_detail = ""  # after a timeout: where the worker's stacks were saved (`hung_worker_stacks`)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         err_box: list = []
-        with procs.watched(self.argv, timeout=self.timeout, what=self.what, env=self.env, cwd=self.cwd) as w:
+        with procs.watched(self.argv, timeout=self.timeout, what=self.what, env=self.env, cwd=self.cwd,
+                           stacks_signal=STACKS_SIGNAL) as w:
             reader = threading.Thread(target=lambda: err_box.append(w.proc.stderr.read()), daemon=True)
             reader.start()
             try:
@@ -109,6 +111,8 @@ class WorkerLines:
                 reader.join(5)
                 self.returncode, self.timed_out = w.proc.returncode, w.timed_out
                 self.stderr = "".join(e for e in err_box if e)
+                if self.timed_out:
+                    self.hang_detail = hung_worker_stacks(self.stderr, self.what)
 
 
 def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: np.ndarray,
@@ -160,7 +164,7 @@ def stream_tokens_worker(lib_path: str | os.PathLike, config: Mapping, embeds: n
             with contextlib.suppress(BackendError, ValueError):
                 profile_out.update(parse_profile(prof_text))
     if run.timed_out and not done:
-        raise BackendError(f"Genie timed out after {timeout:g} s (worker killed)")
+        raise BackendError(f"Genie timed out after {timeout:g} s (worker killed){run.hang_detail}")
     if error:
         raise (ContextLimitError if limit else BackendError)(error)
     if not done or run.returncode != 0:
