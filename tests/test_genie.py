@@ -481,6 +481,49 @@ def test_genie_cpu_t2t_fault_reaches_the_user(cpu_env, tiny_model, store, image_
         pipe.generate(image_path, PROMPT, GenerationSettings(max_new_tokens=4)).run()
 
 
+def _pids_running(fragment: str) -> list[int]:
+    """Processes (not zombies) whose command line holds ``fragment``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and fragment in (d / "cmdline").read_bytes().decode(errors="replace") \
+                    and ") Z " not in (d / "stat").read_text():
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_a_terminated_vlmrun_takes_its_hung_tool_with_it(cpu_env, cache_dir, image_path, monkeypatch):
+    """SIGTERM (a supervisor, `timeout`, a CI runner) to a vlmrun whose tool hangs: one line, exit 143, and the
+    tool's process group goes too. Before, the tool, in a session of its own, outlived vlmrun."""
+    import signal
+    import subprocess
+
+    from conftest import VLMRUN
+
+    monkeypatch.setenv("STANDIN_GENIE_MODE", "hang")
+    env = dict(os.environ, VLMRUN_CACHE_DIR=str(cache_dir))
+    proc = subprocess.Popen([*VLMRUN, "--decoder", "genie_cpu", "-o", "decoder.context_length=256",
+                             "-o", "decoder.runner=t2t", "--image", str(image_path), "--prompt", PROMPT,
+                             "--max-new-tokens", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    tool = str(cpu_env / "sdk")  # the stand-in genie-t2t-run runs from this SDK folder
+    deadline = time.monotonic() + 300
+    while not _pids_running(tool):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "vlmrun: terminated (SIGTERM)", err
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while _pids_running(tool) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pids_running(tool) == []
+
+
 def test_genie_cpu_composer_failure(cpu_env, tiny_model, store, monkeypatch):
     monkeypatch.setenv("STANDIN_COMPOSER_MODE", "fail")
     with pytest.raises(BackendError, match=r"composer failed \(exit 1\): ERROR: unsupported architecture"):

@@ -403,6 +403,7 @@ _point_to_docs()
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    procs.raise_on_sigterm()
     try:
         code = cli.main(args=argv, prog_name="vlmrun", standalone_mode=False)
     except click.exceptions.Abort:
@@ -421,6 +422,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         click.echo("vlmrun: interrupted", err=True)
         return 130
+    except procs.Terminated:
+        click.echo("vlmrun: terminated (SIGTERM)", err=True)
+        return 143
     except Exception as exc:
         if debug:
             raise

@@ -27,6 +27,23 @@ import attrs
 from .errors import BackendError
 
 
+class Terminated(BaseException):
+    """SIGTERM reached a vlmrun command (`raise_on_sigterm`): raised in its main thread so that, as for Ctrl-C,
+    every `watched` tool's group is killed and every half-written artifact removed on the way out. Before, a worker
+    in its own session outlived a terminated vlmrun. A BaseException: no ``except Exception`` swallows it."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into `Terminated` in this process (from its main thread; elsewhere a no-op). A server that
+    installs its own handlers (uvicorn's) replaces this one."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc``'s process group (``proc`` itself when the group is gone) and reap it."""
     try:
