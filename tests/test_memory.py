@@ -89,3 +89,74 @@ def test_a_childs_peak_is_its_own_not_its_parents(monkeypatch):
     child = in_child(_peak_after_spawn, 700, what="a child")
     assert max(700, base) <= child <= base + 700 + 100, (base, child)  # the block on top of the same imports
     assert memory._children_peak_kb // 1024 == child and peak_rss_mb() == max(child, memory._vm_hwm_kb() // 1024)
+
+
+def _matmul_graph(path, hidden=64, vocab=4096, opset=17):
+    """An lm_head-like graph (one MatMul) at ``opset``, its weights as external data, as a big part is stored."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = (np.random.default_rng(0).standard_normal((hidden, vocab)) * 0.02).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"], name="lm_head")], "lm_head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, hidden])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 8, vocab])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data",
+              size_threshold=0)
+    return w.nbytes
+
+
+def test_the_opset_is_raised_without_the_weights_and_the_qdq_graph_is_onnxruntimes(tmp_path, monkeypatch):
+    """onnxruntime's quantize_static raises an a16 graph below opset 21 by converting the whole model, weights
+    included, then deep-copying it: the peak of a big part's quantization (a 1.5B lm_head: 5.4 GB for 0.93 GB of
+    weights). qnn_htp converts the weightless graph instead: the converter never holds a weight, onnxruntime gets
+    a graph already at 21, and the QDQ graph is byte for byte the one onnxruntime's own conversion gives."""
+    import contextlib
+
+    import numpy as np
+    import onnx
+
+    from vlmrun_qnn_htp import quantizer, quantizer_opset
+    from vlmrun_qnn_htp.recipe import Recipe
+
+    src_dir = tmp_path / "export"
+    src_dir.mkdir()
+    src = src_dir / "lm_head.onnx"
+    _matmul_graph(src)
+    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 8, 64)).astype(np.float32)} for i in range(3)]
+    converted = []
+    real_convert = onnx.version_converter.convert_version
+
+    def spy(model, target):
+        data = sum(len(i.raw_data) + 4 * len(i.float_data) for i in model.graph.initializer)
+        converted.append((target, data, len(model.graph.initializer)))
+        return real_convert(model, target)
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", spy)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir(), theirs.mkdir()
+    for precision in ("w4a16", "w8a16"):
+        converted.clear()
+        quantizer._quantize(src, ours / f"{precision}.onnx", feeds, Recipe(precision), ours, None)
+        graphs = [c for c in converted if c[2]]  # (the other: the empty graph onnxruntime is asked its target for)
+        assert graphs == [(21, 0, 1)], converted  # once, to 21, over a proto whose one weight holds no bytes
+        left = [p.name for p in ours.iterdir() if not p.name.startswith(("w4a16.onnx", "w8a16.onnx"))]
+        assert left == [], left  # the converted graph and the copy of its data are gone
+        qdq = onnx.load(str(ours / f"{precision}.onnx"))
+        assert quantizer_opset.opset_of(qdq) == 21 and qdq.graph.node[0].op_type in ("DequantizeLinear", "QuantizeLinear")
+
+        with monkeypatch.context() as m:  # onnxruntime's own conversion, over the weights
+            m.setattr(quantizer, "at_quantizer_opset", lambda model_in, proto, config, work: contextlib.nullcontext(
+                (model_in, proto)))
+            converted.clear()
+            quantizer._quantize(src, theirs / f"{precision}.onnx", feeds, Recipe(precision), theirs, None)
+            assert converted and converted[0][1] == 64 * 4096 * 4  # it converted the model with its weights
+        assert (ours / f"{precision}.onnx").read_bytes() == (theirs / f"{precision}.onnx").read_bytes(), precision
+    assert sorted(p.name for p in src_dir.iterdir()) == ["lm_head.onnx", "lm_head.onnx.data"]  # the export untouched
+
+    # a recipe without 16-bit tensors (int8) keeps the graph's opset: nothing is converted
+    converted.clear()
+    quantizer._quantize(src, ours / "int8.onnx", feeds, Recipe("int8"), ours, None)
+    assert not [c for c in converted if c[2]] and quantizer_opset.opset_of(onnx.load(str(ours / "int8.onnx"))) == 17

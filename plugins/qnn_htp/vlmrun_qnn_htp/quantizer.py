@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .memory import in_child, peak_rss_mb, release_memory
+from .quantizer_opset import at_quantizer_opset
 from .recipe import Recipe
 
 SOFTMAX_SPAN = 64.0  # Softmax is shift-invariant: logits this far below the max weigh < 1e-27
@@ -205,12 +206,13 @@ def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Re
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime.quantization warns through the root logger ("consider pre-processing")
     try:
-        batched = calibrate_in_batches(model_in, feeds, config, big, work, proto=proto)
-        if batched is None:
-            ort_quantize(str(model_in), str(dst), config)
-        else:
-            quantize_cached(model_in, dst, config, batched[0])
-            facts["calibration_batches"] = batched[1]
+        with at_quantizer_opset(model_in, proto, config, work) as (graph, graph_proto):
+            batched = calibrate_in_batches(graph, feeds, config, big, work, proto=graph_proto)
+            if batched is None:
+                ort_quantize(str(graph), str(dst), config)
+            else:
+                quantize_cached(graph, dst, config, batched[0])
+                facts["calibration_batches"] = batched[1]
     finally:
         root.setLevel(level)
     where_inputs = quantize_where_inputs(dst)
