@@ -10,7 +10,7 @@ The conversion changes nodes and attributes, never an initializer's bytes, so `a
 weightless proto (its initializers stay references into the same external-data file) and hands onnxruntime a
 graph already at the target: it then loads the weights once and converts nothing. The target is onnxruntime's own
 decision (`target_opset` asks `update_opset_version` about an empty graph with the same opsets), so the graph it
-quantizes is the one it would have made (tests/test_quantizer.py: the same QDQ bytes).
+quantizes is the one it would have made (tests/test_memory.py: the same QDQ bytes).
 """
 
 from __future__ import annotations
