@@ -1,17 +1,20 @@
 """The memory of quantizing a decoder's lm_head alone, per family size, as JSON: what bounds the last part at 7B.
 
     .venv/bin/python benchmarks/lm_head.py [--size 1.5b] [--precision w4a16] [--feeds 8] [--rows 128] [--work DIR]
+        [--soc SM8750] [--no-compile]
 
 A graph holding only the size's lm_head (`vlmrun.family.SIZES`: hidden x vocabulary rows, one MatMul of random
 float32 weights, stored as external data as a full-size part is) is quantized the way qnn_htp quantizes a decoder
 part (`vlmrun_qnn_htp.quantizer.quantize`: onnxruntime's engine, the graph big, so in a child process of its own)
 over ``--feeds`` random calibration inputs of ``--rows`` rows. Printed: the weights' bytes, the child's peak RSS
 after each step (preprocessing, calibration and quantization) and those peaks in copies of the weights, the step
-times, the QDQ graph's bytes, and the parts plan's estimate for the same weights (`vlmrun_qnn_htp.memory`:
-``QUANTIZE_COPIES``). The graph is written by a child process of its own (its peak is printed apart); ``--work`` (default a
-temporary folder, removed after) holds the graph, its QDQ form and the feeds: about 2.2 x the weights on disk.
+times, the QDQ graph's bytes, the parts plan's estimate for the same weights (`vlmrun_qnn_htp.memory`:
+``QUANTIZE_COPIES``), then the QDQ graph's compile for ``--soc`` (onnxruntime-qnn's context binary, as a part's):
+its peak, seconds and bytes. The graph is written, and compiled, by child processes of their own (their peaks are
+printed apart); ``--work`` (default a temporary folder, removed after) holds the graph, its QDQ form, the binary and
+the feeds: about 2.4 x the weights on disk.
 
-At ``7b`` (untied lm_head, 152064 x 3584, 2.18 GB) the child needs about 14 GB: run it on an otherwise idle machine.
+At ``7b`` (untied lm_head, 152064 x 3584, 2.18 GB) the quantization child needs about 8.5 GB and the writer 4.2 GB.
 """
 
 from __future__ import annotations
@@ -32,22 +35,41 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def write_graph(path: Path, hidden: int, vocab: int, rows: int, seed: int = 0) -> int:
-    """The lm_head as one MatMul ``x [1, rows, hidden] @ W [hidden, vocab] -> logits``; the weights' bytes."""
+    """The lm_head as one MatMul ``x [1, rows, hidden] @ W [hidden, vocab] -> logits``; the weights' bytes.
+
+    The weights go straight to the external-data file and the graph only references them: at 7B (2.18 GB) they are
+    more than one protobuf message can hold (2 GiB), so ``numpy_helper.from_array`` into a graph fails there
+    ("Error parsing message with type 'onnx.TensorProto'")."""
     import numpy as np
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     w = np.random.default_rng(seed).standard_normal((hidden, vocab), dtype=np.float32)
     w *= np.float32(0.02)
+    data = path.with_name(path.name + ".data")
+    w.tofile(data)
+    weight = TensorProto(name="lm_head.weight", data_type=TensorProto.FLOAT, dims=[hidden, vocab],
+                         data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", data.name), ("offset", 0), ("length", w.nbytes)):
+        weight.external_data.add(key=key, value=str(value))
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "lm_head.weight"], ["logits"], name="lm_head")], "lm_head",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows, hidden])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, rows, vocab])],
-        [numpy_helper.from_array(w, "lm_head.weight")])
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, rows, vocab])], [weight])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=path.name + ".data")
+    path.write_bytes(model.SerializeToString())
     return int(w.nbytes)
+
+
+def compile_graph(qdq: Path, soc_name: str) -> dict:
+    """The QDQ graph compiled for ``soc_name``'s HTP as qnn_htp compiles a part (onnxruntime-qnn's context
+    binary), in a folder beside it: its seconds and bytes."""
+    from vlmrun_qnn_htp.ep import compile_onnx
+    from vlmrun_qualcomm.socs import soc
+
+    out = qdq.parent / "compiled"
+    out.mkdir(exist_ok=True)
+    info = compile_onnx(qdq, out, "lm_head", soc(soc_name))
+    return {"compile_s": info["compile_s"], "binary_bytes": sum(info["binary_bytes"].values())}
 
 
 def main(args) -> dict:
@@ -78,6 +100,13 @@ def main(args) -> dict:
         wall = time.perf_counter() - t0
         peaks = {k: v for k, v in facts.get("peak_rss_mb_after", {}).items() if v is not None}
         qdq = sum(f.stat().st_size for f in work.glob("lm_head.qdq.onnx*"))
+        compiled = None
+        if not args.no_compile:
+            with open(work / "compile.log", "w") as log:
+                compiled = children.run_child([__file__, "--compile", str(work / "lm_head.qdq.onnx"), "--soc",
+                                               args.soc], log, rss_key="peak_mb")
+            if compiled.get("failed"):
+                raise SystemExit(f"benchmarks/lm_head.py: the compile failed: {(work / 'compile.log').read_text()[-600:]}")
         return {
             "size": size.name, "lm_head": [size.vocab_rows, size.hidden], "precision": args.precision,
             "weights_bytes": weights, "feeds": args.feeds, "rows": args.rows,
@@ -86,6 +115,9 @@ def main(args) -> dict:
             "qdq_bytes": qdq, "estimate_copies": QUANTIZE_COPIES["onnxruntime"],
             "estimate_bytes": QUANTIZE_COPIES["onnxruntime"] * weights,
             "writer": {"wall_s": writer["child_wall_s"], "peak_mb": writer["peak_mb"]},
+            "compile": compiled and {"soc": args.soc, "wall_s": compiled["child_wall_s"], "peak_mb": compiled["peak_mb"],
+                                     "binary_bytes": compiled["binary_bytes"],
+                                     "over_int4_weights": round(compiled["binary_bytes"] / (weights / 8), 3)},
             "this_process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         }
     finally:
@@ -99,9 +131,15 @@ def cli() -> None:
     p.add_argument("--precision", default="w4a16", choices=("w4a16", "w8a16"))
     p.add_argument("--feeds", type=int, default=8, help="calibration inputs (default 8)")
     p.add_argument("--rows", type=int, default=128, help="rows of each input: the prompt graph's AR (default 128)")
+    p.add_argument("--soc", default="SM8750", help="the SoC the QDQ graph is compiled for (default SM8750)")
+    p.add_argument("--no-compile", action="store_true", help="stop after the quantization")
     p.add_argument("--work", help="keep the graph, its QDQ form and the feeds here")
     p.add_argument("--write", metavar="PATH", help=argparse.SUPPRESS)  # the writer child
+    p.add_argument("--compile", metavar="PATH", help=argparse.SUPPRESS)  # the compile child
     args = p.parse_args()
+    if args.compile:
+        print(json.dumps(compile_graph(Path(args.compile), args.soc)))
+        return
     if args.write:
         from vlmrun.family import size_named
 
