@@ -112,13 +112,15 @@ def test_the_opset_is_raised_without_the_weights_and_the_qdq_graph_is_onnxruntim
     """onnxruntime's quantize_static raises an a16 graph below opset 21 by converting the whole model, weights
     included, then deep-copying it: the peak of a big part's quantization (a 1.5B lm_head: 5.4 GB for 0.93 GB of
     weights). qnn_htp converts the weightless graph instead: the converter never holds a weight, onnxruntime gets
-    a graph already at 21, and the QDQ graph is byte for byte the one onnxruntime's own conversion gives."""
+    a graph already at 21. A big graph is also calibrated before quantize_static, by a session without
+    onnxruntime's pre-packed copy of the weights. The QDQ graph is byte for byte the one onnxruntime's own
+    conversion and calibration give."""
     import contextlib
 
     import numpy as np
     import onnx
 
-    from vlmrun_qnn_htp import quantizer, quantizer_opset
+    from vlmrun_qnn_htp import calibration_batches, quantizer, quantizer_opset
     from vlmrun_qnn_htp.recipe import Recipe
 
     src_dir = tmp_path / "export"
@@ -139,7 +141,8 @@ def test_the_opset_is_raised_without_the_weights_and_the_qdq_graph_is_onnxruntim
     ours.mkdir(), theirs.mkdir()
     for precision in ("w4a16", "w8a16"):
         converted.clear()
-        quantizer._quantize(src, ours / f"{precision}.onnx", feeds, Recipe(precision), ours, None)
+        facts = quantizer._quantize(src, ours / f"{precision}.onnx", feeds, Recipe(precision), ours, None)
+        assert facts["calibration_batches"] == 1  # a big graph (its weights apart) is calibrated before, in one batch
         graphs = [c for c in converted if c[2]]  # (the other: the empty graph onnxruntime is asked its target for)
         assert graphs == [(21, 0, 1)], converted  # once, to 21, over a proto whose one weight holds no bytes
         left = [p.name for p in ours.iterdir() if not p.name.startswith(("w4a16.onnx", "w8a16.onnx"))]
@@ -147,9 +150,10 @@ def test_the_opset_is_raised_without_the_weights_and_the_qdq_graph_is_onnxruntim
         qdq = onnx.load(str(ours / f"{precision}.onnx"))
         assert quantizer_opset.opset_of(qdq) == 21 and qdq.graph.node[0].op_type in ("DequantizeLinear", "QuantizeLinear")
 
-        with monkeypatch.context() as m:  # onnxruntime's own conversion, over the weights
+        with monkeypatch.context() as m:  # onnxruntime's own conversion, over the weights, and its own calibration
             m.setattr(quantizer, "at_quantizer_opset", lambda model_in, proto, config, work: contextlib.nullcontext(
                 (model_in, proto)))
+            m.setattr(calibration_batches, "calibrate_in_batches", lambda *a, **k: None)
             converted.clear()
             quantizer._quantize(src, theirs / f"{precision}.onnx", feeds, Recipe(precision), theirs, None)
             assert converted and converted[0][1] == 64 * 4096 * 4  # it converted the model with its weights
