@@ -8,7 +8,8 @@ model that onnxruntime-qnn compiles out, plus the facts the manifest records. Th
 2. per-layer node sets (`.layers`): ``keep_fp`` left in float, ``keep_a16w16`` at 16 bits, ``keep_w8`` /
    ``keep_w4`` weights at 8 / 4 bits;
 3. Softmax input ranges of graphs with an additive attention mask (`softmax_ranges`);
-4. the engine:
+4. onnxruntime: the opset raised without the weights (`.quantizer_opset`), a big graph calibrated apart;
+5. the engine:
 
    * ``onnxruntime`` (default): ``get_qnn_qdq_config`` + ``quantize`` with MinMax calibration; per-channel
      symmetric weights (int8; the parts form's MatMul weights int4/int8 on the output axis), LayerNorm gamma as
@@ -17,7 +18,7 @@ model that onnxruntime-qnn compiles out, plus the facts the manifest records. Th
    * ``aimet``: `.aimet_engine` (AIMET-ONNX's QuantizationSimModel with the v79 HTP config, LPBQ,
      Sequential MSE, AdaRound).
 
-5. what the QDQ model really stores (`stored_dtypes`) and the graph I/O encodings (`io_quant`).
+6. what the QDQ model really stores (`stored_dtypes`) and the graph I/O encodings (`io_quant`).
 """
 
 from __future__ import annotations
