@@ -67,8 +67,10 @@ def at_quantizer_opset(model_in: Path, proto, config, work: Path):
             if "location" not in entry:
                 continue
             src, dst = model_in.parent / entry["location"], out.parent / entry["location"]
-            if dst.exists() or dst in made:
+            if dst in made or (dst.exists() and dst.resolve() == src.resolve()):  # copied, or the graph is in work
                 continue
+            if dst.exists():
+                raise FileExistsError(f"{dst} is in the way of {src.name}'s weights in the quantization's work folder")
             dst.parent.mkdir(parents=True, exist_ok=True)
             made.append(dst)
             shutil.copyfile(src, dst)  # not a link: onnx refuses to load data through one ("hardlink attack")
