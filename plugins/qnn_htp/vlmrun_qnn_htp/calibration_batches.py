@@ -78,9 +78,10 @@ def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, w
     """onnxruntime's calibration cache of ``model_in`` under ``config`` (the StaticQuantConfig ``quantize_static``
     gets) and the number of batches, when the activations to calibrate exceed ``limit`` (`BATCH_BYTES`) or the
     graph is ``big`` (its weights stored apart: a full-size part); ``None`` when they fit one pass of a small graph
-    (onnxruntime calibrates as usual). ``proto`` is ``model_in`` loaded without its weights: a small graph whose
-    `activation_bound` is under the limit is answered ``None`` from it, without loading the graph; above it (or
-    unbounded), onnxruntime's own calibrator measures the tensors it would reduce.
+    (onnxruntime calibrates as usual). ``proto`` is ``model_in`` loaded without its weights: whether a graph's
+    `activation_bound` is under the limit is decided from it, without loading the graph (a small graph under it is
+    answered ``None``, a big one calibrated in one batch); above it (or unbounded), onnxruntime's own calibrator
+    measures the tensors it would reduce.
 
     A big graph is calibrated here even in one batch, for memory: inside ``quantize_static`` the calibrator's
     session is created beside the model the quantizer holds, and onnxruntime pre-packs its MatMul weights, one
@@ -94,33 +95,37 @@ def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, w
     from .calibration import Reader
 
     limit = BATCH_BYTES if limit is None else limit
-    bound = None if big else activation_bound(proto)
-    if bound is not None and bound <= limit:
+    bound = activation_bound(proto)
+    fits = bound is not None and bound <= limit
+    if fits and not big:
         return None
     extra = config.extra_options or {}
     options = {arg: extra[name] for name, arg in _MINMAX_OPTIONS if name in extra}
     scratch = Path(work) / "calibration-batches"
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        probe = MinMaxCalibrater(str(model_in), config.op_types_to_quantize, str(scratch / "probe.onnx"),
-                                 use_external_data_format=big, **options)
-        tensors, value_infos = probe.select_tensors_to_calibrate(probe.model)
-        order = [name for node in probe.model.graph.node for name in (*node.input, *node.output) if name in tensors]
-        order = list(dict.fromkeys(order + sorted(tensors)))  # graph order, each once
-        del probe
-        release_memory(big)
-        sizes = {name: tensor_bytes(value_infos[name]) for name in order}
-        if sum(sizes.values()) <= limit and not big:
-            return None
-        groups = batches(sizes, order, limit)
+        order, groups = None, [None]  # a big graph that fits: one batch of every tensor the calibrator selects
+        if not fits:  # onnxruntime's own choice of tensors and their sizes, measured over the loaded graph
+            probe = MinMaxCalibrater(str(model_in), config.op_types_to_quantize, str(scratch / "probe.onnx"),
+                                     use_external_data_format=big, **options)
+            tensors, value_infos = probe.select_tensors_to_calibrate(probe.model)
+            order = [name for node in probe.model.graph.node for name in (*node.input, *node.output)
+                     if name in tensors]
+            order = list(dict.fromkeys(order + sorted(tensors)))  # graph order, each once
+            del probe
+            release_memory(big)
+            sizes = {name: tensor_bytes(value_infos[name]) for name in order}
+            if sum(sizes.values()) <= limit and not big:
+                return None
+            groups = batches(sizes, order, limit)
         ranges: dict = {}
         for i, group in enumerate(groups):
-            chosen = set(group)
+            chosen = None if group is None else set(group)
 
             class _Batch(MinMaxCalibrater):
                 def select_tensors_to_calibrate(self, model):
                     found, infos = super().select_tensors_to_calibrate(model)
-                    return found & chosen, infos
+                    return (found if chosen is None else found & chosen), infos
 
                 def create_inference_session(self):  # onnxruntime's, without a pre-packed copy of the weights
                     so = ort.SessionOptions()
@@ -140,7 +145,7 @@ def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, w
             release_memory(big)
             for f in scratch.glob(f"batch{i}.onnx*"):
                 f.unlink()
-        missing = set(order) - set(ranges)
+        missing = set(order or ()) - set(ranges)
         if missing:
             raise RuntimeError(f"calibration in batches: no range for {len(missing)} tensors ({sorted(missing)[:3]})")
         cache = Path(work) / "calibration-ranges.json"

@@ -20,31 +20,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def opset_of(proto) -> int:
-    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
 def target_opset(proto, config) -> int:
     """The default-domain opset onnxruntime's ``quantize_static`` would convert ``proto`` to under ``config`` (a
-    ``StaticQuantConfig``): its ``update_opset_version`` applied to an empty graph with ``proto``'s opsets."""
-    import logging
-
+    ``StaticQuantConfig``): its ``update_opset_version`` applied to an empty graph with ``proto``'s opsets. (It
+    warns through the root logger that it converts; the quantizer's caller has that logger at ERROR.)"""
     import onnx
-    from onnxruntime.quantization.quant_utils import update_opset_version
+    from onnxruntime.quantization.quant_utils import get_opset_version, update_opset_version
 
     stub = onnx.helper.make_model(onnx.helper.make_graph([], "opset-probe", [], []),
                                   opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     extra = config.extra_options or {}
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # it warns through the root logger that it will convert
-    try:
-        out = update_opset_version(stub, config.weight_type, config.activation_type,
-                                   tensor_quant_overrides=extra.get("TensorQuantOverrides"),
-                                   block_size=extra.get("BlockSize", 0))
-    finally:
-        root.setLevel(level)
-    return opset_of(out)
+    return get_opset_version(update_opset_version(stub, config.weight_type, config.activation_type,
+                                                  tensor_quant_overrides=extra.get("TensorQuantOverrides"),
+                                                  block_size=extra.get("BlockSize", 0)))
 
 
 @contextmanager
@@ -53,9 +41,10 @@ def at_quantizer_opset(model_in: Path, proto, config, work: Path):
     when already there, else a converted copy of the graph written in ``work`` beside the same weights (its
     external-data files copied there, as a preprocessed graph's already are), removed on exit."""
     import onnx
+    from onnxruntime.quantization.quant_utils import get_opset_version
 
     target = target_opset(proto, config)
-    if target <= opset_of(proto):
+    if target <= get_opset_version(proto):
         yield model_in, proto
         return
     converted = onnx.version_converter.convert_version(proto, target)
