@@ -78,7 +78,8 @@ from .layers import LAYER_OPTIONS
 from .options import NAME, binary_version, compiled_artifact, declarations, forms
 from .options import Q_STAGES, stage_options  # noqa: F401 (vlmrun_qnn_htp.stage_options: tests, scripts)
 from .plan import StagePlan
-from .quantizer import io_quant, quantize
+from .qdq_facts import io_quant
+from .quantizer import quantize
 
 __version__ = "0.1.1"
 
