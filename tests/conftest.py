@@ -21,8 +21,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # interpreter whose site .pth files import more), tests/test_phone_chat.py took 131 s instead of 67 s.
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 # Each CLI call, engine worker and compile child imports vlmrun and its plugins from source. With
-# PYTHONDONTWRITEBYTECODE set (some sandboxes set it) every one of those processes compiled them again (0.4 CPU-s
-# instead of 0.3 for `vlmrun --help`); their bytecode is written once, into __pycache__ folders git ignores.
+# PYTHONDONTWRITEBYTECODE set (some sandboxes set it) every one of those processes compiled them again (`vlmrun
+# --help`: 0.50-0.68 CPU-s instead of 0.35-0.42); their bytecode is written once, into __pycache__ folders git ignores.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 IMAGE_SIZE = 256
