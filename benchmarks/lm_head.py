@@ -9,7 +9,7 @@ part (`vlmrun_qnn_htp.quantizer.quantize`: onnxruntime's engine, the graph big, 
 over ``--feeds`` random calibration inputs of ``--rows`` rows. Printed: the weights' bytes, the child's peak RSS
 after each step (preprocessing, calibration and quantization) and those peaks in copies of the weights, the step
 times, the QDQ graph's bytes, the parts plan's estimate for the same weights (`vlmrun_qnn_htp.memory`:
-``QUANTIZE_COPIES``), then the QDQ graph's compile for ``--soc`` (onnxruntime-qnn's context binary, as a part's):
+``HEAD_QUANTIZE_COPIES``), then the QDQ graph's compile for ``--soc`` (onnxruntime-qnn's context binary, as a part's):
 its peak, seconds and bytes. The graph is written, and compiled, by child processes of their own (their peaks are
 printed apart); ``--work`` (default a temporary folder, removed after) holds the graph, its QDQ form, the binary and
 the feeds: about 2.4 x the weights on disk.
@@ -76,7 +76,7 @@ def main(args) -> dict:
     import numpy as np
 
     from vlmrun.family import size_named
-    from vlmrun_qnn_htp.memory import QUANTIZE_COPIES
+    from vlmrun_qnn_htp.memory import HEAD_QUANTIZE_COPIES
     from vlmrun_qnn_htp.quantizer import quantize
     from vlmrun_qnn_htp.recipe import Recipe
 
@@ -112,8 +112,8 @@ def main(args) -> dict:
             "weights_bytes": weights, "feeds": args.feeds, "rows": args.rows,
             "child_peak_mb": peaks, "child_peak_copies": {k: round(v * 2**20 / weights, 2) for k, v in peaks.items()},
             "times_s": facts.get("times"), "quantize_wall_s": round(wall, 1), "process": facts.get("process"),
-            "qdq_bytes": qdq, "estimate_copies": QUANTIZE_COPIES["onnxruntime"],
-            "estimate_bytes": QUANTIZE_COPIES["onnxruntime"] * weights,
+            "qdq_bytes": qdq, "estimate_copies": HEAD_QUANTIZE_COPIES["onnxruntime"],
+            "estimate_bytes": HEAD_QUANTIZE_COPIES["onnxruntime"] * weights,
             "writer": {"wall_s": writer["child_wall_s"], "peak_mb": writer["peak_mb"]},
             "compile": compiled and {"soc": args.soc, "wall_s": compiled["child_wall_s"], "peak_mb": compiled["peak_mb"],
                                      "binary_bytes": compiled["binary_bytes"],

@@ -123,24 +123,35 @@ def release_memory(big: bool) -> None:
         pass
 
 
-#: peak memory of quantizing one part graph in its child, in copies of the part's float32 weights. onnxruntime's
-#: min-max, measured after `.quantizer_opset` and the calibration apart (`.calibration_batches`): a 1.5B part of 7
-#: layers 4.08-4.13 (1.25 GB), the 1.5B and 7B lm_heads alone 3.19 and 3.13; the largest plus about 10% (it was 9
-#: before those fixes: FastVLM-0.5B in one part, 1.98 GB, peaked at 17.3 GB). AIMET's simulation peaked at 12.9 GB
-#: over 1.56 GB and was killed at 21.7 GB over 1.98 GB.
+#: peak memory of quantizing one part graph in its child, in copies of the part's float32 layer weights.
+#: onnxruntime's min-max, measured after `.quantizer_opset` and the calibration apart (`.calibration_batches`): a
+#: 1.5B part of 7 layers 4.08-4.13 (1.25 GB), a 7B part of 3 layers 2.55 (2.81 GB; prompt and token graphs made as a
+#: bundle makes a part, `benchmarks/family.py --make-parts`); the largest plus about 10% (it was 9 before those
+#: fixes: FastVLM-0.5B in one part, 1.98 GB, peaked at 17.3 GB). AIMET's simulation peaked at 12.9 GB over 1.56 GB
+#: and was killed at 21.7 GB over 1.98 GB.
 QUANTIZE_COPIES = {"onnxruntime": 4.5, "aimet": 11}
+#: ... and of the lm_head's float32 weights, one MatMul with few activations for its size: the 1.5B and 7B lm_heads
+#: alone 3.19 and 3.13, the 1.5B last part (1 layer and the lm_head) 3.4 in all, the 7B last part 2.76 in all
+#: (8.59 GB over 3.11 GB); the largest plus about 10%. AIMET: no lm_head measured, its layers' figure.
+HEAD_QUANTIZE_COPIES = {"onnxruntime": 3.75, "aimet": 11}
 
 
 def part_peak_bytes(model, quantizer: str | None, layers: int, last: bool) -> int:
     """The estimated peak memory of making one decoder part of ``layers`` layers (+ the lm_head when ``last``): its
     export (`vlmrun.checkpoint_stream.export_peak_bytes`) or, quantized by ``quantizer`` (None: not quantized),
     its quantization, whichever is larger."""
+    return max(_step_peaks(model, quantizer, layers, last).values())
+
+
+def _step_peaks(model, quantizer: str | None, layers: int, last: bool) -> dict[str, int]:
+    """`part_peak_bytes` by step: ``{"exporting": bytes, "quantizing": bytes}`` (the latter when quantized)."""
     mm, other, head = weight_counts(model)
-    fp32 = (layers * (mm + other) + (head if last else 0)) * 4
-    peak = export_peak_bytes(fp32)
+    layers_fp32, head_fp32 = layers * (mm + other) * 4, (head * 4 if last else 0)
+    peaks = {"exporting": export_peak_bytes(layers_fp32 + head_fp32)}
     if quantizer is not None:
-        peak = max(peak, QUANTIZE_COPIES[quantizer] * fp32)
-    return peak
+        copies, head_copies = QUANTIZE_COPIES[quantizer], HEAD_QUANTIZE_COPIES[quantizer]
+        peaks["quantizing"] = int(copies * layers_fp32 + head_copies * head_fp32)
+    return peaks
 
 
 def parts_for_budget(model, precision: str, quantizer: str | None, at_least: int) -> int:
@@ -155,7 +166,8 @@ def parts_for_budget(model, precision: str, quantizer: str | None, at_least: int
         worst = max(part_peak_bytes(model, quantizer, n, i == parts - 1) for i, n in enumerate(counts))
         if worst <= budget:
             return parts
-    what = "exporting" if quantizer is None else "quantizing"
+    steps = _step_peaks(model, quantizer, 1, True)  # the worst part at one layer a part: the last
+    what = max(steps, key=steps.get)
     raise UsageError(f"{what} the decoder needs about {worst / 1e9:.2f} GB of memory for its largest part even at one"
                      f" layer a part (the last, with the lm_head), more than the budget {MEMORY_BUDGET_ENV}="
                      f"{budget / 1e9:g} GB; raise the budget to at least that")
