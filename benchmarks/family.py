@@ -222,7 +222,8 @@ def main(argv=None) -> int:
                                                                    " token graph (N for both); default: what the"
                                                                    " real calibration keeps at 1024 px")
     ap.add_argument("--only", default="", help="comma-separated steps to run, e.g. part1,bundle_part1 over"
-                                              " a --keep work folder whose make-tiny and open were run")
+                                              " a --keep work folder whose make-tiny and open were run (the"
+                                              " folder is kept)")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
         if made:
             report["projection"] = projection(report, _num_layers(args.size))
     finally:
-        if not args.keep:
+        if not args.keep and not args.only:  # --only runs over a folder earlier runs wrote: not this run's to remove
             shutil.rmtree(args.work, ignore_errors=True)
     print(json.dumps(report, indent=1))
     return 0
