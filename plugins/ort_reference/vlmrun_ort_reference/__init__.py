@@ -7,12 +7,14 @@ other backend builds on.
 from __future__ import annotations
 
 from vlmrun import hookimpl
+from vlmrun.options import Option
 from vlmrun.plugins import BackendInfo, Check, Preset, mine
 from vlmrun.stages import STAGES, ExportForm
 
-from .engine import KVDecoder, KVState, Session
+from .engine import KVDecoder, Session
 from .exporters import export_stage
 from .probes import ProbeSession
+from .streamed import PartsDecoder, PartsProbe, parts_form, plan_layers
 
 NAME = "ort_reference"
 __version__ = "0.1.0"
@@ -39,6 +41,15 @@ def register_presets(register):
 
 
 @hookimpl
+def register_options(register):
+    register(Option(NAME, "parts", int, stages=("decoder",), default=1, minimum=0,
+                    help="run the decoder in this many parts, one part's float32 weights in memory at a time (slow,"
+                         " bounded by a part: FastVLM-7B's 30 GB decoder on a 24 GB machine); 0: the fewest parts"
+                         " whose export fits VLMRUN_MEMORY_BUDGET_GB (else half this machine's memory); 1: the whole"
+                         " decoder in one session"))
+
+
+@hookimpl
 def doctor():
     import onnxruntime as ort
 
@@ -61,10 +72,12 @@ def export(model, stage, form, out_dir):
 def load_stage(backend, stage, ctx):
     if not mine(backend, NAME):
         return None
-    art = ctx.exported(FORMS[stage])
     if stage == "decoder":
-        return KVDecoder(art.file(), ctx.model)
-    return Session(art.file())
+        layers = plan_layers(ctx.model, int(ctx.options["parts"]))
+        if len(layers) > 1:  # streamed.py: part by part
+            return PartsDecoder(ctx.exported(parts_form(ctx.model, layers, ctx.options["context_length"])), ctx.model)
+        return KVDecoder(ctx.exported(FORMS[stage]).file(), ctx.model)
+    return Session(ctx.exported(FORMS[stage]).file())
 
 
 @hookimpl
@@ -72,8 +85,7 @@ def run_stage(backend, stage, handle, inputs):
     if not mine(backend, NAME):
         return None
     if stage == "decoder":
-        logits, _ = handle.forward(inputs["inputs_embeds"], handle.empty_past(), 0)
-        return {"logits": logits}
+        return {"logits": handle.logits_of(inputs["inputs_embeds"])}
     return handle.run(dict(inputs))
 
 
@@ -82,6 +94,11 @@ def load_probe(backend, stage, ctx):
     """The stage's probe form (`vlmrun_ort_reference.probes`): its graph plus the layer outputs."""
     if not mine(backend, NAME) or stage not in ("vision", "projector", "decoder"):
         return None
+    if stage == "decoder":
+        layers = plan_layers(ctx.model, int(ctx.options["parts"]))
+        if len(layers) > 1:  # streamed.py: every part's probe graph, part by part
+            return PartsProbe(ctx.exported(parts_form(ctx.model, layers, ctx.options["context_length"]).probe()),
+                              ctx.model)
     form = FORMS[stage].probe()
     return ProbeSession(ctx.exported(form), ctx.model, stage, export=ctx.exported, form=form)
 
@@ -102,7 +119,7 @@ def decode(backend, handle, request):
 
 @hookimpl
 def decoder_state(backend, handle):
-    """A conversation's KV cache, kept between its turns (`KVState`)."""
+    """A conversation's KV cache, kept between its turns (`.engine.KVState`, `.streamed.PartsState`)."""
     if not mine(backend, NAME):
         return None
-    return KVState(handle)
+    return handle.new_state()

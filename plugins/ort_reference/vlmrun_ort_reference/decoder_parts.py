@@ -3,7 +3,9 @@
 
 Params: ``ar`` (N, the prompt graph's rows), ``ctx`` (C, the fixed context), ``layers`` (layers per part, comma
 separated, e.g. ``"16,8"``: part ``k`` holds the next ``layers[k]`` decoder layers, the last part also the final
-norm and the lm_head) and ``rmsnorm`` (see `vlmrun_ort_reference.onnx_export.rms_norm_of`).
+norm and the lm_head), ``rmsnorm`` (see `vlmrun_ort_reference.onnx_export.rms_norm_of`) and ``rows`` (``fixed``, the
+default: the prompt and token graphs below; ``any``: one graph per part whose rows ``T`` and past slots ``C-T`` are
+dynamic, ``part{k}_of_{P}_any.onnx``, what the reference runs part by part, `.streamed`).
 
 One export writes every graph of every part into the artifact directory, ``part{k}_of_{P}_{prompt|token}.onnx``
 (``k`` from 1; weights in a ``.data`` file beside a large graph), and ``parts.json`` describing them. The I/O of
@@ -159,9 +161,24 @@ def _part_module(model, fvlm, form, lo: int, hi: int, last: bool, probe: bool = 
     return Part().eval()  # a fresh wrapper is in train mode; the exporter would restore that flag tree-wide
 
 
-def _export_graph(module, ins: list[dict], outs: list[dict], path: Path) -> list[str]:
-    """Trace ``module`` to ``path``; the files written (the graph, and ``<graph>.data`` when its weights are
-    stored outside it).
+def row_axes(tensors: list[dict]) -> dict:
+    """The dynamic axes of a part graph of any number of rows (param ``rows = any``): each tensor's rows, and the
+    past slots (the context less the rows) of the past keys and values."""
+    axes = {}
+    for t in tensors:
+        name = t["name"]
+        if name.startswith(("past_key_", "past_value_")):
+            axes[name] = {3 if name.startswith("past_key_") else 2: "past" if name.endswith("_in") else "rows"}
+        elif name.startswith("position_ids_"):
+            axes[name] = {2: "rows"}
+        else:  # inputs_embeds, residual_*, attention_mask, logits, probe_*
+            axes[name] = {1: "rows"}
+    return axes
+
+
+def _export_graph(module, ins: list[dict], outs: list[dict], path: Path, any_rows: bool = False) -> list[str]:
+    """Trace ``module`` to ``path`` (``any_rows``: its rows and past slots dynamic, `row_axes`); the files written
+    (the graph, and ``<graph>.data`` when its weights are stored outside it).
 
     The graph is traced in a folder of its own, then moved beside the others. Above 2 GiB (a 1.5B or 7B part)
     torch's exporter writes every tensor of more than 1024 elements to its own file beside the graph, named after
@@ -179,7 +196,7 @@ def _export_graph(module, ins: list[dict], outs: list[dict], path: Path) -> list
             warnings.simplefilter("ignore")  # the legacy exporter's deprecation notices
             torch.onnx.export(module, example, str(staged), input_names=[t["name"] for t in ins],
                               output_names=[t["name"] for t in outs], opset_version=OPSET, dynamo=False,
-                              do_constant_folding=True)
+                              do_constant_folding=True, dynamic_axes=row_axes(ins + outs) if any_rows else None)
         return _place_graph(staged, path)
 
 
@@ -276,10 +293,10 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
         with _progress(model, f"exporting decoder part {k} of {P} (layers {lo}-{hi - 1})"):
             module = _part_module(model, _part_model(model, lo, hi, last, k, P), form, lo, hi, last)
             graphs = {}
-            for kind, rows in (("prompt", ar), ("token", 1)):
+            for kind, rows in graph_kinds(form, ar):
                 ins, outs = part_io(model, lo, hi, last, rows, ctx)
                 name = f"part{k}_of_{P}_{kind}"
-                written = _export_graph(module, ins, outs, out_dir / f"{name}.onnx")
+                written = _export_graph(module, ins, outs, out_dir / f"{name}.onnx", any_rows=kind == "any")
                 files += written
                 graphs[kind] = {"file": written[0], "files": written, "ar": rows,
                                 "name": graph_name(kind, rows, ctx, k, P), "inputs": ins, "outputs": outs}
@@ -291,6 +308,19 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
     (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
     return {"files": [*files, "parts.json"], "form": form.label(), "opset": OPSET, "torch": torch.__version__,
             "parts": P, "ar": ar, "ctx": ctx, "layers": desc["layers"]}
+
+
+def graph_kinds(form, ar: int) -> tuple[tuple[str, int], ...]:
+    """``(kind, rows)`` of each graph of a part: a prompt graph of ``ar`` rows and a token graph of one, or with
+    param ``rows = any`` (the reference decoder run part by part, `.streamed`) one graph of any number of rows
+    (``ar`` only traces it)."""
+    if form.get("rows") in (None, "fixed"):
+        return (("prompt", ar), ("token", 1))
+    if form.get("rows") == "any":
+        return (("any", ar),)
+    from vlmrun.errors import UsageError
+
+    raise UsageError(f"{form.label()}: rows '{form.get('rows')}' is not one of fixed, any")
 
 
 def _part_model(model, lo: int, hi: int, last: bool, k: int, parts: int):
@@ -374,3 +404,42 @@ def export_part_probe(model, form, out_dir: Path) -> dict:
             # the node producing each probe point, named as in the part's normal graphs (probe outputs are added
             # to the same nodes): qnn_htp resolves keep_fp / keep_a16w16 layers with it
             "probe_nodes": {name: producers.get(out) for name, out in pairs}}
+
+
+def export_parts_probe(model, form, out_dir: Path) -> dict:
+    """The probe of every part (``decoder/parts`` with ``probe`` and no ``part``; the reference decoder run part by
+    part, `.streamed.PartsProbe`): each part's prompt graph (or its graph of any rows) alone, with the residual
+    stream after each of its layers as extra outputs (`probe_part_outputs`), and no token graph (a probe is one
+    teacher-forced forward). The manifest's ``probe_outputs`` list every part's points in network order."""
+    from vlmrun.errors import UsageError
+
+    torch, _ = import_torch()
+    ar, ctx = int(form.get("ar") or 128), int(form.get("ctx") or 0)
+    if ar < 2 or ctx <= 2 * ar:
+        raise UsageError(f"{form.label()}: needs a prompt AR of at least 2 and a context of more than twice it")
+    split = layer_split(form, model.num_layers)
+    P = len(split)
+    kind = graph_kinds(form, ar)[0][0]  # the prompt graph, or the graph of any rows
+    if model.streams:
+        check_parts_budget(model, split, range(1, P + 1))
+    parts, files, pairs_all, H = [], [], [], model.hidden_size
+    for k, (lo, hi) in enumerate(split, start=1):
+        last = k == P
+        with _progress(model, f"exporting the probe of decoder part {k} of {P} (layers {lo}-{hi - 1})"):
+            module = _part_module(model, _part_model(model, lo, hi, last, k, P), form, lo, hi, last, probe=True)
+            pairs = probe_part_outputs(lo, hi, last)
+            ins, outs = part_io(model, lo, hi, last, ar, ctx)
+            outs += [{"name": g, "shape": [1, ar, H], "dtype": "float32"} for _, g in pairs if g.startswith("probe_")]
+            written = _export_graph(module, ins, outs, out_dir / f"part{k}_of_{P}_{kind}.onnx", any_rows=kind == "any")
+            del module
+            model.release_torch_part()
+        files += written
+        pairs_all += pairs
+        parts.append({"index": k, "layers": [lo, hi], "last": last, "probe_outputs": [list(x) for x in pairs],
+                      "graphs": {kind: {"file": written[0], "files": written, "ar": ar, "inputs": ins,
+                                        "outputs": outs}}})
+    desc = {"ar": ar, "ctx": ctx, "parts": parts, "layers": [hi - lo for lo, hi in split], "hidden": H,
+            "num_layers": model.num_layers, "probe": True}
+    (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
+    return {"files": [*files, "parts.json"], "form": form.label(), "opset": OPSET, "torch": torch.__version__,
+            "parts": P, "ar": ar, "ctx": ctx, "layers": desc["layers"], "probe_outputs": [list(x) for x in pairs_all]}

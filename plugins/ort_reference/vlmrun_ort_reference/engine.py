@@ -50,6 +50,13 @@ class KVDecoder:
         new_past = dict(zip(self.past_names, outs[1:]))
         return logits, new_past
 
+    def new_state(self) -> "KVState":
+        return KVState(self)
+
+    def logits_of(self, embeds: np.ndarray) -> np.ndarray:
+        """Teacher forcing: logits [1,T,V] of ``embeds`` [1,T,H] from an empty cache."""
+        return self.forward(embeds, self.empty_past(), 0)[0]
+
     def generate(self, request):
         """Decode ``request`` from an empty cache."""
         return KVState(self).decode(request)

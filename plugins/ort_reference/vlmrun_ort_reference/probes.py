@@ -33,7 +33,7 @@ from pathlib import Path
 
 from vlmrun.stages import ExportForm, probe_outputs
 
-from .decoder_parts import export_part_probe
+from .decoder_parts import export_part_probe, export_parts_probe
 from .engine import Session
 from .onnx_export import build_wrapper, stage_weights
 from .probe_names import FINAL, STAGES, decoder_probe_outputs, graph_output, inject_input  # noqa: F401
@@ -90,8 +90,8 @@ def export_probe(model, form, out_dir: Path) -> dict | None:
     """Write the probe form ``form`` (``form.is_probe``) into ``out_dir``; the manifest fields."""
     if form.stage not in STAGES:
         return None
-    if form.kind == "decoder/parts":  # one part's layers (the parts form: decoder_parts.export_part_probe)
-        return export_part_probe(model, form, out_dir)
+    if form.kind == "decoder/parts":  # one part's layers (a device's parts form), or every part's (streamed.py)
+        return (export_part_probe if form.get("part") else export_parts_probe)(model, form, out_dir)
     torch, _ = import_torch()
     if form.stage == "decoder":
         built = build_wrapper(model, form)  # _decoder_wrapper adds the probe outputs itself
