@@ -67,13 +67,11 @@ def run_step(step: str, work: Path, args) -> dict:
         pipe = Pipeline.build(model, _layout(args), store=store)
         load_s = time.perf_counter() - t0
         dec = pipe.handles["decoder"]
-        g = pipe.generate(demo_image(), PROMPT, GenerationSettings(max_new_tokens=args.tokens, ignore_eos=True))
-        stamps, t1 = [], time.perf_counter()
-        for _ in g:
-            stamps.append(time.perf_counter() - t1)
-        per_token = [round(b - a, 2) for a, b in zip(stamps, stamps[1:])]
+        g = pipe.generate(demo_image(), PROMPT, GenerationSettings(max_new_tokens=args.tokens, ignore_eos=True)).run()
+        t, n = g.timings, len(g.token_ids)
         return {"load_s": round(load_s, 1), "prompt_tokens": int(g.prepared.input_ids.shape[1]),
-                "first_token_s": round(stamps[0], 1) if stamps else None, "per_token_s": per_token,
+                "ttft_s": round(t["ttft_ms"] / 1e3, 1),
+                "s_per_token": round(t["decode_ms"] / 1e3 / (n - 1), 2) if n > 1 else None,
                 "token_ids": g.token_ids, "sessions_opened": dec.graphs.opened, "sessions_kept": dec.graphs.keep,
                 "kv_bytes": dec.new_state().nbytes}
     if step == "diff":
