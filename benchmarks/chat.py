@@ -24,7 +24,9 @@ answers end well before, so that its answers are the conversation a user has; th
 
 Layouts: ``reference-full`` = the reference layout on the random-weight FastVLM at 0.5B dimensions (``vlmrun
 make-tiny --full-size``, built once into ``<cache-dir>/full-size-fastvlm``; the answers are gibberish, which does
-not matter here); ``all-npu`` = the tiny default model on the HTP emulator (vlmrun's parts engine); ``bundle`` = the
+not matter here); ``all-npu`` = the tiny default model on the HTP emulator (vlmrun's parts engine, the preset's
+fp16 decoder); ``all-npu-w4a16`` = the same with the phone's decoder precision (``decoder.precision=w4a16``, the
+bundle's); ``bundle`` = the
 tiny default model's all-npu bundle (written once into ``--bundle-dir``, default ``<cache-dir>/chat-bundle``; a
 bundle whose decoder lacks the follow-up graph the layout now compiles is written again). Prints one JSON object on stdout
 (progress on stderr): per layout the model's dimensions, the per-turn figures kept vs scratch, the ratios,
@@ -49,7 +51,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FIRST_PROMPT = "Describe the image."
 FOLLOW_UPS = ["What color is the shape?", "Where is the shape?", "Is it large or small?",
               "What is in the background?", "Describe it again, briefly."]
-GOALS = {"reference-full": 0.10, "all-npu": 0.20, "bundle": 0.20}
+GOALS = {"reference-full": 0.10, "all-npu": 0.20, "all-npu-w4a16": 0.20, "bundle": 0.20}
+#: the all-npu layouts measured, by name: the preset (an fp16 decoder) and the phone's decoder precision
+NPU_LAYOUTS = {"all-npu": "all-npu", "all-npu-w4a16": "all-npu,decoder.precision=w4a16"}
 LAYOUTS = tuple(GOALS)
 
 
@@ -181,9 +185,9 @@ def build(name: str, args, store):
         return Pipeline.build(model, "reference", store=store, progress=step), {
             "model": f"FastVLM-0.5B dimensions, random weights ({path})", "layout": "reference"}
     model = default_model(store, 256)
-    if name == "all-npu":
-        return Pipeline.build(model, "all-npu", store=store, progress=step), {
-            "model": "tiny default (256x256)", "layout": "all-npu"}
+    if name in NPU_LAYOUTS:
+        return Pipeline.build(model, NPU_LAYOUTS[name], store=store, progress=step), {
+            "model": "tiny default (256x256)", "layout": NPU_LAYOUTS[name]}
     out = Path(args.bundle_dir or Path(args.cache_dir) / "chat-bundle")
     stale = stale_bundle(out)
     if stale:
