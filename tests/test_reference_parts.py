@@ -1,5 +1,5 @@
 """The reference decoder part by part (ort_reference ``-o decoder.parts=N``, `vlmrun_ort_reference.streamed`): what
-runs FastVLM-7B's 30 GB float32 decoder on this 24 GB machine. On the tiny model it gives the whole reference's
+runs FastVLM-7B's 28 GB float32 decoder on this 24 GB machine. On the tiny model it gives the whole reference's
 tokens and, within float32 rounding, its logits; holds a conversation on its kept keys; streams its parts (each
 session opened when its rows come, once per prefill and once per generated token); plans its parts from the memory
 budget; and serves as the reference side of ``vlmrun diff --locate``."""
@@ -106,6 +106,12 @@ def test_parts_are_planned_from_the_memory_budget(monkeypatch):
         weights = n * layer_bytes(QWEN2_7B) + (head_bytes(QWEN2_7B) if k == len(plan) - 1 else 0)
         assert export_peak_bytes(weights) <= 14e9
     assert plan_layers(QWEN2_7B, 5) == [6, 6, 6, 5, 5]  # given: even, the first ones a layer more
+    monkeypatch.setattr("vlmrun_ort_reference.streamed.physical_memory", lambda: 24 * 2**30)
+    assert plan_layers(QWEN2_05B, 1) == [24]
+    with pytest.raises(UsageError, match=r"^the reference decoder in one session holds 28\.3 GB of float32 weights,"
+                                         r" more than this machine's 25\.8 GB of memory; run it part by part: -o"
+                                         r" decoder\.parts=0"):
+        plan_layers(QWEN2_7B, 1)
     with pytest.raises(UsageError, match="at most 28 parts"):
         plan_layers(QWEN2_7B, 29)
     monkeypatch.setenv("VLMRUN_MEMORY_BUDGET_GB", "4")

@@ -44,7 +44,7 @@ def register_presets(register):
 def register_options(register):
     register(Option(NAME, "parts", int, stages=("decoder",), default=1, minimum=0,
                     help="run the decoder in this many parts, one part's float32 weights in memory at a time (slow,"
-                         " bounded by a part: FastVLM-7B's 30 GB decoder on a 24 GB machine); 0: the fewest parts"
+                         " bounded by a part: FastVLM-7B's 28 GB decoder on a 24 GB machine); 0: the fewest parts"
                          " whose export fits VLMRUN_MEMORY_BUDGET_GB (else half this machine's memory); 1: the whole"
                          " decoder in one session"))
 

@@ -1,7 +1,7 @@
 """The reference decoder run part by part (``-o decoder.parts=N``): one part's float32 weights in memory at a time.
 
-FastVLM-7B's decoder is about 30 GB of float32 weights: one onnxruntime session of it cannot open on a 24 GB
-machine, and a bf16 one would not run on onnxruntime's CPU provider. With ``parts`` other than 1 the reference runs
+FastVLM-7B's decoder is about 28 GB of float32 weights (its layers and lm_head): one onnxruntime session of it
+cannot open on a 24 GB machine, and a bf16 one would not run on onnxruntime's CPU provider. With ``parts`` other than 1 the reference runs
 the float ``decoder/parts`` export instead with ``rows = any`` (`.decoder_parts`: the same layers, the same math,
 each part one graph of its own over a fixed context, taking any number of rows) under the host loop below:
 
@@ -54,19 +54,32 @@ def head_bytes(model) -> int:
     return 4 * (model.vocab_size * model.hidden_size + model.hidden_size)
 
 
+def physical_memory() -> int:
+    """This machine's memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def memory_allowed() -> int:
     """The memory one part may take: the budget (``VLMRUN_MEMORY_BUDGET_GB``), else half of this machine's."""
     budget = memory_budget()
-    return budget if budget is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return budget if budget is not None else physical_memory() // 2
 
 
 def plan_layers(model, parts: int) -> list[int]:
-    """Layers per part. ``parts`` > 0: that many parts, even (the first ones a layer more). ``0``: one part when the
-    whole decoder's export fits `memory_allowed`, else the fewest parts whose every export fits it: the last part
-    (which holds the lm_head too) as many layers as fit beside it, the layers before it split evenly."""
+    """Layers per part. ``parts`` > 0: that many parts, even (the first ones a layer more; one part is refused, in one
+    line naming ``parts = 0``, when the decoder's float32 weights alone are more than this machine's memory, as
+    FastVLM-7B's 28.3 GB here). ``0``: one part when the whole decoder's export fits `memory_allowed`, else the
+    fewest parts whose every export fits it: the last part (which holds the lm_head too) as many layers as fit
+    beside it, the layers before it split evenly."""
     N = model.num_layers
     if parts > N:
         raise UsageError(f"decoder.parts {parts}: the model's decoder has {N} layers, so at most {N} parts")
+    weights = N * layer_bytes(model) + head_bytes(model)
+    if parts == 1 and weights > physical_memory():
+        raise UsageError(f"the reference decoder in one session holds {weights / 1e9:.1f} GB of float32 weights, more"
+                         f" than this machine's {physical_memory() / 1e9:.1f} GB of memory;"
+                         " run it part by part: -o decoder.parts=0 (planned from VLMRUN_MEMORY_BUDGET_GB, else half"
+                         " this machine's memory)")
     if parts > 0:
         base, extra = divmod(N, parts)
         return [base + (1 if i < extra else 0) for i in range(parts)]
