@@ -68,12 +68,21 @@ def export(model, stage, form, out_dir):
     return export_stage(model, form, out_dir)
 
 
+def decoder_layers(ctx) -> list[int]:
+    """The decoder's layers per part from the stage's option ``parts`` (`.streamed.plan_layers`). A plugin that wraps
+    these hooks with a stage context of its own backend, whose options do not hold ``parts``, gets the whole
+    decoder, as before the option."""
+    if ctx.backend != NAME:
+        return [ctx.model.num_layers]
+    return plan_layers(ctx.model, int(ctx.options["parts"]))
+
+
 @hookimpl
 def load_stage(backend, stage, ctx):
     if not mine(backend, NAME):
         return None
     if stage == "decoder":
-        layers = plan_layers(ctx.model, int(ctx.options["parts"]))
+        layers = decoder_layers(ctx)
         if len(layers) > 1:  # streamed.py: part by part
             return PartsDecoder(ctx.exported(parts_form(ctx.model, layers, ctx.options["context_length"])), ctx.model)
         return KVDecoder(ctx.exported(FORMS[stage]).file(), ctx.model)
@@ -95,7 +104,7 @@ def load_probe(backend, stage, ctx):
     if not mine(backend, NAME) or stage not in ("vision", "projector", "decoder"):
         return None
     if stage == "decoder":
-        layers = plan_layers(ctx.model, int(ctx.options["parts"]))
+        layers = decoder_layers(ctx)
         if len(layers) > 1:  # streamed.py: every part's probe graph, part by part
             return PartsProbe(ctx.exported(parts_form(ctx.model, layers, ctx.options["context_length"]).probe()),
                               ctx.model)
