@@ -68,13 +68,15 @@ def export(model, stage, form, out_dir):
     return export_stage(model, form, out_dir)
 
 
-def decoder_layers(ctx) -> list[int]:
-    """The decoder's layers per part from the stage's option ``parts`` (`.streamed.plan_layers`). A plugin that wraps
+def decoder_parts_form(ctx) -> ExportForm | None:
+    """The export the decoder runs from part by part (`.streamed.parts_form`) when the stage's option ``parts`` plans
+    more than one part (`.streamed.plan_layers`); ``None``: the whole decoder in one session. A plugin that wraps
     these hooks with a stage context of its own backend, whose options do not hold ``parts``, gets the whole
     decoder, as before the option."""
     if ctx.backend != NAME:
-        return [ctx.model.num_layers]
-    return plan_layers(ctx.model, int(ctx.options["parts"]))
+        return None
+    layers = plan_layers(ctx.model, int(ctx.options["parts"]))
+    return parts_form(ctx.model, layers, ctx.options["context_length"]) if len(layers) > 1 else None
 
 
 @hookimpl
@@ -82,9 +84,9 @@ def load_stage(backend, stage, ctx):
     if not mine(backend, NAME):
         return None
     if stage == "decoder":
-        layers = decoder_layers(ctx)
-        if len(layers) > 1:  # streamed.py: part by part
-            return PartsDecoder(ctx.exported(parts_form(ctx.model, layers, ctx.options["context_length"])), ctx.model)
+        form = decoder_parts_form(ctx)
+        if form is not None:  # streamed.py: part by part
+            return PartsDecoder(ctx.exported(form), ctx.model)
         return KVDecoder(ctx.exported(FORMS[stage]).file(), ctx.model)
     return Session(ctx.exported(FORMS[stage]).file())
 
@@ -103,11 +105,9 @@ def load_probe(backend, stage, ctx):
     """The stage's probe form (`vlmrun_ort_reference.probes`): its graph plus the layer outputs."""
     if not mine(backend, NAME) or stage not in ("vision", "projector", "decoder"):
         return None
-    if stage == "decoder":
-        layers = decoder_layers(ctx)
-        if len(layers) > 1:  # streamed.py: every part's probe graph, part by part
-            return PartsProbe(ctx.exported(parts_form(ctx.model, layers, ctx.options["context_length"]).probe()),
-                              ctx.model)
+    parts = decoder_parts_form(ctx) if stage == "decoder" else None
+    if parts is not None:  # streamed.py: every part's probe graph, part by part
+        return PartsProbe(ctx.exported(parts.probe()), ctx.model)
     form = FORMS[stage].probe()
     return ProbeSession(ctx.exported(form), ctx.model, stage, export=ctx.exported, form=form)
 

@@ -276,10 +276,7 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
     from vlmrun.errors import UsageError
 
     torch, _ = import_torch()
-    ar, ctx = int(form.get("ar") or 128), int(form.get("ctx") or 0)
-    if ar < 2 or ctx <= 2 * ar:
-        raise UsageError(f"{form.label()}: needs a prompt AR of at least 2 and a context of more than twice it")
-    split = layer_split(form, model.num_layers)
+    ar, ctx, split = form_shape(model, form)
     P = len(split)
     chosen = range(1, P + 1) if only is None else [only]
     if only is not None and not 1 <= only <= P:
@@ -308,6 +305,16 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
     (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))
     return {"files": [*files, "parts.json"], "form": form.label(), "opset": OPSET, "torch": torch.__version__,
             "parts": P, "ar": ar, "ctx": ctx, "layers": desc["layers"]}
+
+
+def form_shape(model, form) -> tuple[int, int, list[tuple[int, int]]]:
+    """The form's prompt rows ``ar``, context ``ctx`` and part layer ranges (`layer_split`); UsageError if bad."""
+    from vlmrun.errors import UsageError
+
+    ar, ctx = int(form.get("ar") or 128), int(form.get("ctx") or 0)
+    if ar < 2 or ctx <= 2 * ar:
+        raise UsageError(f"{form.label()}: needs a prompt AR of at least 2 and a context of more than twice it")
+    return ar, ctx, layer_split(form, model.num_layers)
 
 
 def graph_kinds(form, ar: int) -> tuple[tuple[str, int], ...]:
@@ -411,13 +418,8 @@ def export_parts_probe(model, form, out_dir: Path) -> dict:
     part, `.streamed.PartsProbe`): each part's prompt graph (or its graph of any rows) alone, with the residual
     stream after each of its layers as extra outputs (`probe_part_outputs`), and no token graph (a probe is one
     teacher-forced forward). The manifest's ``probe_outputs`` list every part's points in network order."""
-    from vlmrun.errors import UsageError
-
     torch, _ = import_torch()
-    ar, ctx = int(form.get("ar") or 128), int(form.get("ctx") or 0)
-    if ar < 2 or ctx <= 2 * ar:
-        raise UsageError(f"{form.label()}: needs a prompt AR of at least 2 and a context of more than twice it")
-    split = layer_split(form, model.num_layers)
+    ar, ctx, split = form_shape(model, form)
     P = len(split)
     kind = graph_kinds(form, ar)[0][0]  # the prompt graph, or the graph of any rows
     if model.streams:

@@ -62,7 +62,26 @@ class KVDecoder:
         return KVState(self).decode(request)
 
 
-class KVState(DecoderState):
+class FeedingState(DecoderState):
+    """A decoder state that feeds rows itself (`_feed`: rows [1,T,H] after its positions -> their logits); `decode`
+    prefills a request's rows, then samples and feeds one token at a time."""
+
+    def _feed(self, embeds: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def decode(self, request):
+        logits = self._feed(request.inputs_embeds)
+        for i in range(request.max_new_tokens):
+            if request.on_logits is not None:
+                request.on_logits(logits[0, -1])
+            tok = request.sampler(logits[0, -1])
+            yield tok
+            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.length >= request.context_length:
+                return
+            logits = self._feed(request.embed_tokens(np.array([tok])))
+
+
+class KVState(FeedingState):
     """A conversation's past keys and values (``decoder_state``): growing arrays, cut to keep a prefix."""
 
     def __init__(self, decoder: KVDecoder):
@@ -86,14 +105,3 @@ class KVState(DecoderState):
         logits, self.past = self.decoder.forward(embeds, self.past, self.length)
         self.length += embeds.shape[1]
         return logits
-
-    def decode(self, request):
-        logits = self._feed(request.inputs_embeds)
-        for i in range(request.max_new_tokens):
-            if request.on_logits is not None:
-                request.on_logits(logits[0, -1])
-            tok = request.sampler(logits[0, -1])
-            yield tok
-            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.length >= request.context_length:
-                return
-            logits = self._feed(request.embed_tokens(np.array([tok])))

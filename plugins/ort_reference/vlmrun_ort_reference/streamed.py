@@ -1,9 +1,10 @@
 """The reference decoder run part by part (``-o decoder.parts=N``): one part's float32 weights in memory at a time.
 
 FastVLM-7B's decoder is about 28 GB of float32 weights (its layers and lm_head): one onnxruntime session of it
-cannot open on a 24 GB machine, and a bf16 one would not run on onnxruntime's CPU provider. With ``parts`` other than 1 the reference runs
-the float ``decoder/parts`` export instead with ``rows = any`` (`.decoder_parts`: the same layers, the same math,
-each part one graph of its own over a fixed context, taking any number of rows) under the host loop below:
+cannot open on a 24 GB machine, and a bf16 one would not run on onnxruntime's CPU provider. With ``parts`` other
+than 1 the reference runs the float ``decoder/parts`` export instead with ``rows = any`` (`.decoder_parts`: the same
+layers, the same math, each part one graph of its own over a fixed context, taking any number of rows) under the
+host loop below:
 
 * the keys and values of every layer live in host buffers (`PartsState`), ``[KV,1,D,C]`` and ``[KV,1,C,D]``;
 * the new rows (a prompt, a turn, a generated token) go through part 1 in one call, then through part 2, ... So a
@@ -29,10 +30,10 @@ import numpy as np
 from vlmrun.checkpoint_stream import (EXPORT_BASE_BYTES, EXPORT_WEIGHT_COPIES, MEMORY_BUDGET_ENV, export_peak_bytes,
                                       memory_budget)
 from vlmrun.errors import InputError, UsageError
-from vlmrun.handles import DecoderHandle, DecoderState
+from vlmrun.handles import DecoderHandle
 from vlmrun.stages import ExportForm
 
-from .engine import Session
+from .engine import FeedingState, Session
 from .torch_common import MASK_MIN
 
 #: the rows the part graphs are traced with (they take any number)
@@ -211,8 +212,9 @@ class PartsDecoder(DecoderHandle):
         return x if all_logits else x[:, -1:]
 
 
-class PartsState(DecoderState):
-    """A conversation's keys and values in the host buffers of a `PartsDecoder` (``decoder_state``)."""
+class PartsState(FeedingState):
+    """A conversation's keys and values in the host buffers of a `PartsDecoder` (``decoder_state``); its greedy loop
+    is `.engine.FeedingState`'s."""
 
     def __init__(self, decoder: PartsDecoder):
         self.decoder = decoder
@@ -232,16 +234,8 @@ class PartsState(DecoderState):
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.k, *self.v))
 
-    def decode(self, request) -> Iterator[int]:
-        logits = self.decoder.feed(self, request.inputs_embeds)
-        for i in range(request.max_new_tokens):
-            if request.on_logits is not None:
-                request.on_logits(logits[0, -1])
-            tok = request.sampler(logits[0, -1])
-            yield tok
-            if tok in request.stop_ids or i + 1 >= request.max_new_tokens or self.length >= request.context_length:
-                return
-            logits = self.decoder.feed(self, request.embed_tokens(np.array([tok])))
+    def _feed(self, embeds: np.ndarray) -> np.ndarray:
+        return self.decoder.feed(self, embeds)
 
 
 class PartsProbe:
