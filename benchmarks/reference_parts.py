@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -93,17 +92,15 @@ def _bytes(path: Path) -> int:
 
 
 def _child(step: str, args) -> dict:
-    """Run ``step`` in a child process; its wall time, peak RSS and what it reports."""
-    cmd = [sys.executable, __file__, "--child", step, "--size", args.size, "--work", str(args.work),
-           "--parts", str(args.parts), "--tokens", str(args.tokens), "--image-size", str(args.image_size)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"step {step} failed (exit {os.waitstatus_to_exitcode(status)})")
-    return {"wall_s": round(time.perf_counter() - t0, 1), "peak_rss_gb": round(usage.ru_maxrss / 1e6, 2),
-            **json.loads(out.strip().splitlines()[-1])}
+    """Run ``step`` in a child process (`children.run_child`); its wall time, peak RSS and what it reports."""
+    from children import run_child
+
+    res = run_child([__file__, "--child", step, "--size", args.size, "--work", str(args.work), "--parts",
+                     str(args.parts), "--tokens", str(args.tokens), "--image-size", str(args.image_size)],
+                    sys.stderr, rss_key="peak_rss_mib")
+    if res.get("failed"):
+        raise SystemExit(f"step {step} failed (exit {res['exit']})")
+    return {"wall_s": res.pop("child_wall_s"), "peak_rss_gb": round(res.pop("peak_rss_mib") * 1024 / 1e6, 2), **res}
 
 
 def main(argv=None) -> int:
