@@ -42,6 +42,9 @@ class ReferenceCompileContext(CompileContext):
             self._pipe = self.build_reference(UPSTREAM[self._ctx.stage] or ("embed",))
         return self._pipe
 
+    def release_reference(self) -> None:
+        self._pipe = None
+
     def reference_inputs(self, images=None, prompts=None) -> list[dict[str, np.ndarray]]:
         from .demo_image import demo_image
 

@@ -321,6 +321,11 @@ class CompileContext:
         """Reference embeddings of token ids: int [n] -> float32 [1, n, H] (to drive a decoder loop)."""
         raise NotImplementedError
 
+    def release_reference(self) -> None:
+        """Drop what `reference_inputs` and `embed_tokens` built (the reference sessions and their memory: at
+        FastVLM-0.5B size the image encoder alone holds gigabytes); a later call builds it again. A compiler calls
+        it once it has its reference activations, before its memory-heavy steps."""
+
     def state_dir(self) -> "os.PathLike":
         """A directory that persists across runs for this artifact (outside it: e.g. a remote job ledger);
         created on first call."""

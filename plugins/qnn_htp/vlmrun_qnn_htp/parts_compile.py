@@ -254,6 +254,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
                                                                calibration.require_context(context), followup,
                                                                calibration_order, into=work)
             feeds = {key: str(path) for key, path in feeds.items()}
+            context.release_reference()  # its image encoder's session would outlive every quantization below
             release_memory(any(is_big(src_dir / p["graphs"]["prompt"]["file"]) for p in desc["parts"]))
             quant_s += time.perf_counter() - t0
             q_times["record_feeds_s"] = time.perf_counter() - t0
