@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -45,7 +46,10 @@ class WorkerSession:
 
     def __init__(self, argv: Sequence[str], *, timeout: float, cwd: str | os.PathLike | None = None,
                  tmp: Path | None = None):
-        self.timeout, self._tmp = float(timeout), tmp  # ``tmp``: the session's own folder, removed by close
+        self.timeout, self._tmp = float(timeout), tmp
+        # ``tmp``: the session's own folder, removed by close, else when the session is collected or at exit (a
+        # conversation dropped from a cache, a process that ends with sessions open)
+        self._remove_tmp = weakref.finalize(self, shutil.rmtree, str(tmp), True) if tmp is not None else None
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
         self.proc = procs._start(list(argv), self.what, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, cwd=cwd, env=env, text=True, bufsize=1)
@@ -123,8 +127,8 @@ class WorkerSession:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 procs.kill_group(self.proc)
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._remove_tmp is not None:
+            self._remove_tmp()
 
 
 class DialogSession(WorkerSession):
