@@ -32,6 +32,15 @@ def run_child(argv: Sequence[str], log, rss_key: str = "child_peak_rss_mb") -> d
     return res
 
 
+def run_step(argv: Sequence[str], step: str) -> dict:
+    """`run_child` for a benchmark step whose figures are quoted as ``wall_s`` and ``peak_rss_gb`` (10^9 bytes),
+    with what the step reports; a failed step ends the benchmark, naming it."""
+    res = run_child(argv, sys.stderr, rss_key="peak_rss_mib")
+    if res.get("failed"):
+        raise SystemExit(f"step {step} failed (exit {res['exit']})")
+    return {"wall_s": res.pop("child_wall_s"), "peak_rss_gb": round(res.pop("peak_rss_mib") * 1024 / 1e6, 2), **res}
+
+
 class Served:
     """A running ``vlmrun serve``: its base URL, process id and model id."""
 

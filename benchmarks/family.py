@@ -33,10 +33,10 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+import children  # benchmarks/children.py: a measured child process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -190,20 +190,12 @@ def _bytes(path: Path) -> int:
 
 
 def _child(step: str, args) -> dict:
-    """Run ``step`` in a child process; its wall time, peak RSS and what it reports."""
-    cmd = [sys.executable, __file__, "--child", step, "--size", args.size, "--work", str(args.work),
-           "--parts", str(args.parts), "--ar", str(args.ar), "--ctx", str(args.ctx),
-           "--image-size", str(args.image_size), "--precision", args.precision,
-           "--calibration-feeds", str(args.calibration_feeds), "--make-parts", args.make_parts,
-           *(["--layers", args.layers] if args.layers else [])]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"step {step} failed (exit {os.waitstatus_to_exitcode(status)})")
-    return {"wall_s": round(wall, 1), "peak_rss_gb": round(usage.ru_maxrss / 1e6, 2), **json.loads(out)}
+    """Run ``step`` in a child process (`children.run_step`); its wall time, peak RSS and what it reports."""
+    return children.run_step([__file__, "--child", step, "--size", args.size, "--work", str(args.work),
+                              "--parts", str(args.parts), "--ar", str(args.ar), "--ctx", str(args.ctx),
+                              "--image-size", str(args.image_size), "--precision", args.precision,
+                              "--calibration-feeds", str(args.calibration_feeds), "--make-parts", args.make_parts,
+                              *(["--layers", args.layers] if args.layers else [])], step)
 
 
 def main(argv=None) -> int:

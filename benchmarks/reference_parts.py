@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import children  # benchmarks/children.py: a measured child process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = "Describe the image."
 
@@ -92,15 +94,10 @@ def _bytes(path: Path) -> int:
 
 
 def _child(step: str, args) -> dict:
-    """Run ``step`` in a child process (`children.run_child`); its wall time, peak RSS and what it reports."""
-    from children import run_child
-
-    res = run_child([__file__, "--child", step, "--size", args.size, "--work", str(args.work), "--parts",
-                     str(args.parts), "--tokens", str(args.tokens), "--image-size", str(args.image_size)],
-                    sys.stderr, rss_key="peak_rss_mib")
-    if res.get("failed"):
-        raise SystemExit(f"step {step} failed (exit {res['exit']})")
-    return {"wall_s": res.pop("child_wall_s"), "peak_rss_gb": round(res.pop("peak_rss_mib") * 1024 / 1e6, 2), **res}
+    """Run ``step`` in a child process (`children.run_step`); its wall time, peak RSS and what it reports."""
+    return children.run_step([__file__, "--child", step, "--size", args.size, "--work", str(args.work), "--parts",
+                              str(args.parts), "--tokens", str(args.tokens), "--image-size", str(args.image_size)],
+                             step)
 
 
 def main(argv=None) -> int:
