@@ -32,14 +32,13 @@ import numpy as np
 
 from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
-from vlmrun_qualcomm.parts import weight_bytes
 
 from . import ep, image_encoder
 from .memory import release_memory
 from .options import NAME, compiled_artifact
 from .parts_compile import parts_artifact, parts_artifact_apart
+from .quantizer import is_big
 from .plan import StagePlan
-from .quantizer import BIG_GRAPH_BYTES
 
 MANIFEST = BUNDLE_MANIFEST
 FORMAT = 1
@@ -209,10 +208,10 @@ def write_bundle(request) -> dict:
     lut_art = vis_ctx.exported(ExportForm.of("embed", "embed/lut"))
     lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
     embeds = embeds_encoding(model, request, lut)
-    # a decoder whose float32 graph the quantizer takes as big (FastVLM-0.5B and up, not the tiny model): its
-    # reference image encoder is freed, but glibc keeps the heap, which would stay in this process through the
-    # decoder's steps; those steps are then made in a process of their own
-    full_size = weight_bytes(model, "fp16") * 2 > BIG_GRAPH_BYTES
+    # its reference image encoder is freed, but glibc keeps the heap: at FastVLM-0.5B size 5-7 GB that would stay
+    # in this process through the decoder's export, feeds and quantization children
+    vis_src = vis_ctx.exported(ExportForm.of("vision", image_encoder.FORM))
+    full_size = any(is_big(vis_src.path / f) for f in vis_src.manifest["files"] if f.endswith(".onnx"))
     release_memory(full_size)
     dec_options = {**decoder_options(dict(request.layout.stages["decoder"].options), target),
                    "embeds_input": embeds["option"]}
