@@ -1,5 +1,5 @@
-"""qnn_htp's child processes (`vlmrun_qnn_htp.memory.in_child`): how a dead child is reported, whose peak it
-records, and a full-size bundle's decoder made in one (built there, found here).
+"""qnn_htp's quantization child (`vlmrun_qnn_htp.memory.in_child`): how a dead child is reported and whose
+peak it records.
 
 This module imports nothing heavy at its top: `in_child` spawns a fresh interpreter, which imports this module to
 find the function it runs, so the child's own peak here is vlmrun's imports, not torch's or AIMET's.
@@ -166,23 +166,3 @@ def test_the_opset_is_raised_without_the_weights_and_the_qdq_graph_is_onnxruntim
     converted.clear()
     quantizer._quantize(src, ours / "int8.onnx", feeds, Recipe("int8"), ours, None)
     assert not [c for c in converted if c[2]] and get_opset_version(onnx.load(str(ours / "int8.onnx"))) == 17
-
-
-def test_a_decoder_made_apart_is_built_in_the_child_and_found_here(tiny_model, store):
-    """A full-size bundle makes its decoder's parts in a process of their own (`parts_artifact_apart`): the child
-    builds the artifact into the store, this process builds nothing and gets the artifact a compile here keys."""
-    from vlmrun import plugins
-    from vlmrun.pipeline import StageContext
-    from vlmrun_qnn_htp.parts_compile import parts_artifact, parts_artifact_apart
-    from vlmrun_qnn_htp.plan import StagePlan
-
-    opts = {"decoder_form": "parts", "parts": 2, "context_length": 128}  # fp16: nothing to calibrate
-    ctx = StageContext("qnn_htp", "decoder", tiny_model, opts, store, plugins.load())
-    before = list(store.builds)
-    art = parts_artifact_apart(ctx, StagePlan.of("decoder", ctx.options))
-    assert store.builds == before  # nothing exported or compiled in this process
-    parts = art.manifest["decoder_parts"]
-    assert parts["count"] == 2 and parts["ctx"] == 128
-    assert all((art.path / b).stat().st_size > 0 for b in parts["binaries_in_order"])
-    assert parts_artifact(ctx, StagePlan.of("decoder", ctx.options)).path == art.path
-    assert store.builds == before

@@ -36,7 +36,7 @@ from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
 from . import ep, image_encoder
 from .memory import release_memory
 from .options import NAME, compiled_artifact
-from .parts_compile import parts_artifact, parts_artifact_apart
+from .parts_compile import parts_artifact
 from .quantizer import is_big
 from .plan import StagePlan
 
@@ -211,16 +211,14 @@ def write_bundle(request) -> dict:
     # its reference image encoder is freed, but glibc keeps the heap: at FastVLM-0.5B size 5-7 GB that would stay
     # in this process through the decoder's export, feeds and quantization children
     vis_src = vis_ctx.exported(ExportForm.of("vision", image_encoder.FORM))
-    full_size = any(is_big(vis_src.path / f) for f in vis_src.manifest["files"] if f.endswith(".onnx"))
-    release_memory(full_size)
+    release_memory(any(is_big(vis_src.path / f) for f in vis_src.manifest["files"] if f.endswith(".onnx")))
     dec_options = {**decoder_options(dict(request.layout.stages["decoder"].options), target),
                    "embeds_input": embeds["option"]}
     dec_ctx = request.context("decoder", dec_options)
     dec = StagePlan.of("decoder", dec_ctx.options)
     if dec.soc.name != soc.name:
         raise UsageError(f"the bundle's stages are compiled for two SoCs ({soc.name}, {dec.soc.name}); give one")
-    # prompt (AR-128), token (AR-1) and follow-up (AR-32) graphs; at full size made in a process of their own
-    dec_art = (parts_artifact_apart if full_size else parts_artifact)(dec_ctx, dec)
+    dec_art = parts_artifact(dec_ctx, dec)  # prompt (AR-128), token (AR-1) and follow-up (AR-32) graphs
     with request.progress("writing the bundle"):
         shutil.copyfile(enc_art.path / next(f for f in enc_art.manifest["files"] if f.endswith(".bin")), out / IMAGE_BIN)
         parts = dec_art.manifest["decoder_parts"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import sys
 import tempfile
@@ -44,7 +43,6 @@ from pathlib import Path
 import attrs
 
 from vlmrun.errors import BackendError
-from vlmrun.progress import no_progress
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
 from vlmrun_qualcomm.parts import (FOLLOWUP, check_part_limits, followup_export, graph_digest, part_graphs,
@@ -55,9 +53,8 @@ from vlmrun.stages import CompileContext, ExportForm
 from . import calibration, ep, image_encoder
 from .genie_names import genie_name, rename_graph, rewrite_wrapper
 from .layers import LAYER_OPTIONS, part_keep
-from .memory import in_child, part_peak_bytes, peak_rss_mb, release_memory
-from .options import NAME, compiled_artifact, parts_plan
-from .plan import StagePlan
+from .memory import part_peak_bytes, peak_rss_mb, release_memory
+from .options import compiled_artifact, parts_plan
 from .quantizer import is_big, quantize
 from .recipe import from_key
 
@@ -82,36 +79,6 @@ def parts_artifact(ctx, stage_plan):
         followup = ctx.exported(parts_form(plan, plan["followup_ar"], opts))
         opts = {**opts, "followup_ar": plan["followup_ar"], "followup_source": followup.path.name}
     return compiled_artifact(ctx, "decoder", opts, parts_form(plan, plan["ar"], opts))
-
-
-def parts_artifact_apart(ctx, stage_plan):
-    """`parts_artifact` with its export, calibration feeds, quantization and compile made in a child process
-    (`.memory.in_child`), then found in the store here: for a caller whose own process carries earlier work (a
-    full-size bundle, after its image encoder at 1024 px), so that the decoder's steps peak as in a process of
-    their own (`vlmrun compile --stage decoder`) and leave nothing behind. In this process when the compile's jobs
-    run on a cluster (`ctx.executor`: the heavy work is not here)."""
-    if ctx.executor is None:
-        in_child(_parts_artifact_in_child, ctx.model, str(ctx.store.root), dict(ctx.options.given), ctx.rebuild,
-                 _picklable(ctx.progress), what="compiling the decoder's parts")
-        ctx = attrs.evolve(ctx, options=dict(ctx.options.given), rebuild=False)  # built there: found here
-    return parts_artifact(ctx, stage_plan)
-
-
-def _picklable(progress):
-    try:
-        pickle.dumps(progress)
-        return progress
-    except Exception:  # noqa: BLE001 - a closure: the child shows no progress
-        return no_progress
-
-
-def _parts_artifact_in_child(model, store_root: str, options: dict, rebuild: bool, progress) -> str:
-    from vlmrun import plugins
-    from vlmrun.pipeline import StageContext
-    from vlmrun.store import ArtifactStore
-
-    ctx = StageContext(NAME, "decoder", model, options, ArtifactStore(store_root), plugins.load(), rebuild, progress)
-    return parts_artifact(ctx, StagePlan.of("decoder", ctx.options)).path.name
 
 
 def graph_sources(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict:
