@@ -34,10 +34,8 @@ from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
 
 from . import ep, image_encoder
-from .memory import release_memory
 from .options import NAME, compiled_artifact
 from .parts_compile import parts_artifact
-from .quantizer import is_big
 from .plan import StagePlan
 
 MANIFEST = BUNDLE_MANIFEST
@@ -208,10 +206,6 @@ def write_bundle(request) -> dict:
     lut_art = vis_ctx.exported(ExportForm.of("embed", "embed/lut"))
     lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
     embeds = embeds_encoding(model, request, lut)
-    # its reference image encoder is freed, but glibc keeps the heap: at FastVLM-0.5B size 5-7 GB that would stay
-    # in this process through the decoder's export, feeds and quantization children
-    vis_src = vis_ctx.exported(ExportForm.of("vision", image_encoder.FORM))
-    release_memory(any(is_big(vis_src.path / f) for f in vis_src.manifest["files"] if f.endswith(".onnx")))
     dec_options = {**decoder_options(dict(request.layout.stages["decoder"].options), target),
                    "embeds_input": embeds["option"]}
     dec_ctx = request.context("decoder", dec_options)
