@@ -4,6 +4,7 @@ the onnxruntime-qnn HTP emulator, the adb + qnn-net-run path through stand-ins, 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -291,6 +292,52 @@ def test_cli_compile_all_npu_int8(htp_pipe, cache_dir):
     dec = [json.loads((Path(a["path"]) / "manifest.json").read_text()) for a in arts if a["stage"] == "decoder"]
     assert {tuple(m["inputs"][0]["shape"]) for m in dec} == {(1, 64, htp_pipe.model.hidden_size), (1, 1, htp_pipe.model.hidden_size)}
     assert all("demo image" in m["quantization"]["calibration"] for m in dec)
+
+
+EMULATOR_RUN = """
+import hashlib, json, sys
+from pathlib import Path
+import numpy as np
+from vlmrun_qnn_htp import ep
+from vlmrun_qualcomm import emulator, socs
+digests = {}
+for path in sys.argv[1:]:
+    session = ep.HtpSession(Path(path), socs.soc("sm8750"), "test")
+    rng = np.random.default_rng(7)
+    feeds = {k: (rng.standard_normal(shape) * 0.5).astype(dtype) for k, (shape, dtype) in session.inputs.items()}
+    outs = session.run(feeds)
+    digests[Path(path).name] = hashlib.sha256(b"".join(np.ascontiguousarray(outs[k]).tobytes()
+                                                       for k in session.outputs)).hexdigest()
+print(json.dumps({"status": emulator.status(), "digests": digests}))
+"""
+
+
+def test_the_emulators_pow_fast_path_changes_no_output_byte(htp_pipe, cache_dir):
+    """libQnnHtp.so's pow routed to ldexp for pow(2, n) (vlmrun_qualcomm.emulator): the session's vision, projector
+    and decoder graphs (fp16) give the same bytes as with libm's pow, in processes of their own."""
+    import subprocess
+
+    from vlmrun_qualcomm import _emulator_pow
+
+    # the fast path itself, against libm over every whole exponent it takes and arguments it hands on
+    for n in range(-1100, 1101):
+        assert _emulator_pow.value(2.0, float(n)) == (2.0 ** n if -1075 < n < 1024 else (0.0 if n < 0 else np.inf))
+    for x, y in [(2.0, 0.5), (2.0, -0.0), (3.0, 2.0), (2.0, 1e9), (0.5, 3.0), (-2.0, 3.0), (2.0, 1100.5)]:
+        with np.errstate(over="ignore"):
+            assert _emulator_pow.value(x, y) == float(np.power(np.float64(x), np.float64(y))), (x, y)
+    graphs = sorted(str(p) for stage in ("vision", "projector", "decoder")
+                    for p in cache_dir.glob(f"artifacts/{stage}-qnn_htp-*-fp16-SM8750-*/*_ctx.onnx"))
+    assert len(graphs) >= 4, graphs
+    runs = {}
+    for flag in ("1", "0"):
+        env = dict(os.environ, VLMRUN_EMULATOR_FAST_POW=flag)
+        res = subprocess.run([sys.executable, "-c", EMULATOR_RUN, *graphs], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[flag] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert runs["1"]["status"] == "on (libQnnHtp.so: 1 pow slot routed to ldexp for pow(2, n))"
+    assert runs["0"]["status"] == "off (VLMRUN_EMULATOR_FAST_POW=0)"
+    assert runs["1"]["digests"] == runs["0"]["digests"] and len(runs["1"]["digests"]) == len(graphs)
 
 
 # -- adb + qnn-net-run (stand-ins) --------------------------------------------------------------------------

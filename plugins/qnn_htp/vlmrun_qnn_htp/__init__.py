@@ -66,7 +66,7 @@ from vlmrun import hookimpl
 from vlmrun.errors import BackendError, UsageError
 from vlmrun.plugins import BackendInfo, Check, Preset, mine
 from vlmrun.stages import STAGES, ExportForm
-from vlmrun_qualcomm import precisions, socs
+from vlmrun_qualcomm import emulator, precisions, socs
 from vlmrun_qualcomm.genie_session import DialogState
 from vlmrun_qualcomm.manifest import ContextManifest
 from vlmrun_qualcomm.sdk import Sdk, newer_than
@@ -123,6 +123,9 @@ def doctor():
         return checks
     ok, detail = ep.htp_backend_loads()
     checks.append(Check("HTP backend (libQnnHtp.so)", ok, detail))
+    if ok and ep.is_emulator():
+        status = emulator.route_pow(Path(detail).parent)
+        checks.append(Check("HTP emulator's pow fast path", status.startswith("on") or "=0" in status, status))
     found_sdk = Sdk.find(None)
     root = found_sdk.root
     if root:

@@ -22,6 +22,8 @@ import numpy as np
 from vlmrun.errors import BackendError
 from vlmrun.procs import stdout_to_stderr  # QNN prints a banner on stdout (callers use it too)
 
+from vlmrun_qualcomm import emulator
+from vlmrun_qualcomm.emulator import is_emulator  # noqa: F401 (qnn_htp's modules take it from here)
 from vlmrun_qualcomm.manifest import describe_ctx_onnx
 from vlmrun_qualcomm.socs import Soc
 
@@ -65,6 +67,7 @@ def _ensure_registered():
     except ImportError as exc:
         raise BackendError(f"onnxruntime-qnn is not installed ({exc}); pip install onnxruntime-qnn==2.7.0") from None
     if not _registered:
+        emulator.route_pow(Path(onnxruntime_qnn.get_qnn_htp_path()).parent)
         try:
             with stdout_to_stderr():
                 ort.register_execution_provider_library(EP_NAME, onnxruntime_qnn.get_library_path())
@@ -99,13 +102,6 @@ def session_options(soc: Soc, *, fallback: bool = False, context_path: Path | No
     provider.update(extra_provider or {})
     so.add_provider_for_devices(devices, provider)
     return ort, so
-
-
-def is_emulator() -> bool:
-    """True where the local HTP backend is onnxruntime-qnn's x86_64 emulator (not an NPU)."""
-    import platform
-
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def compile_session(src: Path, ctx_path: Path, soc: Soc, share: bool = False, stop: bool = False) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from vlmrun.errors import BackendError
 
+from . import emulator
 from .genie import ContextLimitError, last_error_line
 
 # Genie status codes (GenieCommon.h)
@@ -111,6 +112,7 @@ class GenieLibrary:
         self.path = str(path)
         if not Path(self.path).is_file():
             raise BackendError(f"libGenie.so not found at {self.path}")
+        emulator.route_pow(Path(self.path).parent)  # the HTP backend libGenie loads from its own folder
         try:
             self.lib = lib = ctypes.CDLL(self.path)
         except OSError as exc:
