@@ -38,7 +38,9 @@ from pathlib import Path
 
 from vlmrun.checkpoint_stream import (check_budget, decoder_weights, export_peak_bytes, memory_budget, meta_model,
                                       part_bytes)
+from vlmrun.errors import UsageError
 from vlmrun.progress import no_progress, step
+from vlmrun.stages import ExportForm
 
 from .probe_names import graph_output
 from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, import_torch, rms_norm_of
@@ -50,7 +52,6 @@ MASK_SEEN = -50.0
 
 def layer_split(form, num_layers: int) -> list[tuple[int, int]]:
     """``[(lo, hi), ...]`` layer ranges of the parts from the form's ``layers`` param (UsageError if bad)."""
-    from vlmrun.errors import UsageError
 
     raw = str(form.get("layers") or num_layers)
     try:
@@ -273,7 +274,6 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
     A streamed model (`vlmrun.model.FastVLMModel.streams`) loads each part's weights alone, reads them from the
     shards that hold them and frees them before the next part: peak memory follows the largest part. With a
     memory budget (`vlmrun.checkpoint_stream.MEMORY_BUDGET_ENV`) every part is checked before any is written."""
-    from vlmrun.errors import UsageError
 
     torch, _ = import_torch()
     ar, ctx, split = form_shape(model, form)
@@ -309,7 +309,6 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
 
 def form_shape(model, form) -> tuple[int, int, list[tuple[int, int]]]:
     """The form's prompt rows ``ar``, context ``ctx`` and part layer ranges (`layer_split`); UsageError if bad."""
-    from vlmrun.errors import UsageError
 
     ar, ctx = int(form.get("ar") or 128), int(form.get("ctx") or 0)
     if ar < 2 or ctx <= 2 * ar:
@@ -325,7 +324,6 @@ def graph_kinds(form, ar: int) -> tuple[tuple[str, int], ...]:
         return (("prompt", ar), ("token", 1))
     if form.get("rows") == "any":
         return (("any", ar),)
-    from vlmrun.errors import UsageError
 
     raise UsageError(f"{form.label()}: rows '{form.get('rows')}' is not one of fixed, any")
 
@@ -375,8 +373,6 @@ def export_part_probe(model, form, out_dir: Path) -> dict:
     (`probe_part_outputs`; only outputs are added, so its inputs, nodes and main outputs are the normal
     graph's). ``parts.json`` says which part is probed (``probe_part``) and the manifest lists
     ``probe_outputs`` and ``probe_nodes`` as every probe form does."""
-    from vlmrun.errors import UsageError
-    from vlmrun.stages import ExportForm
 
     base = ExportForm(form.stage, form.kind, tuple((k, v) for k, v in form.params if k not in ("probe", "part")))
     manifest = export_parts(model, base, out_dir)

@@ -1,13 +1,13 @@
 /* The HTP emulator's hot spot, routed to an exact fast path.
  *
- * onnxruntime-qnn's x86_64 HTP emulator (libQnnHtp.so, libHtpPrepare.so) spends about half of a graph's run in
- * libm's pow(), called tens of millions of times per call and always as pow(2.0, n) with a whole n. ldexp(1.0, n)
- * gives that value bit for bit (a power of two is exact; below the smallest subnormal both give 0, above the largest
- * double both give inf). `route(name)` rewrites the `pow` slots of the loaded library whose path contains `name`
- * (its GOT entries, found through its dynamic section) to `pow_fast`, which takes that path and hands every other
- * call to libm's pow.
+ * onnxruntime-qnn's x86_64 HTP emulator (libQnnHtp.so) spends about half of a graph's run in libm's pow(), called
+ * tens of millions of times per run and always as pow(2.0, n) with a whole n. For a normal result that value is a
+ * double whose exponent field alone is set; outside that range ldexp(1.0, n) rounds as pow does (below the smallest
+ * subnormal both give 0, above the largest double both give inf). `route(name)` rewrites the `pow` slots of the
+ * loaded libraries whose path contains `name` (their GOT entries, found through the dynamic section) to `pow_fast`,
+ * which takes that path and hands every other call to libm's pow.
  *
- * Linux and glibc only (dl_iterate_phdr, the dynamic section's addresses relocated by ld.so).
+ * Linux x86_64 and glibc only (dl_iterate_phdr, R_X86_64 relocations, the dynamic section relocated by ld.so).
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -27,7 +27,11 @@ static double pow_fast(double x, double y)
     if (x == 2.0 && y >= -1100.0 && y <= 1100.0) {
         int n = (int)y;
         if ((double)n == y) {
-            return ldexp(1.0, n);
+            if (n >= -1022 && n <= 1023) {  /* a normal double: 2^n is its exponent field alone */
+                union { uint64_t bits; double value; } u = {(uint64_t)(n + 1023) << 52};
+                return u.value;
+            }
+            return ldexp(1.0, n);  /* subnormal, 0 or inf, rounded as pow rounds them */
         }
     }
     return libm_pow(x, y);
