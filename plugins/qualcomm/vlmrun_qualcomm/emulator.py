@@ -19,6 +19,8 @@ import os
 import platform
 from pathlib import Path
 
+from vlmrun.procs import stdout_to_stderr
+
 ENV = "VLMRUN_EMULATOR_FAST_POW"
 LIBRARY = "libQnnHtp.so"
 
@@ -54,7 +56,8 @@ def route_pow(lib_dir: str | Path) -> str:
     if not path.is_file():
         return f"off (no {LIBRARY} in {lib_dir})"  # not kept: another caller may name the folder that has it
     try:
-        _loaded[LIBRARY] = ctypes.CDLL(str(path))
+        with stdout_to_stderr():  # the library prints a banner on stdout when it loads (--json output, workers)
+            _loaded[LIBRARY] = ctypes.CDLL(str(path))
     except OSError as exc:
         _status = f"off ({path} does not load: {exc})"
         return _status
