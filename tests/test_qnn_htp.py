@@ -339,6 +339,12 @@ def test_the_emulators_pow_fast_path_changes_no_output_byte(htp_pipe, cache_dir)
     assert runs["1"]["status"] == "on (libQnnHtp.so: 1 pow slot routed to ldexp for pow(2, n))"
     assert runs["0"]["status"] == "off (VLMRUN_EMULATOR_FAST_POW=0)"
     assert runs["1"]["digests"] == runs["0"]["digests"] and len(runs["1"]["digests"]) == len(graphs)
+    # Genie's workers (a dialog, a bundle's pipeline) route it before libGenie loads the HTP backend
+    for binding in ("genie_binding import GenieLibrary as Lib", "genie_pipeline import PipelineLibrary as Lib"):
+        code = (f"import os, onnxruntime_qnn\nfrom vlmrun_qualcomm.{binding}\nfrom vlmrun_qualcomm import emulator\n"
+                "Lib(os.path.join(os.path.dirname(onnxruntime_qnn.__file__), 'libGenie.so'))\nprint(emulator.status())")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert res.stdout.strip() == runs["1"]["status"], (binding, res.stdout, res.stderr[-1000:])
 
 
 # -- adb + qnn-net-run (stand-ins) --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import numpy as np
 
 from vlmrun.errors import BackendError
 
+from . import emulator
 from .genie import CONTEXT_LIMIT, NOT_A_REASON, ContextLimitError, last_error_line
 from .genie_binding import capture_fd, status_name
 from .genie_sampler import LogitsRows, LogitsTap
@@ -64,6 +65,7 @@ class PipelineLibrary:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        emulator.route_pow(Path(self.path).parent)  # the HTP backend libGenie loads from its own folder
         try:
             self.lib = lib = ctypes.CDLL(self.path)
         except OSError as exc:
