@@ -10,8 +10,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
+# numpy's OpenBLAS starts a thread per core in every process, and after each call those threads spin waiting for
+# the next: with two workers on two cores and every CLI call, engine worker and compile child a process of its own,
+# the spinning only takes CPU from the other worker (a `vlmrun --layout all-npu` answer: 2.8 CPU-s, 2.4 with one
+# BLAS thread). Set before numpy is imported here; every process the suite starts inherits it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
