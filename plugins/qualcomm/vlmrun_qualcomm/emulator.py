@@ -2,14 +2,15 @@
 
 onnxruntime-qnn's HTP backend on an x86_64 host (``libQnnHtp.so``) emulates the NPU, and about half of its time
 in a graph's run goes to libm's ``pow``: tens of millions of calls per run of the tiny model's prompt graph, every one
-``pow(2.0, n)`` with a whole ``n`` (measured with a counting shim). ``ldexp(1.0, n)`` gives those values bit for bit,
-so `route_pow` rewrites the library's ``pow`` slots (its GOT entries) to a function that takes that path and hands
-any other argument to libm (`_emulator_pow.c`, built with this package when a C compiler is there). The prompt
-graph of the tiny all-npu decoder then runs in 0.8 s instead of 1.8 s, its outputs identical byte for byte.
+``pow(2.0, n)`` with a whole ``n`` (measured with a counting shim). Those values are exact (a normal result is the
+double whose exponent field alone is set; outside that range ``ldexp(1.0, n)`` rounds as ``pow`` does), so
+`route_pow` rewrites the library's ``pow`` slots (its GOT entries) to a function that takes that path and hands any
+other argument to libm (`_emulator_pow.c`, built with this package when a C compiler is there). The prompt graph of
+the tiny all-npu decoder then runs in 0.8 s instead of 1.8 s, its outputs identical byte for byte.
 
-It is applied once per process, before the first HTP session or Genie dialog (`vlmrun_qnn_htp.ep`,
-`genie_binding.GenieLibrary`), on the emulator only; ``VLMRUN_EMULATOR_FAST_POW=0`` turns it off.
-``vlmrun doctor`` says whether it is on.
+It is applied once per process, before the first HTP session, Genie dialog or bundle pipeline (`vlmrun_qnn_htp.ep`,
+`genie_binding.GenieLibrary`, `genie_pipeline.PipelineLibrary`), on the x86_64 Linux emulator only;
+``VLMRUN_EMULATOR_FAST_POW=0`` turns it off. ``vlmrun doctor`` says whether it is on.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _status: str | None = None
 
 def is_emulator() -> bool:
     """True where the local HTP backend is onnxruntime-qnn's x86_64 emulator (not an NPU)."""
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")  # the C part: x86_64 only
 
 
 def route_pow(lib_dir: str | Path) -> str:
