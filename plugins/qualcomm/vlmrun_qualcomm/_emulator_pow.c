@@ -42,6 +42,7 @@ struct search {
     int found;          /* libraries matched */
     int routed;         /* slots rewritten (or already routed) */
     int failed;         /* slots that could not be written */
+    uintptr_t relro_start, relro_end;  /* the library being visited: its RELRO range (read-only once loaded) */
 };
 
 static uintptr_t absolute(uintptr_t value, uintptr_t base)
@@ -50,14 +51,18 @@ static uintptr_t absolute(uintptr_t value, uintptr_t base)
     return value < base ? value + base : value;
 }
 
-static int write_slot(void **slot, void *value)
+static int write_slot(const struct search *s, void **slot, void *value)
 {
     long page = sysconf(_SC_PAGESIZE);
     uintptr_t start = (uintptr_t)slot & ~(uintptr_t)(page - 1);
     if (*slot == value) {
         return 0;
     }
-    /* RELRO: the GOT of a BIND_NOW library is read-only once loaded */
+    if ((uintptr_t)slot < s->relro_start || (uintptr_t)slot >= s->relro_end) {
+        *slot = value;  /* outside RELRO the GOT stays writable (lazy binding writes it) */
+        return 0;
+    }
+    /* RELRO: the GOT of a BIND_NOW library is read-only once loaded; made writable for the write, then restored */
     if (mprotect((void *)start, (size_t)page, PROT_READ | PROT_WRITE) != 0) {
         return -1;
     }
@@ -79,7 +84,7 @@ static void route_table(struct search *s, uintptr_t base, const ElfW(Rela) *rela
         if (strcmp(strtab + sym->st_name, "pow") != 0) {
             continue;
         }
-        if (write_slot((void **)(base + rela[i].r_offset), (void *)pow_fast) == 0) {
+        if (write_slot(s, (void **)(base + rela[i].r_offset), (void *)pow_fast) == 0) {
             s->routed++;
         } else {
             s->failed++;
@@ -95,9 +100,14 @@ static int visit(struct dl_phdr_info *info, size_t size, void *data)
         return 0;
     }
     const ElfW(Dyn) *dyn = NULL;
+    s->relro_start = s->relro_end = 0;
     for (int i = 0; i < info->dlpi_phnum; i++) {
-        if (info->dlpi_phdr[i].p_type == PT_DYNAMIC) {
-            dyn = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type == PT_DYNAMIC) {
+            dyn = (const ElfW(Dyn) *)(info->dlpi_addr + ph->p_vaddr);
+        } else if (ph->p_type == PT_GNU_RELRO) {
+            s->relro_start = info->dlpi_addr + ph->p_vaddr;
+            s->relro_end = s->relro_start + ph->p_memsz;
         }
     }
     if (dyn == NULL) {
@@ -139,7 +149,7 @@ static PyObject *route(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "s", &name)) {
         return NULL;
     }
-    struct search s = {name, 0, 0, 0};
+    struct search s = {name, 0, 0, 0, 0, 0};
     dl_iterate_phdr(visit, &s);
     return Py_BuildValue("(iii)", s.found, s.routed, s.failed);
 }
