@@ -245,20 +245,26 @@ def test_profile_command(hub, store, tiny_model):
 
 # -- #16.1: an unreachable hub fails within a minute ---------------------------------------------------------------
 def test_closed_port_fails_within_a_minute(hub, tiny_model, store, registry, use_ini, capfd):
+    """A closed port is retried with backoff until ``network_timeout`` has passed without an answer, then one line.
+    Run with a 4 s budget (the default, 30 s, gives the same schedule longer: 1, 2, 4, 8, 8, 7 s)."""
+    from vlmrun_qaihub import hub as hubmod
+
+    assert hubmod.Hub().network_timeout == hubmod.DEFAULT_NETWORK_TIMEOUT_S == 30  # a user's closed port: 30 s < 60
     url = closed_port_url()
     use_ini(url)
     t0 = time.monotonic()
-    with pytest.raises(BackendError) as err:  # default network_timeout
-        build(tiny_model, store, registry, "projector", "qnn_htp", on_hub("closed-port"))
+    with pytest.raises(BackendError) as err:
+        build(tiny_model, store, registry, "projector", "qnn_htp", on_hub("closed-port", network_timeout=4))
     took = time.monotonic() - t0
     msg, err_text = str(err.value), capfd.readouterr().err
     with capfd.disabled():
         print(f"\n[qaihub] closed port: failed after {took:.1f} s: {msg}")
-    assert took < 60
+    assert took >= 4
     assert "did not answer" in msg and "connection refused" in msg and url.split("//")[1] in msg and "\n" not in msg
-    # the retry messages give the real delays, and they add up to the time spent
+    assert "gave up after 4 s (network_timeout 4 s)" in msg
+    # the retry messages give the real delays (1, 2, then what is left of the budget), adding up to the budget
     delays = [float(d) for d in re.findall(r"retry \d+ in ([\d.]+) s", err_text)]
-    assert delays and abs(sum(delays) - took) < 5, err_text
+    assert delays[:2] == [1.0, 2.0] and abs(sum(delays) - 4) < 0.5, err_text
 
 
 def test_unresolvable_host_fails_fast(hub, tiny_model, store, registry, use_ini):
