@@ -30,6 +30,10 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 # PYTHONDONTWRITEBYTECODE set (some sandboxes set it) every one of those processes compiled them again (`vlmrun
 # --help`: 0.50-0.68 CPU-s instead of 0.35-0.42); their bytecode is written once, into __pycache__ folders git ignores.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# Two workers share two cores: onnxruntime's CPU sessions (a thread per core, spinning between ops) took 7-8% of the
+# suite's CPU spinning against the other worker (perf of a whole run). One thread per session (vlmrun.cpu; the same
+# outputs: onnxruntime splits no sum across threads).
+os.environ.setdefault("VLMRUN_CPU_THREADS", "1")
 
 IMAGE_SIZE = 256
 VLMRUN = [sys.executable, "-m", "vlmrun.cli"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import cosine
+from conftest import cosine, run_cli
 from vlmrun import GenerationSettings
 
 N_TOKENS = 20
@@ -139,3 +139,25 @@ def test_embedding_luts(ref_pipe, tiny_model, store):
     assert np.isclose(scale, np.abs(table).max() / 127)
     assert np.abs(q.astype(np.float32) * scale - table).max() <= scale / 2 + 1e-7
     assert np.count_nonzero(q) > 0.9 * np.count_nonzero(table)  # not rounded to zero (the seed notes' bug)
+
+
+def test_cpu_threads_reach_the_sessions_and_a_bad_value_is_one_line(ref_pipe, image_path, cache_dir, monkeypatch):
+    """``VLMRUN_CPU_THREADS`` sets the intra-op threads of the CPU sessions (unset: onnxruntime's own default); the
+    answer is the same at 1 and 2 threads; a value that is not a number of threads is a usage error, exit 2."""
+    from vlmrun_ort_reference.engine import cpu_session_options
+    from vlmrun_qnn_htp.calibration import cpu_session_options as calibration_options
+
+    monkeypatch.delenv("VLMRUN_CPU_THREADS", raising=False)
+    assert cpu_session_options().intra_op_num_threads == 0 == calibration_options().intra_op_num_threads
+    answers = {}
+    for n in ("1", "2"):
+        monkeypatch.setenv("VLMRUN_CPU_THREADS", n)
+        assert cpu_session_options().intra_op_num_threads == int(n) == calibration_options().intra_op_num_threads
+        res = run_cli(["--image", str(image_path), "--prompt", "Describe the image."], cache_dir,
+                      {"VLMRUN_CPU_THREADS": n})
+        assert res.returncode == 0, res.stderr[-2000:]
+        answers[n] = res.stdout
+    assert answers["1"] == answers["2"] and answers["1"].strip()
+    res = run_cli(["--image", str(image_path), "--prompt", "Hi."], cache_dir, {"VLMRUN_CPU_THREADS": "two"})
+    assert res.returncode == 2 and res.stderr.strip() == ("vlmrun: error: VLMRUN_CPU_THREADS='two' is not a number of"
+                                                          " threads (1, 2, ...); unset it for the runtime's default")

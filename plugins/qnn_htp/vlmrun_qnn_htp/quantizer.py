@@ -325,7 +325,8 @@ def softmax_ranges(model_in: Path, proto, feeds: list[dict], work: Path, big: bo
     carried back through Casts (``scores.float()``) to the Add of the mask.
     """
     import onnx
-    import onnxruntime as ort
+
+    from .calibration import cpu_session
 
     names = [n.input[0] for n in proto.graph.node if n.op_type == "Softmax"]
     if not names:
@@ -342,9 +343,7 @@ def softmax_ranges(model_in: Path, proto, feeds: list[dict], work: Path, big: bo
     else:
         onnx.save(aug, str(path))
     del aug
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    sess = cpu_session(path)
     hi = dict.fromkeys(names, -np.inf)
     for f in feeds:
         for n, v in zip(names, sess.run(names, f)):

@@ -1,0 +1,28 @@
+"""How many threads a backend's CPU inference may use.
+
+``VLMRUN_CPU_THREADS`` (`ENV_CPU_THREADS`): the threads of each CPU inference session a plugin opens (the reference
+stages, calibration runs). Unset, the runtime decides: onnxruntime takes one thread per physical core and keeps
+them spinning between ops, the fastest for one process alone on a machine (FastVLM-0.5B's reference decodes 10%
+faster than with spinning off). Several vlmrun processes sharing the cores (eval or tune workers, a test suite
+on two workers) lose that time to each other's spinning threads: there ``VLMRUN_CPU_THREADS=1`` runs each session
+on its caller's thread alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import UsageError
+
+ENV_CPU_THREADS = "VLMRUN_CPU_THREADS"
+
+
+def cpu_threads() -> int | None:
+    """`ENV_CPU_THREADS` as a number of threads; ``None`` when unset (the runtime's default)."""
+    value = os.environ.get(ENV_CPU_THREADS, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"{ENV_CPU_THREADS}={value!r} is not a number of threads (1, 2, ...); unset it for the"
+                         " runtime's default")
+    return int(value)
