@@ -141,18 +141,32 @@ def test_embedding_luts(ref_pipe, tiny_model, store):
     assert np.count_nonzero(q) > 0.9 * np.count_nonzero(table)  # not rounded to zero (the seed notes' bug)
 
 
-def test_cpu_threads_reach_the_sessions_and_a_bad_value_is_one_line(ref_pipe, image_path, cache_dir, monkeypatch):
-    """``VLMRUN_CPU_THREADS`` sets the intra-op threads of the CPU sessions (unset: onnxruntime's own default); the
-    answer is the same at 1 and 2 threads; a value that is not a number of threads is a usage error, exit 2."""
-    from vlmrun_ort_reference.engine import cpu_session_options
-    from vlmrun_qnn_htp.calibration import cpu_session_options as calibration_options
+def test_cpu_threads_reach_the_sessions_and_a_bad_value_is_one_line(ref_pipe, image_path, cache_dir, tmp_path,
+                                                                    monkeypatch):
+    """``VLMRUN_CPU_THREADS`` sets the intra-op threads of the CPU sessions both plugins open (unset: onnxruntime's
+    own default, 0); the answer is the same at 1 and 2 threads; a value that is not a number of threads is a usage
+    error, exit 2."""
+    import onnx
+    from onnx import TensorProto, helper
+    from vlmrun_ort_reference.engine import Session
+    from vlmrun_qnn_htp.calibration import cpu_session
+
+    graph = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]), opset_imports=[helper.make_opsetid("", 17)]),
+        str(graph))
+
+    def threads() -> tuple[int, int]:  # what the reference's session and the calibration's session were given
+        return (Session(graph).sess.get_session_options().intra_op_num_threads,
+                cpu_session(graph).get_session_options().intra_op_num_threads)
 
     monkeypatch.delenv("VLMRUN_CPU_THREADS", raising=False)
-    assert cpu_session_options().intra_op_num_threads == 0 == calibration_options().intra_op_num_threads
+    assert threads() == (0, 0)
     answers = {}
     for n in ("1", "2"):
         monkeypatch.setenv("VLMRUN_CPU_THREADS", n)
-        assert cpu_session_options().intra_op_num_threads == int(n) == calibration_options().intra_op_num_threads
+        assert threads() == (int(n), int(n))
         res = run_cli(["--image", str(image_path), "--prompt", "Describe the image."], cache_dir,
                       {"VLMRUN_CPU_THREADS": n})
         assert res.returncode == 0, res.stderr[-2000:]

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .cpu import ENV_CPU_THREADS
+from .cpu import one_thread_per_worker
 from .errors import BackendError, UsageError, VlmrunError
 
 RAY_EXTRA = "pip install 'vlmrun[tune]'"
@@ -119,9 +119,7 @@ class RayExecutor:
 
 
 def _run_job(fn, job):
-    # a task declares one CPU: one thread per CPU session (OpenMP's and onnxruntime's, which does not read OMP_*)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault(ENV_CPU_THREADS, "1")
+    one_thread_per_worker()  # a task declares one CPU
     return fn(job)
 
 

@@ -6,6 +6,11 @@ them spinning between ops, the fastest for one process alone on a machine (FastV
 12.9-13.5 tokens/s, 12.1 with spinning off). Several vlmrun processes sharing the cores (eval or tune workers, a
 test suite on two workers) lose that time to each other's spinning threads: there ``VLMRUN_CPU_THREADS=1`` runs
 each session on its caller's thread alone.
+
+`onnxruntime_options` is the one place the plugins that open onnxruntime CPU sessions (the reference stages, a
+backend's calibration runs) get their session options; onnxruntime is theirs to install, imported only when called.
+`one_thread_per_worker` is what a worker process that is one of several per machine (eval's workers, a Ray task
+declaring one CPU) sets before it builds anything.
 """
 
 from __future__ import annotations
@@ -26,3 +31,23 @@ def cpu_threads() -> int | None:
         raise UsageError(f"{ENV_CPU_THREADS}={value!r} is not a number of threads (1, 2, ...); unset it for the"
                          " runtime's default")
     return int(value)
+
+
+def onnxruntime_options():
+    """onnxruntime ``SessionOptions`` for a CPU session: quiet (errors only), `cpu_threads` intra-op threads when
+    ``VLMRUN_CPU_THREADS`` is set, else onnxruntime's default."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    threads = cpu_threads()
+    if threads:
+        so.intra_op_num_threads = threads
+    return so
+
+
+def one_thread_per_worker() -> None:
+    """In a worker that is one of several sharing a machine's cores: one thread per CPU session, OpenMP's
+    (``OMP_NUM_THREADS``) and onnxruntime's (`ENV_CPU_THREADS`: onnxruntime does not read OMP_*), unless set."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault(ENV_CPU_THREADS, "1")

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from ..cpu import ENV_CPU_THREADS
+from ..cpu import one_thread_per_worker
 from ..errors import InputError, UsageError, VlmrunError
 from ..stages import CONTRACTS, STAGES, check_tensor
 from .. import layouts
@@ -410,9 +410,7 @@ def _build_sides(config: WorkerConfig, registry=None) -> list[Side]:
 
 
 def _worker_init(config: WorkerConfig) -> None:
-    # one worker per core: one thread per CPU session (OpenMP's and onnxruntime's, which does not read OMP_*)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault(ENV_CPU_THREADS, "1")
+    one_thread_per_worker()  # one worker per core
     _WORKER["config"] = config
     _WORKER["sides"] = _build_sides(config)
     _WORKER["cache"] = ResultCache(Path(config.cache_root))

@@ -5,21 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmrun.cpu import cpu_threads
+from vlmrun.cpu import onnxruntime_options
 from vlmrun.handles import DecoderState
-
-
-def cpu_session_options():
-    """onnxruntime session options for a CPU session: quiet, with `vlmrun.cpu.cpu_threads` intra-op threads when
-    ``VLMRUN_CPU_THREADS`` is set."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    threads = cpu_threads()
-    if threads:
-        so.intra_op_num_threads = threads
-    return so
 
 
 class Session:
@@ -28,7 +15,7 @@ class Session:
     def __init__(self, path):
         import onnxruntime as ort
 
-        self.sess = ort.InferenceSession(str(path), cpu_session_options(), providers=["CPUExecutionProvider"])
+        self.sess = ort.InferenceSession(str(path), onnxruntime_options(), providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.sess.get_inputs()]
         self.outputs = [o.name for o in self.sess.get_outputs()]
 

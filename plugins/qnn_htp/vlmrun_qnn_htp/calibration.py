@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun.atomic import check_free_space
-from vlmrun.cpu import cpu_threads
+from vlmrun.cpu import onnxruntime_options
 from vlmrun.errors import UsageError
 
 from .calibration_sequence import load, record_in_sequence
@@ -114,23 +114,10 @@ def require_context(context):
     return context
 
 
-def cpu_session_options():
-    """onnxruntime session options for a CPU session: quiet, with `vlmrun.cpu.cpu_threads` intra-op threads when
-    ``VLMRUN_CPU_THREADS`` is set."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    threads = cpu_threads()
-    if threads:
-        so.intra_op_num_threads = threads
-    return so
-
-
 def cpu_session(path):
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), cpu_session_options(), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), onnxruntime_options(), providers=["CPUExecutionProvider"])
 
 
 def _embed_table(path) -> np.ndarray:

@@ -22,6 +22,8 @@ import math
 import shutil
 from pathlib import Path
 
+from vlmrun.cpu import onnxruntime_options
+
 from .memory import release_memory
 
 BATCH_BYTES = 1 << 30  # activations of the tensors one augmented graph calibrates at once
@@ -92,7 +94,7 @@ def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, w
     from onnxruntime.quantization.calibrate import (CalibrationMethod, MinMaxCalibrater, TensorsData,
                                                      save_tensors_data)
 
-    from .calibration import Reader, cpu_session_options
+    from .calibration import Reader
 
     limit = BATCH_BYTES if limit is None else limit
     bound = activation_bound(proto)
@@ -128,7 +130,7 @@ def calibrate_in_batches(model_in: Path, feeds: list[dict], config, big: bool, w
                     return (found if chosen is None else found & chosen), infos
 
                 def create_inference_session(self):  # onnxruntime's, without a pre-packed copy of the weights
-                    so = cpu_session_options()
+                    so = onnxruntime_options()
                     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
                     so.add_session_config_entry("session.disable_prepacking", "1")
                     self.infer_session = ort.InferenceSession(self.augmented_model_path, sess_options=so,
