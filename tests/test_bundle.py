@@ -350,6 +350,35 @@ def phone_bundle(tiny_model, store, tmp_path_factory) -> Path:
     return out
 
 
+def test_a_big_models_vision_side_is_made_in_a_child_with_the_same_bytes(phone_bundle, tiny_model, store, tmp_path,
+                                                                        monkeypatch):
+    """A checkpoint from `CHILD_FROM_BYTES` on makes the image encoder and the embeddings' range in a child process
+    (its memory gone before the decoder's export); the bundle is the one made in this process, file for file."""
+    from vlmrun import layouts
+    from vlmrun.cli_bundle import write
+    from vlmrun_qnn_htp import bundle_vision
+
+    children = []
+
+    def counted(fn, *args, what):
+        children.append(what)
+        return real(fn, *args, what=what)
+
+    real = bundle_vision.in_child
+    monkeypatch.setattr(bundle_vision, "in_child", counted)
+    monkeypatch.setattr(bundle_vision, "CHILD_FROM_BYTES", bundle_vision.checkpoint_bytes(tiny_model))
+    lay = layouts.resolve("all-npu", options={"decoder": {"weight_sharing": "on"}})
+    m = write(lay, tmp_path / "child", model=tiny_model, store=store, target="android")
+    assert children == ["the bundle's image encoder"]
+    here = json.loads((phone_bundle / "vlmrun-bundle.json").read_text())
+    assert m["files"] == here["files"] and m["embeds_input"] == here["embeds_input"]
+    assert len(m["files"]) > 10 and {"vision_encoder.bin", "embedding_weights.raw"} <= set(m["files"])
+
+    monkeypatch.setattr(bundle_vision, "CHILD_FROM_BYTES", bundle_vision.checkpoint_bytes(tiny_model) + 1)
+    write(lay, tmp_path / "here", model=tiny_model, store=store, target="android")
+    assert children == ["the bundle's image encoder"]  # below the threshold: made in this process
+
+
 def test_a_bundle_runs_on_the_phone_through_genie_app(phone, phone_bundle, tiny_model, store, image_path):
     from vlmrun import layouts
     from vlmrun_qnn_htp.bundle import app_script

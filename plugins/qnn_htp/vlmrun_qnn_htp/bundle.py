@@ -28,13 +28,17 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+
 import numpy as np
 
+from vlmrun.demo_image import demo_image
 from vlmrun.errors import BackendError, InputError, UsageError
 from vlmrun.layouts import BUNDLE_MANIFEST, bundle_manifest
+from vlmrun.preprocess import preprocess_image
 
 from . import ep, image_encoder
-from .options import NAME, compiled_artifact
+from .bundle_vision import vision_side
+from .options import NAME
 from .parts_compile import parts_artifact
 from .plan import StagePlan
 
@@ -91,47 +95,6 @@ def lut_block(enc: dict | None) -> dict:
     if enc is None:
         return {"datatype": "float32"}
     return {"datatype": "ufixed16", "quant-param": {"scale": enc["scale"], "offset": -int(enc["zero_point"])}}
-
-
-#: the pictures the decoder input's range is calibrated on when the layout names none: the demo picture and this many
-#: generated scenes (vlmrun.shapes, a seed of their own), and how far past their range the encoding reaches
-CALIBRATION_SCENES, CALIBRATION_SEED, RANGE_MARGIN = 16, 2, 2.0
-
-
-def embeds_encoding(model, request, lut) -> dict:
-    """The uint16 encoding of the decoder's ``inputs_embeds`` in a bundle: the range of the token table and of the
-    image encoder's outputs on the calibration pictures (the vision stage's ``calibration_images``, else the demo
-    picture and generated scenes), widened to twice that range. Genie quantizes the image's embeddings into it
-    WITHOUT clamping: a value outside the range wraps around (measured: a held-out picture whose embeddings reached
-    -13.2 against a range from -11.2, calibrated then on the demo picture alone with a quarter's margin, made Genie
-    depart from the engine, which saturates, at 22.8 dB); the table is stored in it."""
-    import random
-
-    from vlmrun import shapes
-    from vlmrun.demo_image import demo_image
-    from vlmrun.pipeline import Pipeline
-
-    ref = Pipeline.build(model, "reference", store=request.context("vision").store, stages=("vision", "projector"))
-    images = [demo_image()]
-    folder = request.layout.stages["vision"].options.get("calibration_images")
-    if folder:
-        from vlmrun.preprocess import load_image
-
-        from .calibration import calibration_files
-
-        images += [load_image(f) for f in calibration_files(folder)[:16]]
-    else:
-        rng = random.Random(CALIBRATION_SEED)
-        images += [shapes.render(shapes.random_scene(rng)) for _ in range(CALIBRATION_SCENES)]
-    lo = hi = 0.0
-    for img in images:
-        p = ref.prepare(img, "x")
-        e = ref.run_stage("projector", ref.run_stage("vision", {"pixel_values": p.pixel_values}))["image_embeds"]
-        lo, hi = min(lo, float(e.min())), max(hi, float(e.max()))
-    image_range = [lo, hi]
-    lo, hi = min(lo, float(np.min(lut))), max(hi, float(np.max(lut)))
-    lo, hi = float(f"{lo * RANGE_MARGIN:.3g}"), float(f"{hi * RANGE_MARGIN:.3g}")
-    return {**image_encoder.range_encoding(lo, hi), "option": f"uint16:{lo:g}:{hi:g}", "image_range": image_range}
 
 
 def text_generator_config(model, ctx: int, ctx_bins: list[str], target: str, max_new_tokens: int = 512,
@@ -193,19 +156,11 @@ def app_script(prefix_file: str, pixels_file: str, suffix_file: str) -> str:
 def write_bundle(request) -> dict:
     """Compile (through the store) and write the bundle of ``request`` (a `vlmrun.stages.BundleRequest`)
     into ``request.out_dir``; return the manifest."""
-    from vlmrun.demo_image import demo_image
-    from vlmrun.preprocess import preprocess_image
-    from vlmrun.stages import ExportForm
-
-
     model, out, target = request.model, Path(request.out_dir), request.target
-    vis_ctx = request.context("vision")
-    vis = StagePlan.of("vision", vis_ctx.options)
-    soc = vis.soc
-    enc_art = compiled_artifact(vis_ctx, "vision", vis.opts, ExportForm.of("vision", image_encoder.FORM))
-    lut_art = vis_ctx.exported(ExportForm.of("embed", "embed/lut"))
-    lut = np.load(lut_art.file("embed_lut_f32.npy"), mmap_mode="r")
-    embeds = embeds_encoding(model, request, lut)
+    soc = StagePlan.of("vision", request.context("vision").options).soc
+    side = vision_side(request)  # the image encoder, the LUT, the decoder input's range (a child for a big model)
+    enc_art, embeds = side.image_encoder, side.embeds
+    lut = np.load(side.lut.file("embed_lut_f32.npy"), mmap_mode="r")
     dec_options = {**decoder_options(dict(request.layout.stages["decoder"].options), target),
                    "embeds_input": embeds["option"]}
     dec_ctx = request.context("decoder", dec_options)
