@@ -164,21 +164,6 @@ def test_exception_in_build_leaves_no_temp_dir(tmp_path):
     assert list((tmp_path / "artifacts").iterdir()) == []
 
 
-def test_a_fresh_build_returns_the_manifest_a_later_hit_reads(tmp_path):
-    """Key order and JSON types as stored: a bundle written right after a build lists a part's graphs in the order
-    of one written from the store (its metadata.json had differed in that order alone)."""
-    def build(d):
-        (d / "a.bin").write_bytes(b"x")
-        return {"graphs": {"prompt": {"rows": (128,)}, "token": {"rows": (1,)}, "followup": {"rows": (32,)}},
-                "path": tmp_path}
-
-    key = {"stage": "decoder", "kind": "parts"}
-    fresh = ArtifactStore(tmp_path).get_or_build(key, build).manifest
-    hit = ArtifactStore(tmp_path).get_or_build(key, build).manifest
-    assert fresh == hit and list(fresh["graphs"]) == list(hit["graphs"]) == ["followup", "prompt", "token"]
-    assert fresh["graphs"]["prompt"]["rows"] == [128] and fresh["path"] == str(tmp_path)
-
-
 # -- entries / verify / prune (API) -------------------------------------------------------------------------------
 def _fill(root):
     store = ArtifactStore(root)

@@ -203,13 +203,10 @@ class ArtifactStore:
                 for f in sorted(tmp.rglob("*"))
                 if f.is_file()
             }
-            text = json.dumps(manifest, indent=2, sort_keys=True, default=str)
-            (tmp / MANIFEST).write_text(text)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
         self.builds.append(path.name)
         self._verified.add(path)
-        # the manifest as a later hit reads it (keys sorted, JSON's types): what a caller writes from an artifact
-        # (a bundle's metadata.json lists a part's graphs in its manifest's order) is the same either way
-        return Artifact(path, json.loads(text))
+        return Artifact(path, manifest)
 
     # -- hygiene --------------------------------------------------------------------------------------------
     @property
