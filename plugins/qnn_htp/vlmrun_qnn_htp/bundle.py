@@ -242,7 +242,9 @@ def write_bundle(request) -> dict:
                                    "file": "sample_inputs/prompt_suffix.txt"}],
             },
         }
-        (out / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+        # keys sorted: its dicts come from artifact manifests, whose key order differs between one just built (the
+        # order things were made in) and one read from the store (sorted); the same bundle is the same bytes
+        (out / "metadata.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file())
     versions = {"qnn": ep.qnn_version(), "onnxruntime-qnn": _version("onnxruntime-qnn"),
                 "vlmrun-qnn-htp": _version("vlmrun-qnn-htp"), "vlmrun": _version("vlmrun")}
