@@ -15,7 +15,10 @@ A page's fenced blocks, in order:
   without a title, only parsed.
 * ```` ```text ```` and untagged blocks: not examples (directory trees, sample reports).
 
-A block right after ``<!-- needs: WHY -->`` needs what this machine does not have (a phone over adb, the QAIRT
+A block after ``<!-- numbers within N% -->`` (the comment lines right above a block may stack) lets each decimal
+number its commands print differ from the page's by up to N% of it (figures of quantized graphs, which depend on
+the CPU's floating-point kernels: AVX2 and AVX-512 machines print a few percent apart); the words, integers and
+statuses around them stay exact. A block right after ``<!-- needs: WHY -->`` needs what this machine does not have (a phone over adb, the QAIRT
 SDK, an AI Hub token, or a full-size build that takes a quarter of an hour): its commands are only parsed, with
 vlmrun's own click parser (an unknown flag or a bad value fails) and the benchmarks' own argparse parsers. A
 block after ``<!-- serve: ARGS -->`` runs with ``vlmrun serve ARGS`` listening on loopback beside it.
@@ -45,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\s*(.*)$")
 NEEDS = re.compile(r"^<!--\s*needs:\s*(.+?)\s*-->$")
 SERVE = re.compile(r"^<!--\s*serve:\s*(.*?)\s*-->$")
+TOLERANCE = re.compile(r"^<!--\s*numbers within\s+(\d+(?:\.\d+)?)%\s*-->$")
 EXIT = re.compile(r"^#\s*exit\s+(\d+)\s*$")
 PRINTS = re.compile(r"#\s*prints:\s*(.+)$")
 #: programs a needs-block may name besides vlmrun and the benchmarks (only their presence is checked)
@@ -60,6 +64,7 @@ class Block:
     text: str
     needs: str | None = None
     serve: str | None = None
+    tolerance: float = 0.0  # a decimal's relative tolerance (``<!-- numbers within N% -->``)
 
 
 @dataclass
@@ -80,13 +85,20 @@ def blocks(page: Path) -> list[Block]:
             continue
         lang, info = m.group(1), m.group(2)
         title = re.search(r'title="([^"]+)"', info)
-        prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        marks = []  # the comment lines right above the block
+        for k in range(i - 1, -1, -1):
+            if lines[k].strip().startswith("<!--"):
+                marks.append(lines[k].strip())
+            elif lines[k].strip():
+                break
         j = i + 1
         while j < len(lines) and not lines[j].startswith("```"):
             j += 1
-        needs, serve = NEEDS.match(prev), SERVE.match(prev)
+        needs = next((m.group(1) for m in map(NEEDS.match, marks) if m), None)
+        serve = next((m.group(1) for m in map(SERVE.match, marks) if m), None)
+        tolerance = next((float(m.group(1)) / 100 for m in map(TOLERANCE.match, marks) if m), 0.0)
         out.append(Block(page, i + 1, lang, title.group(1) if title else None, "\n".join(lines[i + 1:j]),
-                         needs.group(1) if needs else None, serve.group(1) if serve else None))
+                         needs, serve, tolerance))
         i = j + 1
     return out
 
@@ -197,27 +209,29 @@ def _last_digit(token: str) -> float:
     return 10.0 ** (int(exp or 0) - decimals)
 
 
-def same_line(want: str, got: str) -> bool:
+def same_line(want: str, got: str, tolerance: float = 0.0) -> bool:
     """``got`` prints ``want``: the same text, each decimal number within one unit of its last printed digit (a
-    value on a rounding boundary, 2.985e-06, prints 2.98e-06 or 2.99e-06 from one run to the next)."""
+    value on a rounding boundary, 2.985e-06, prints 2.98e-06 or 2.99e-06 from one run to the next), or within
+    ``tolerance`` of it (relative; a block's ``<!-- numbers within N% -->``)."""
     if want == got:
         return True
     w_nums, g_nums = _DECIMAL.findall(want), _DECIMAL.findall(got)
     if not w_nums or len(w_nums) != len(g_nums) or _DECIMAL.split(want) != _DECIMAL.split(got):
         return False
-    return all(abs(float(a) - float(b)) <= _last_digit(a) * (1 + 1e-6) for a, b in zip(w_nums, g_nums))
+    return all(abs(float(a) - float(b)) <= max(_last_digit(a) * (1 + 1e-6), tolerance * abs(float(a)))
+               for a, b in zip(w_nums, g_nums))
 
 
-def check_output(expected: list[str], printed: str) -> str | None:
+def check_output(expected: list[str], printed: str, tolerance: float = 0.0) -> str | None:
     """None when every expected line appears, in order, among the printed lines (``...`` = any lines; `same_line`
-    lets a decimal number's last printed digit differ by one)."""
+    lets a decimal number's last printed digit differ by one, or by ``tolerance`` of it)."""
     got = [_norm(x) for x in printed.splitlines()]
     pos = 0
     for want in expected:
         w = _norm(want)
         if w == "...":
             continue
-        while pos < len(got) and not same_line(w, got[pos]):
+        while pos < len(got) and not same_line(w, got[pos], tolerance):
             pos += 1
         if pos == len(got):
             return f"expected output line not printed (in this order): {want.strip()!r}"
@@ -233,7 +247,7 @@ def environment(cache_dir: Path | None) -> dict:
     return env
 
 
-def run_command(cmd: Command, cwd: Path, env: dict, timeout: float) -> str | None:
+def run_command(cmd: Command, cwd: Path, env: dict, timeout: float, tolerance: float = 0.0) -> str | None:
     argv = list(cmd.argv)
     if argv[:2] == ["pip", "install"] and len(argv) == 3 and argv[2].startswith("./examples/"):
         return install_example(argv[2], cwd, env)
@@ -257,7 +271,7 @@ def run_command(cmd: Command, cwd: Path, env: dict, timeout: float) -> str | Non
     if res.returncode != cmd.exit_code:
         tail = " | ".join((res.stderr.strip() or res.stdout.strip()).splitlines()[-3:])
         return f"exit {res.returncode} (expected {cmd.exit_code}): {tail}"
-    return check_output(cmd.expected, printed)
+    return check_output(cmd.expected, printed, tolerance)
 
 
 def install_example(path: str, cwd: Path, env: dict) -> str | None:
@@ -317,7 +331,7 @@ def check_block(block: Block, workdir: Path, env: dict, parse_only: bool, timeou
                 err = parse_command(cmd.argv, workdir)
             else:
                 with serving(block.serve, workdir, env) if block.serve else contextlib.nullcontext():
-                    err = run_command(cmd, workdir, env, timeout)
+                    err = run_command(cmd, workdir, env, timeout, block.tolerance)
             if err:
                 errors.append(f"{block.page.name}:{cmd.line}: {shlex.join(cmd.argv)}: {err}")
     elif block.lang == "python":
@@ -338,7 +352,7 @@ def check_block(block: Block, workdir: Path, env: dict, parse_only: bool, timeou
         if res.returncode != 0:
             return [f"{where}: python block failed: {' | '.join(res.stderr.strip().splitlines()[-2:])}"]
         wants = [m.group(1) for m in map(PRINTS.search, block.text.splitlines()) if m]
-        err = check_output(wants, res.stdout)
+        err = check_output(wants, res.stdout, block.tolerance)
         if err:
             errors.append(f"{where}: {err}")
     elif block.lang in ("toml", "json"):

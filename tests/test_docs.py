@@ -240,3 +240,18 @@ def test_a_printed_number_may_differ_in_its_last_digit_only():
     for wrong in (("2.99e-06", "2.97e-06"), ("2.99e-06", "2.99e-05"), ("8/8", "7/8"), ("1.000", "0.998"),
                   ("25.7", "25.5"), ("100.0%", "99.0%"), ("SQNR", "sqnr"), (", 100.0%", "")):
         assert not same(line, line.replace(*wrong)), wrong
+
+
+def test_a_block_marked_numbers_within_lets_its_decimals_differ_by_that_much_and_no_more(tmp_path):
+    """``<!-- numbers within 10% -->`` (stacked with other marks): a quantized graph's figures printed on another CPU
+    pass; a figure 11% off, an integer off by one or a changed status word does not."""
+    line = "decoder logits 1x8x448 1.907 0.224 0.05196 0.99866381 25.7 FAIL sqnr_db 25.69 < 30, 8/8"
+    same = docs_examples.same_line
+    got = "decoder logits 1x8x448 1.907 0.2147 0.04951 0.99878477 26.1 FAIL sqnr_db 26.11 < 30, 8/8"
+    assert same(line, got, 0.10) and not same(line, got)
+    for wrong in (("0.224", "0.198"), ("8/8", "7/8"), ("FAIL", "pass"), ("< 30", "< 31"), ("1x8x448", "1x9x448")):
+        assert not same(line, line.replace(*wrong), 0.10), wrong
+    page = _page(tmp_path, "# p\n\n<!-- numbers within 10% -->\n<!-- needs: a phone -->\n```console\n"
+                           "$ vlmrun --version\n```\n\n```console\n$ vlmrun --version\n```\n")
+    marked, plain = docs_examples.blocks(page)
+    assert (marked.tolerance, marked.needs, plain.tolerance, plain.needs) == (0.10, "a phone", 0.0, None)
