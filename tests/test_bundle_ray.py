@@ -118,6 +118,59 @@ def test_the_parts_are_ray_tasks_and_the_bundle_is_the_one_node_bundle(one_node,
     assert not state.exists() or not any(state.iterdir())
 
 
+def test_a_bundle_killed_after_its_first_part_resumes_from_it_with_the_same_bytes(one_node, cache_dir,
+                                                                                  tmp_path_factory):
+    """A long decoder compile killed part-way (SIGKILL to its process group once part 1 is kept in the store's
+    state folder) starts again from the feeds and the part it made: part 1 is taken, not made again, and the
+    decoder's binaries, graphs and quantization facts are the one-node bundle's; the kept folder is gone after."""
+    from vlmrun.procs import kill_group
+
+    _, manifest, one_dec = one_node
+    name = manifest["decoder"]["source"]
+    copy = store_copy(cache_dir, tmp_path_factory.mktemp("bundle-resume") / "cache", name)
+    kept = copy / "state" / name / "made-parts"
+    env = dict(os.environ, VLMRUN_CACHE_DIR=str(copy), HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "vlmrun.cli", "bundle", str(copy.parent / "killed"), *OPTS],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (kept / "part1" / "made.json").is_file():
+            assert proc.poll() is None, f"the bundle ended (exit {proc.returncode}) before part 1 was kept"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        kill_group(proc)
+    assert not (kept / "part2" / "made.json").exists() and (kept / "feeds.json").is_file()
+    assert not (copy / "artifacts" / name).exists()
+    made_before = {f.name: f.read_bytes() for f in (kept / "part1").iterdir() if f.suffix == ".bin"}
+
+    out = copy.parent / "b"
+    res = run_cli(["bundle", str(out), *OPTS], copy, timeout=1200)
+    assert res.returncode == 0, res.stderr
+    assert "decoder part 1/2: made by an earlier compile, taken" in res.stderr, res.stderr
+    assert "decoder part 2/2: made by an earlier compile" not in res.stderr
+    assert "recorded by an earlier compile, taken" in res.stderr
+    again = json.loads(res.stdout)
+    assert again["decoder"] == manifest["decoder"]
+    dec = decoder_manifest(copy, again)
+    assert dec["resumed_parts"] == [1] and set(dec) - {"resumed_parts"} == set(one_dec)
+    assert made_before and all((copy / "artifacts" / name / b).read_bytes() == data  # taken, not made again
+                               for b, data in made_before.items())
+    a, b = one_dec["decoder_parts"], dec["decoder_parts"]
+    assert b["binaries_in_order"] == a["binaries_in_order"]
+    for pa, pb in zip(a["parts"], b["parts"], strict=True):
+        assert (pb["index"], pb["layers"], pb["binaries"]) == (pa["index"], pa["layers"], pa["binaries"])
+        assert pb["source_sha256"] == pa["source_sha256"]  # the QDQ graphs (their encodings) byte for byte
+        assert {k: (g["ar"], g["inputs"], g["outputs"]) for k, g in pb["graphs"].items()} == {
+            k: (g["ar"], g["inputs"], g["outputs"]) for k, g in pa["graphs"].items()}
+    assert [unpadded(g) for g in dec["graphs"]] == [unpadded(g) for g in one_dec["graphs"]]
+    assert dec["files"] == one_dec["files"]
+    timeless = ("quantize_s", "times")
+    assert ({k: v for k, v in dec["quantization"].items() if k not in timeless}
+            == {k: v for k, v in one_dec["quantization"].items() if k not in timeless})
+    assert not kept.exists()
+
+
 CAPTURE = """
 import sys
 import numpy as np
@@ -203,3 +256,30 @@ def test_an_unreachable_cluster_is_one_line_and_writes_nothing(cache_dir, tiny_m
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "cannot join the Ray cluster at 127.0.0.1:" in lines[0], res.stderr
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_a_kept_part_with_a_short_file_is_made_again_and_rebuild_starts_from_nothing(tmp_path):
+    from vlmrun_qnn_htp.parts_resume import MadeParts, keep
+
+    class Context:
+        def state_dir(self):
+            return tmp_path / "state"
+
+    out = tmp_path / "out1"
+    out.mkdir()
+    (out / "part1_of_2.bin").write_bytes(b"binary" * 100)
+    (out / "part1_of_2_prompt_ctx.onnx").write_bytes(b"wrapper")
+    result = {"entry": {"binaries": ["part1_of_2.bin"]}, "wrappers": ["part1_of_2_prompt_ctx.onnx"], "q_times": {}}
+    made = MadeParts.for_compile(Context())
+    keep(made.part_dir(1), result, out)
+    again = tmp_path / "out2"
+    again.mkdir()
+    assert made.made(1, again) == result and (again / "part1_of_2.bin").read_bytes() == b"binary" * 100
+    assert made.made(2, again) is None
+    with open(Path(made.part_dir(1)) / "part1_of_2.bin", "r+b") as f:  # a file cut short
+        f.truncate(10)
+    assert MadeParts.for_compile(Context()).made(1, tmp_path) is None
+    keep(made.part_dir(1), result, out)
+    assert MadeParts.for_compile(Context()).made(1, again) == result
+    assert MadeParts.for_compile(Context(), rebuild=True).made(1, again) is None
+    assert MadeParts(None).made(1, again) is None and MadeParts(None).part_dir(1) is None

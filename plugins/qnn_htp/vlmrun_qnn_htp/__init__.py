@@ -193,7 +193,7 @@ def compile(backend, request):
     if not mine(backend, NAME):
         return None
     return compile_stage(request.stage, request.model, request.source, request.options, Path(request.out_dir),
-                         context=request.context, all_options=request.stage_options)
+                         context=request.context, all_options=request.stage_options, rebuild=request.rebuild)
 
 
 def _compile_binary(src: Path, out_dir: Path, name: str, soc, precision: str, options: dict, work: Path,
@@ -208,14 +208,15 @@ def _compile_binary(src: Path, out_dir: Path, name: str, soc, precision: str, op
     return ep.compile_onnx(src, out_dir, name, soc, what), {}
 
 
-def compile_stage(stage, model, source, options, out_dir: Path, *, all_options, context=None) -> dict:
+def compile_stage(stage, model, source, options, out_dir: Path, *, all_options, context=None,
+                  rebuild: bool = False) -> dict:
     """Compile ``source`` into a context binary in ``out_dir`` (``options``: the keyed options; ``all_options``:
     all of the stage's, for the ones that change how it is made but not its bytes); ``context`` (a
     CompileContext) gives int8 calibration its reference activations."""
     if str(source.manifest.get("form", "")).startswith("decoder/parts"):  # every part, both graphs
         from .parts_compile import compile_parts
 
-        return compile_parts(model, source, options, out_dir, context=context,
+        return compile_parts(model, source, options, out_dir, context=context, rebuild=rebuild,
                              calibration_order=all_options["calibration_order"])
     soc = socs.soc(options.get("soc"))
     precision = options["precision"]  # the compile key (.options.compile_key) always names it

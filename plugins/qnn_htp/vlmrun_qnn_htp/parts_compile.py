@@ -55,6 +55,7 @@ from .genie_names import genie_name, rename_graph, rewrite_wrapper
 from .layers import LAYER_OPTIONS, part_keep
 from .memory import part_peak_bytes, peak_rss_mb, release_memory
 from .options import compiled_artifact, parts_plan
+from .parts_resume import MadeParts, keep
 from .quantizer import is_big, quantize
 from .recipe import from_key
 
@@ -126,6 +127,7 @@ class PartJob:
     options: dict  # the compile's keyed options
     work: str  # the compile's work dir
     out_dir: str
+    keep: str | None = None  # where the part is kept once made (`.parts_resume`), None: not kept
 
     @property
     def name(self) -> str:
@@ -197,6 +199,7 @@ def make_part(job: PartJob) -> dict:
     entry["binaries"] = sorted(set(names), key=names.index)
     entry["bytes"] = sum((out_dir / b).stat().st_size for b in entry["binaries"])
     res["entry"] = entry
+    keep(job.keep, res, out_dir)
     return res
 
 
@@ -219,9 +222,12 @@ def part_memory_bytes(model, recipe, layers: int, last: bool) -> int:
     return max(1 << 30, part_peak_bytes(model, recipe.quantizer if recipe is not None else None, layers, last))
 
 
-def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_order: str, context=None) -> dict:
+def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_order: str, context=None,
+                  rebuild: bool = False) -> dict:
     """Compile every part of the ``decoder/parts`` export ``source`` into ``out_dir``; the manifest.
     ``calibration_order``: the option (`.calibration.calibration_order`); it does not key the binary.
+    The feeds and each part are kept as they are made (`.parts_resume`): a compile of the same artifact stopped
+    part-way starts again from them (``rebuild``: from nothing).
 
     The calibration feeds of every part are recorded here (the host loop needs the reference pipeline), then each
     part is made by `make_part` as one job of ``context.map``: in this process, in order, or (``vlmrun bundle
@@ -241,19 +247,24 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
     limit = int(options["part_limit_mb"]) * 1_000_000
     jobs_at = context if context is not None else CompileContext()  # the base: in this process, a /tmp work dir
     work = Path(jobs_at.work_dir("vlmrun-qnn-parts-"))
+    kept = MadeParts.for_compile(context, rebuild)
     extra: dict = {}
     t_all = time.perf_counter()
     try:
         feeds, label, quant_s, q_times, q_peaks = {}, None, 0.0, {}, {}
-        if recipe is not None:
+        if recipe is not None and kept.feeds() is not None:
+            feeds, label = kept.feeds()
+            with context.progress(f"calibration feeds of {P} part(s): recorded by an earlier compile, taken"):
+                pass
+        elif recipe is not None:
             t0 = time.perf_counter()
             files = calibration.calibration_files(options.get("calibration_images"))
             followup = (fu_dir, fdesc) if fu_dir is not None else None
             # on disk as they are made, until their graph is quantized: one graph's feeds in memory at a time
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
                                                                calibration.require_context(context), followup,
-                                                               calibration_order, into=work)
-            feeds = {key: str(path) for key, path in feeds.items()}
+                                                               calibration_order, into=kept.feeds_dir(work))
+            feeds = kept.keep_feeds({key: str(path) for key, path in feeds.items()}, label)
             context.release_reference()  # its image encoder's session would outlive every quantization below
             release_memory(any(is_big(src_dir / p["graphs"]["prompt"]["file"]) for p in desc["parts"]))
             quant_s += time.perf_counter() - t0
@@ -265,9 +276,20 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
                        in graph_sources(src_dir, p, fu_dir, fdesc).items()}
             jobs.append(PartJob(part={"index": p["index"], "layers": p["layers"]}, count=P, sources=sources,
                                 feeds={kind: feeds[(p["index"], kind)] for kind in sources if feeds},
-                                options=dict(options), work=str(work), out_dir=str(out_dir)))
-        memory = [part_memory_bytes(model, recipe, len(p["layers"]), p["index"] == P) for p in desc["parts"]]
-        made = jobs_at.map(make_part, jobs, memory, [j.name for j in jobs])
+                                options=dict(options), work=str(work), out_dir=str(out_dir),
+                                keep=kept.part_dir(p["index"])))
+        made = {j.part["index"]: kept.made(j.part["index"], Path(out_dir)) for j in jobs}
+        for j in jobs:
+            if made[j.part["index"]] is not None:
+                with context.progress(f"{j.name}: made by an earlier compile, taken ({j.keep})"):
+                    pass
+        todo = [(j, part_memory_bytes(model, recipe, len(j.part["layers"]), j.part["index"] == P)) for j in jobs
+                if made[j.part["index"]] is None]
+        results = jobs_at.map(make_part, [j for j, _ in todo], [m for _, m in todo], [j.name for j, _ in todo])
+        if len(todo) < len(jobs):
+            extra["resumed_parts"] = sorted(k for k, r in made.items() if r is not None)
+        made.update({j.part["index"]: r for (j, _), r in zip(todo, results)})
+        made = [made[j.part["index"]] for j in jobs]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     parts, wrappers, binaries, graphs, facts, per_layer = [], [], [], [], None, {}
@@ -287,9 +309,12 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
         graphs += r["graphs"]
         binaries += r["entry"]["binaries"]
         parts.append(r["entry"])
-    if any(r["process"]["pid"] != os.getpid() or r["process"]["host"] != _process()["host"] for r in made):
+    elsewhere = [r["process"]["pid"] != os.getpid() or r["process"]["host"] != _process()["host"]
+                 for j, r in zip(jobs, made) if j.part["index"] not in extra.get("resumed_parts", ())]
+    if any(elsewhere):
         extra["part_processes"] = {j.name: r["process"] for j, r in zip(jobs, made)}
     out_dir = Path(out_dir)
+    kept.done()  # a part over the limit is over it again on the next try
     check_part_limits(out_dir, parts, limit)
     weights = weight_bytes(model, precision)
     total = sum(e["bytes"] for e in parts)
