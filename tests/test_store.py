@@ -397,3 +397,39 @@ def test_plugins_find_open_and_keep_state_through_the_store_api(tmp_path):
     store.get_or_build(a.manifest["key"], writer({"a.bin": b"again"}), rebuild=True)
     assert store.state_dir(a.path.name) == state == tmp_path / "state" / a.path.name
     assert (state / "ledger.json").read_text() == "{}"
+
+
+def test_what_a_stopped_build_kept_is_listed_and_only_prune_all_removes_it(tmp_path):
+    """A state folder holding a stopped build's parts, for an artifact the store does not have: `vlmrun store list`
+    names it with its size, filtered prunes keep it, `prune --all` removes it; an artifact's own state, an empty
+    state folder and the state of a build that holds its lock are left alone."""
+    from filelock import FileLock
+
+    store, arts = _fill(tmp_path)
+    stopped = store.state_dir("decoder-stopped-0123")
+    (stopped / "made-parts" / "part1").mkdir(parents=True)
+    (stopped / "made-parts" / "part1" / "part1_of_2.bin").write_bytes(b"x" * 1000)
+    own = store.state_dir(arts["dec"].path.name)  # the state of an artifact in the store (a ledger)
+    (own / "ledger.json").write_text("{}")
+    store.state_dir("decoder-empty")
+    running = store.state_dir("decoder-running")
+    (running / "feeds.partial").mkdir()
+    (running / "feeds.partial" / "f.npz").write_bytes(b"y" * 10)
+    (tmp_path / "locks").mkdir(exist_ok=True)
+    with FileLock(str(tmp_path / "locks" / "decoder-running.lock")):
+        assert store.unfinished_states() == [stopped]
+    assert store.unfinished_states() == [running, stopped] or store.unfinished_states() == [stopped, running]
+
+    res = run_cli(["store", "list"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "2 stopped builds kept 1010 B to resume from" in res.stdout and "decoder-stopped-0123" in res.stdout
+    res = run_cli(["store", "prune", "--stage", "vision", "--json"], tmp_path)
+    assert json.loads(res.stdout)["unfinished"] == [] and stopped.exists()
+    res = run_cli(["store", "prune", "--all", "--dry-run", "--json"], tmp_path)
+    assert {(u["path"], u["size"]) for u in json.loads(res.stdout)["unfinished"]} == {
+        (str(stopped), 1000), (str(running), 10)} and stopped.exists()
+    res = run_cli(["store", "prune", "--all"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "removed state/decoder-stopped-0123 (1000 B, kept by a stopped build to resume from)" in res.stdout
+    assert not stopped.exists() and not running.exists()
+    assert (tmp_path / "state" / "decoder-empty").is_dir()  # nothing in it: not listed, not removed

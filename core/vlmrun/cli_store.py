@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from . import atomic
 from .errors import UsageError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -64,9 +65,11 @@ def list_command(cache_dir, as_json, debug):
     store = _store(cache_dir)
     entries = store.entries()
     temps = store.temp_dirs()
+    states = [(d, atomic.tree_size(d)) for d in store.unfinished_states()]
     if as_json:
         click.echo(json.dumps({"store": str(store.root), "artifacts": [e.to_json() for e in entries],
-                               "temp_dirs": [str(d) for d in temps]}, indent=2))
+                               "temp_dirs": [str(d) for d in temps],
+                               "unfinished": [{"path": str(d), "size": size} for d, size in states]}, indent=2))
         return
     if not entries:
         click.echo(f"no artifacts in {store.root}")
@@ -85,6 +88,10 @@ def list_command(cache_dir, as_json, debug):
     if temps:
         click.echo(f"{len(temps)} temporary build director{'ies' if len(temps) != 1 else 'y'} (in progress, or left"
                    " by killed runs: `vlmrun store prune` removes those whose builder is gone)")
+    if states:
+        click.echo(f"{len(states)} stopped build{'s' * (len(states) != 1)} kept {human_size(sum(s for _, s in states))}"
+                   " to resume from (the same command takes it; `vlmrun store prune --all` removes it): "
+                   + ", ".join(d.name for d, _ in states))
 
 
 @store_group.command("verify")
@@ -118,7 +125,8 @@ def verify_command(cache_dir, as_json, debug):
 @click.option("--dry-run", is_flag=True, help="Show what would be removed, remove nothing.")
 @_common
 def prune_command(stages, backends, older_than, unused_for, everything, dry_run, cache_dir, as_json, debug):
-    """Remove the artifacts matching every filter given, and temporary directories of killed builds."""
+    """Remove the artifacts matching every filter given, and temporary directories of killed builds (with --all,
+    also what stopped builds kept to resume from)."""
     older_than_s = parse_duration(older_than, "--older-than") if older_than is not None else None
     unused_for_s = parse_duration(unused_for, "--unused-for") if unused_for is not None else None
     if not (stages or backends or older_than_s is not None or unused_for_s is not None or everything):
@@ -131,6 +139,7 @@ def prune_command(stages, backends, older_than, unused_for, everything, dry_run,
             "store": str(store.root), "dry_run": dry_run,
             "removed": [e.to_json() for e in result.removed],
             "temp_dirs": [{"path": str(d), "size": size} for d, size in result.temp_dirs],
+            "unfinished": [{"path": str(d), "size": size} for d, size in result.states],
             "freed": result.freed,
         }, indent=2))
         return
@@ -139,6 +148,8 @@ def prune_command(stages, backends, older_than, unused_for, everything, dry_run,
         click.echo(f"{verb} {e.name} ({human_size(e.size)})")
     for d, size in result.temp_dirs:
         click.echo(f"{verb} {d.name} ({human_size(size)}, left by a killed build)")
+    for d, size in result.states:
+        click.echo(f"{verb} state/{d.name} ({human_size(size)}, kept by a stopped build to resume from)")
     n = len(result.removed)
     click.echo(f"{'would free' if dry_run else 'freed'} {human_size(result.freed)} ({result.freed} bytes):"
                f" {n} artifact{'s' * (n != 1)}, {len(result.temp_dirs)} temporary"

@@ -232,6 +232,29 @@ class ArtifactStore:
                 removed.append(d)
         return removed
 
+    def unfinished_states(self) -> list[Path]:
+        """State folders (`state_dir`) that hold something for an artifact the store does not have, no build of it
+        running: what a stopped build kept to resume from (a parts decoder's made parts, a cloud compile's job
+        ledger). The next build of the same artifact takes them; `prune` with ``everything`` removes them."""
+        from filelock import FileLock, Timeout
+
+        root = self.root / "state"
+        if not root.is_dir():
+            return []
+        found = []
+        for d in sorted(root.iterdir()):
+            if not d.is_dir() or (self.artifacts_dir / d.name).exists() or not any(d.iterdir()):
+                continue
+            lock = FileLock(str(self.root / "locks" / f"{d.name}.lock"))
+            try:
+                (self.root / "locks").mkdir(parents=True, exist_ok=True)
+                lock.acquire(timeout=0)
+            except Timeout:  # its build is running
+                continue
+            lock.release()
+            found.append(d)
+        return found
+
     # -- listing, verifying, pruning ------------------------------------------------------------------------
     def entries(self) -> list["StoreEntry"]:
         """Every artifact directory in the store (complete or not), sorted by name."""
@@ -266,7 +289,8 @@ class ArtifactStore:
     ) -> "PruneResult":
         """Remove the artifacts matching every given filter (stage in ``stages``, backend in ``backends``, created
         more than ``older_than_s`` ago, last used more than ``unused_for_s`` ago) and the stale temporary build
-        directories. With no filter, ``everything=True`` is required (every artifact goes)."""
+        directories. With no filter, ``everything=True`` is required (every artifact goes, and the state a stopped
+        build kept to resume from: `unfinished_states`)."""
         stages, backends = set(stages), set(backends)
         if not (stages or backends or older_than_s is not None or unused_for_s is not None or everything):
             raise UsageError("pruning needs a filter (stage, backend, age, unused time) or everything=True")
@@ -285,12 +309,14 @@ class ArtifactStore:
 
         chosen = [e for e in self.entries() if matches(e)]
         temps = [(d, atomic.tree_size(d)) for d in self.stale_temp_dirs()]
+        states = [(d, atomic.tree_size(d)) for d in self.unfinished_states()] if everything else []
         if not dry_run:
             for e in chosen:
                 atomic.discard(e.path)
                 self._verified.discard(e.path)
             temps = [(d, size) for d, size in temps if _remove(d)]
-        return PruneResult(tuple(chosen), tuple(temps), dry_run)
+            states = [(d, size) for d, size in states if _remove(d)]
+        return PruneResult(tuple(chosen), tuple(temps), dry_run, tuple(states))
 
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -364,10 +390,12 @@ class PruneResult:
     removed: tuple[StoreEntry, ...]
     temp_dirs: tuple[tuple[Path, int], ...]  # (path, bytes)
     dry_run: bool
+    states: tuple[tuple[Path, int], ...] = ()  # (path, bytes): `ArtifactStore.unfinished_states`
 
     @property
     def freed(self) -> int:
-        return sum(e.size for e in self.removed) + sum(size for _, size in self.temp_dirs)
+        return (sum(e.size for e in self.removed) + sum(size for _, size in self.temp_dirs)
+                + sum(size for _, size in self.states))
 
 
 def _model_names(root: Path, manifests: Mapping[str, dict | None]) -> dict[str, str]:
