@@ -366,7 +366,7 @@ def test_a_big_models_vision_side_is_made_in_a_child_with_the_same_bytes(phone_b
 
     real = bundle_vision.in_child
     monkeypatch.setattr(bundle_vision, "in_child", counted)
-    monkeypatch.setattr(bundle_vision, "CHILD_FROM_BYTES", bundle_vision.checkpoint_bytes(tiny_model))
+    monkeypatch.setattr(bundle_vision, "CHILD_FROM_BYTES", tiny_model.weight_file_bytes)
     lay = layouts.resolve("all-npu", options={"decoder": {"weight_sharing": "on"}})
     m = write(lay, tmp_path / "child", model=tiny_model, store=store, target="android")
     assert children == ["the bundle's image encoder"]
@@ -374,7 +374,7 @@ def test_a_big_models_vision_side_is_made_in_a_child_with_the_same_bytes(phone_b
     assert m["files"] == here["files"] and m["embeds_input"] == here["embeds_input"]
     assert len(m["files"]) > 10 and {"vision_encoder.bin", "embedding_weights.raw"} <= set(m["files"])
 
-    monkeypatch.setattr(bundle_vision, "CHILD_FROM_BYTES", bundle_vision.checkpoint_bytes(tiny_model) + 1)
+    monkeypatch.setattr(bundle_vision, "CHILD_FROM_BYTES", tiny_model.weight_file_bytes + 1)
     write(lay, tmp_path / "here", model=tiny_model, store=store, target="android")
     assert children == ["the bundle's image encoder"]  # below the threshold: made in this process
 

@@ -206,6 +206,13 @@ class FastVLMModel:
     def weights_hash(self, store: ArtifactStore | None = None) -> str:
         return weights_hash(self.path, store)
 
+    @property
+    def weight_file_bytes(self) -> int:
+        """The bytes of the checkpoint's weight files (``*.safetensors``, ``*.bin``) as stored (bf16 for an Apple
+        checkpoint): what sizes the memory of a build before anything is read."""
+        return sum(p.stat().st_size for p in self.path.iterdir()
+                   if p.is_file() and p.suffix in (".safetensors", ".bin"))
+
     # -- torch (export only) -------------------------------------------------------------------------
     @property
     def streams(self) -> bool:

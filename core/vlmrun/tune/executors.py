@@ -14,8 +14,7 @@ __all__ = ["MIN_TASK_MEMORY", "LocalExecutor", "RayExecutor", "compile_memory_by
 def compile_memory_bytes(model) -> int:
     """The memory one candidate build of ``model`` may take, declared to Ray so two large compiles do not land on
     one node: 8x the checkpoint's weights (FastVLM-0.5B's 4-bit-weight decoder compile peaks at ~17 GB), at least 1 GiB."""
-    weights = sum(f.stat().st_size for f in Path(model.path).glob("*.safetensors"))
-    return max(MIN_TASK_MEMORY, 8 * weights)
+    return max(MIN_TASK_MEMORY, 8 * model.weight_file_bytes)
 
 
 def executor_for(address: str | None, store_root: Path, model):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pickle
 import random
-from pathlib import Path
 
 import attrs
 import numpy as np
@@ -52,18 +51,12 @@ class VisionSide:
     embeds: dict
 
 
-def checkpoint_bytes(model) -> int:
-    """The bytes of ``model``'s weight files (``*.safetensors``, ``*.bin``)."""
-    return sum(p.stat().st_size for p in Path(model.path).iterdir()
-               if p.is_file() and p.suffix in (".safetensors", ".bin"))
-
-
 def vision_side(request) -> VisionSide:
     """The vision side of the bundle of ``request`` (a `vlmrun.stages.BundleRequest`), through the store: in a
     child process first when the checkpoint has at least `CHILD_FROM_BYTES` (see the module docstring)."""
     ctx = request.context("vision")
     embeds = None
-    if checkpoint_bytes(request.model) >= CHILD_FROM_BYTES:
+    if request.model.weight_file_bytes >= CHILD_FROM_BYTES:
         progress = request.progress if _picklable(request.progress) else no_progress
         options = dict(request.layout.stages["vision"].options)  # what request.context("vision") was made of
         embeds = in_child(_make_in_child, ctx.backend, request.model, str(ctx.store.root), options, progress,
