@@ -252,8 +252,9 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
     t_all = time.perf_counter()
     try:
         feeds, label, quant_s, q_times, q_peaks = {}, None, 0.0, {}, {}
-        if recipe is not None and kept.feeds() is not None:
-            feeds, label = kept.feeds()
+        recorded = kept.feeds() if recipe is not None else None
+        if recorded is not None:
+            feeds, label = recorded
             with context.progress(f"calibration feeds of {P} part(s): recorded by an earlier compile, taken"):
                 pass
         elif recipe is not None:
