@@ -97,6 +97,12 @@ def test_the_parts_artifact_holds_a_follow_up_graph_per_part_named_for_genie(npu
         assert shape["attention_mask"] == [1, 32, ctx]
     assert set(d["graph_bytes"]) == {"prompt", "token", "followup"}
     assert set(d["graph_compile_s"]) == {"prompt", "token", "followup"}
+    # the follow-up graphs' export holds their prompt graphs alone (the token graph is the main export's)
+    fu = h.artifact.path.parent / h.artifact.manifest["key"]["options"]["followup_source"]
+    fdesc = json.loads((fu / "parts.json").read_text())
+    assert fdesc["ar"] == 32 and [sorted(p["graphs"]) for p in fdesc["parts"]] == [["prompt"]] * P
+    assert sorted(f.name for f in fu.glob("*.onnx")) == [f"part{k}_of_{P}_prompt.onnx" for k in range(1, P + 1)]
+    assert "graphs=prompt" in json.loads((fu / "manifest.json").read_text())["form"]
 
 
 def test_a_weight_shared_part_holds_its_three_graphs_in_one_binary(tiny_model, store, npu_pipe):

@@ -5,7 +5,8 @@ Params: ``ar`` (N, the prompt graph's rows), ``ctx`` (C, the fixed context), ``l
 separated, e.g. ``"16,8"``: part ``k`` holds the next ``layers[k]`` decoder layers, the last part also the final
 norm and the lm_head), ``rmsnorm`` (see `vlmrun_ort_reference.onnx_export.rms_norm_of`) and ``rows`` (``fixed``, the
 default: the prompt and token graphs below; ``any``: one graph per part whose rows ``T`` and past slots ``C-T`` are
-dynamic, ``part{k}_of_{P}_any.onnx``, what the reference runs part by part, `.streamed`).
+dynamic, ``part{k}_of_{P}_any.onnx``, what the reference runs part by part, `.streamed`) and ``graphs``
+(``prompt``: the prompt graphs alone, `graph_kinds`).
 
 One export writes every graph of every part into the artifact directory, ``part{k}_of_{P}_{prompt|token}.onnx``
 (``k`` from 1; weights in a ``.data`` file beside a large graph), and ``parts.json`` describing them. The I/O of
@@ -317,11 +318,14 @@ def form_shape(model, form) -> tuple[int, int, list[tuple[int, int]]]:
 
 
 def graph_kinds(form, ar: int) -> tuple[tuple[str, int], ...]:
-    """``(kind, rows)`` of each graph of a part: a prompt graph of ``ar`` rows and a token graph of one, or with
-    param ``rows = any`` (the reference decoder run part by part, `.streamed`) one graph of any number of rows
-    (``ar`` only traces it)."""
+    """``(kind, rows)`` of each graph of a part: a prompt graph of ``ar`` rows and a token graph of one (with param
+    ``graphs = prompt``, the prompt graph alone: qnn_htp's follow-up graphs, whose token graph is the main
+    export's), or with param ``rows = any`` (the reference decoder run part by part, `.streamed`) one graph of any
+    number of rows (``ar`` only traces it)."""
+    if form.get("graphs") not in (None, "prompt"):
+        raise UsageError(f"{form.label()}: graphs '{form.get('graphs')}' is not prompt (or left out: prompt, token)")
     if form.get("rows") in (None, "fixed"):
-        return (("prompt", ar), ("token", 1))
+        return (("prompt", ar),) if form.get("graphs") == "prompt" else (("prompt", ar), ("token", 1))
     if form.get("rows") == "any":
         return (("any", ar),)
 

@@ -61,11 +61,12 @@ from .recipe import from_key
 
 
 
-def parts_form(plan: dict, ar: int, opts) -> ExportForm:
+def parts_form(plan: dict, ar: int, opts, prompt_only: bool = False) -> ExportForm:
     """The ``decoder/parts`` export of ``plan`` (`.options.parts_plan`) with prompt graphs of ``ar`` rows (``opts``:
-    the decoder's normalised options, `.options.stage_options`)."""
+    the decoder's normalised options, `.options.stage_options`; ``prompt_only``: no token graphs)."""
+    extra = {"graphs": "prompt"} if prompt_only else {}
     return ExportForm.of("decoder", "decoder/parts", ar=ar, ctx=plan["ctx"], layers=",".join(map(str, plan["layers"])),
-                         rmsnorm=opts["rmsnorm"])
+                         rmsnorm=opts["rmsnorm"], **extra)
 
 
 def parts_artifact(ctx, stage_plan):
@@ -77,7 +78,7 @@ def parts_artifact(ctx, stage_plan):
     opts = stage_plan.opts
     plan = parts_plan(ctx.model, opts)
     if plan["followup_ar"]:
-        followup = ctx.exported(parts_form(plan, plan["followup_ar"], opts))
+        followup = ctx.exported(parts_form(plan, plan["followup_ar"], opts, prompt_only=True))
         opts = {**opts, "followup_ar": plan["followup_ar"], "followup_source": followup.path.name}
     return compiled_artifact(ctx, "decoder", opts, parts_form(plan, plan["ar"], opts))
 
