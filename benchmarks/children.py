@@ -41,6 +41,49 @@ def run_step(argv: Sequence[str], step: str) -> dict:
     return {"wall_s": res.pop("child_wall_s"), "peak_rss_gb": round(res.pop("peak_rss_mib") * 1024 / 1e6, 2), **res}
 
 
+class DiskPeak:
+    """Samples the bytes under ``paths`` every ``every`` seconds in a thread while its ``with`` block runs (files
+    counted once however many names they have): ``start`` and ``peak`` bytes, ``peak_gb`` above the start."""
+
+    def __init__(self, paths: Sequence[str], every: float = 5.0):
+        import threading
+
+        self.paths, self.every = list(paths), every
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def bytes_now(self) -> int:
+        seen, total = set(), 0
+        for root in self.paths:
+            for dirpath, _dirs, files in os.walk(root):
+                for name in files:
+                    with contextlib.suppress(OSError):
+                        st = os.lstat(os.path.join(dirpath, name))
+                        if (st.st_dev, st.st_ino) not in seen:
+                            seen.add((st.st_dev, st.st_ino))
+                            total += st.st_blocks * 512  # on disk (a sparse file counts what it holds)
+        return total
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            self.peak = max(self.peak, self.bytes_now())
+
+    def __enter__(self) -> "DiskPeak":
+        self.start = self.peak = self.bytes_now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.bytes_now())
+
+    @property
+    def peak_gb(self) -> float:
+        return round((self.peak - self.start) / 1e9, 2)
+
+
 class Served:
     """A running ``vlmrun serve``: its base URL, process id and model id."""
 

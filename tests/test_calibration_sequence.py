@@ -32,7 +32,7 @@ def calibration_inputs(pipe):
     art = pipe.handles["decoder"].artifact
     src = source_dir(pipe.store, art)
     desc = json.loads((src / "parts.json").read_text())
-    fu_dir, fdesc = followup_export(src, art.manifest["key"]["options"], desc)
+    fu_dir, fdesc = followup_export(src, desc)
     assert len(desc["parts"]) == 3 and fu_dir is not None
     return src, desc, (fu_dir, fdesc)
 

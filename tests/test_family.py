@@ -140,20 +140,21 @@ def _torch_logits(model, embeds: np.ndarray) -> np.ndarray:
 
 def test_head_size_128_parts_keep_each_graphs_constants_above_2gib(gqa128, parts_above_2gib):
     """Issue 32's internal error: the prompt and token graphs of a part, written above 2 GiB, each keep their own
-    zeros of past_key [KV,1,D,C-T] (same tensor name, another C-T); both load and the prompt graph's logits match
-    torch."""
+    zeros of past_key [KV,1,D,C-T] (same tensor name, another C-T; in the part's one weights file, where the
+    weights they share are stored once); both load and the prompt graph's logits match torch."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo
 
     out, manifest = parts_above_2gib
     desc = json.loads((out / "parts.json").read_text())
     for p in desc["parts"]:
+        data = f"part{p['index']}_of_{len(desc['parts'])}.onnx.data"  # the part's graphs share one weights file
         for kind, rows in (("prompt", AR), ("token", 1)):
             g = p["graphs"][kind]
-            assert g["files"] == [g["file"], g["file"] + ".data"]  # one data file per graph, listed
+            assert g["files"] == [g["file"], data]  # the files each graph is made of, listed
             proto = onnx.load(str(out / g["file"]), load_external_data=False)
             external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-            assert external and {ExternalDataInfo(t).location for t in external} == {g["file"] + ".data"}
+            assert external and {ExternalDataInfo(t).location for t in external} == {data}
             onnx.load(str(out / g["file"]))  # the data matches every shape (the issue's error raised here)
     assert sorted(f.name for f in out.iterdir()) == sorted(manifest["files"])  # no stray per-tensor files
     rng = np.random.default_rng(0)
@@ -192,6 +193,79 @@ def test_head_size_128_w4a16_part_answers_on_the_cpu(gqa128, parts_above_2gib, t
     got = _run_parts(out, desc, feeds, files=qdq)
     # measured 0.92 (random weights at 4 bits per channel; tests/test_npu_decoder.py accepts 0.7 for w4a16)
     assert cosine(got, float_logits) > 0.85
+
+
+def _external(path: Path) -> dict[str, tuple[str, int, int]]:
+    """{tensor name: (file, offset, length)} of the tensors ``path`` keeps outside it (Constant values too)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    from vlmrun.onnx_files import tensors
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return {t.name: (ExternalDataInfo(t).location, ExternalDataInfo(t).offset or 0, ExternalDataInfo(t).length)
+            for t, _ in tensors(proto.graph) if t.data_location == onnx.TensorProto.EXTERNAL}
+
+
+def test_a_parts_graphs_share_one_copy_of_its_weights_above_2gib(parts_above_2gib):
+    """The prompt and token graphs of a part keep their weights in one file, ``part{k}_of_{P}.onnx.data``: the
+    part's weights once, plus the token graph's own zeros of another past length; `graph_files` finds it."""
+    import os
+
+    from vlmrun.onnx_files import graph_files
+
+    out, manifest = parts_above_2gib
+    desc = json.loads((out / "parts.json").read_text())
+    P = len(desc["parts"])
+    assert sorted(f for f in manifest["files"] if f.endswith(".data")) == [f"part{k}_of_{P}.onnx.data"
+                                                                           for k in range(1, P + 1)]
+    for p in desc["parts"]:
+        data = f"part{p['index']}_of_{P}.onnx.data"
+        prompt, token = (out / p["graphs"][k]["file"] for k in ("prompt", "token"))
+        assert [p["graphs"][k]["files"] for k in ("prompt", "token")] == [[prompt.name, data], [token.name, data]]
+        assert graph_files(prompt) == [prompt, out / data] and graph_files(token) == [token, out / data]
+        pt, tt = _external(prompt), _external(token)
+        assert {f for f, _, _ in [*pt.values(), *tt.values()]} == {data}
+        ranges = {(o, n) for _, o, n in [*pt.values(), *tt.values()]}
+        size = os.stat(out / data).st_size
+        assert size == sum(n for _, n in ranges)  # every byte is some tensor's, each stored once
+        shared = {(o, n) for _, o, n in pt.values()} & {(o, n) for _, o, n in tt.values()}
+        weights = sum(n for name, (_, _, n) in pt.items() if name.startswith("layers.") or "MatMul" in name)
+        assert weights > 0 and sum(n for _, n in shared) >= weights  # the prompt graph's weights: shared
+        both = sum(n for _, _, n in pt.values()) + sum(n for _, _, n in tt.values())
+        assert size < 0.6 * both  # each graph had its own copy before
+
+
+def test_a_part_exported_with_its_weights_outside_answers_as_inside(gqa128, tmp_path, monkeypatch):
+    """Below 2 GiB torch writes the weights inside the graph; a graph above the external-data threshold (0.5B)
+    moves them out, into its part's one file: the prompt and token graphs give exactly the logits of the graphs
+    that keep them inside."""
+    from vlmrun.onnx_files import graph_files
+    from vlmrun.stages import ExportForm
+    from vlmrun_ort_reference import part_weights
+    from vlmrun_ort_reference.decoder_parts import export_parts
+
+    form = ExportForm.of("decoder", "decoder/parts", ar=AR, ctx=CTX, layers="1,1", rmsnorm="safe")
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir()
+    outside.mkdir()
+    export_parts(gqa128, form, inside)
+    monkeypatch.setattr(part_weights, "EXTERNAL_DATA_THRESHOLD", 0)
+    export_parts(gqa128, form, outside)
+    assert not list(inside.glob("*.data"))
+    desc = json.loads((outside / "parts.json").read_text())
+    for p in desc["parts"]:
+        for kind in ("prompt", "token"):
+            path = outside / p["graphs"][kind]["file"]
+            assert graph_files(path) == [path, outside / f"part{p['index']}_of_2.onnx.data"]
+            assert len(_external(path)) >= 4  # the attention and MLP weights moved out
+    rng = np.random.default_rng(2)
+    embeds = (rng.standard_normal((1, AR, gqa128.hidden_size)) * 0.02).astype(np.float32)
+    feeds = _prompt_feeds(gqa128, embeds)
+    assert np.array_equal(_run_parts(outside, desc, feeds), _run_parts(inside, desc, feeds))
+    one = {"inputs_embeds": embeds[:, -1:], "attention_mask": feeds["attention_mask"][:, -1:],
+           **{n: feeds[n][:, :, -1:] for n in ("position_ids_cos", "position_ids_sin")}}
+    assert np.array_equal(_run_parts(outside, desc, one, "token"), _run_parts(inside, desc, one, "token"))
 
 
 # -- sizes and the sharded Apple-layout writer --------------------------------------------------------------------

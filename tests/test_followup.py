@@ -97,12 +97,16 @@ def test_the_parts_artifact_holds_a_follow_up_graph_per_part_named_for_genie(npu
         assert shape["attention_mask"] == [1, 32, ctx]
     assert set(d["graph_bytes"]) == {"prompt", "token", "followup"}
     assert set(d["graph_compile_s"]) == {"prompt", "token", "followup"}
-    # the follow-up graphs' export holds their prompt graphs alone (the token graph is the main export's)
-    fu = h.artifact.path.parent / h.artifact.manifest["key"]["options"]["followup_source"]
-    fdesc = json.loads((fu / "parts.json").read_text())
-    assert fdesc["ar"] == 32 and [sorted(p["graphs"]) for p in fdesc["parts"]] == [["prompt"]] * P
-    assert sorted(f.name for f in fu.glob("*.onnx")) == [f"part{k}_of_{P}_prompt.onnx" for k in range(1, P + 1)]
-    assert "graphs=prompt" in json.loads((fu / "manifest.json").read_text())["form"]
+    # one export holds the three graphs of every part (their weights, when outside the graphs, in one file a part)
+    src = h.artifact.path.parent / h.artifact.manifest["key"]["source"]
+    desc = json.loads((src / "parts.json").read_text())
+    assert json.loads((src / "manifest.json").read_text())["form"].startswith("decoder/parts[ar=128,ctx=")
+    assert "followup=32" in json.loads((src / "manifest.json").read_text())["form"]
+    for p in desc["parts"]:
+        g = p["graphs"]["followup"]
+        assert (g["ar"], g["file"]) == (32, f"part{p['index']}_of_{P}_followup.onnx")
+        assert g["name"] == f"prompt_ar32_cl{ctx}_{p['index']}_of_{P}"  # Genie's name (padded when compiled)
+    assert not [a for a in h.artifact.path.parent.iterdir() if "decoder_parts_ar_32" in a.name]  # no second export
 
 
 def test_a_weight_shared_part_holds_its_three_graphs_in_one_binary(tiny_model, store, npu_pipe):

@@ -5,11 +5,13 @@ Params: ``ar`` (N, the prompt graph's rows), ``ctx`` (C, the fixed context), ``l
 separated, e.g. ``"16,8"``: part ``k`` holds the next ``layers[k]`` decoder layers, the last part also the final
 norm and the lm_head), ``rmsnorm`` (see `vlmrun_ort_reference.onnx_export.rms_norm_of`) and ``rows`` (``fixed``, the
 default: the prompt and token graphs below; ``any``: one graph per part whose rows ``T`` and past slots ``C-T`` are
-dynamic, ``part{k}_of_{P}_any.onnx``, what the reference runs part by part, `.streamed`) and ``graphs``
-(``prompt``: the prompt graphs alone, `graph_kinds`).
+dynamic, ``part{k}_of_{P}_any.onnx``, what the reference runs part by part, `.streamed`) and ``followup`` (F: a
+third graph per part, ``part{k}_of_{P}_followup.onnx``, the prompt graph at F rows, Genie-named
+``prompt_arF_clC_{k}_of_{P}``; `graph_kinds`).
 
 One export writes every graph of every part into the artifact directory, ``part{k}_of_{P}_{prompt|token}.onnx``
-(``k`` from 1; weights in a ``.data`` file beside a large graph), and ``parts.json`` describing them. The I/O of
+(``k`` from 1; a large graph's weights outside it, in ``part{k}_of_{P}.onnx.data``, one file its part's graphs
+share, `.part_weights`), and ``parts.json`` describing them. The I/O of
 part ``k`` (layers ``lo..hi-1``), graph with ``T`` rows (T = N or 1):
 
 ==================================== ========================================================================
@@ -43,8 +45,9 @@ from vlmrun.errors import UsageError
 from vlmrun.progress import no_progress, step
 from vlmrun.stages import ExportForm
 
+from .part_weights import SharedWeights, place_graph
 from .probe_names import graph_output
-from .torch_common import EXTERNAL_DATA_THRESHOLD, OPSET, import_torch, rms_norm_of
+from .torch_common import OPSET, import_torch, rms_norm_of
 
 #: a mask entry above this is "attend" (0); masked entries are far below (vlmrun -65504, Genie -1000, a
 #: 16-bit quantized mask saturates at -100)
@@ -178,9 +181,11 @@ def row_axes(tensors: list[dict]) -> dict:
     return axes
 
 
-def _export_graph(module, ins: list[dict], outs: list[dict], path: Path, any_rows: bool = False) -> list[str]:
-    """Trace ``module`` to ``path`` (``any_rows``: its rows and past slots dynamic, `row_axes`); the files written
-    (the graph, and ``<graph>.data`` when its weights are stored outside it).
+def _export_graph(module, ins: list[dict], outs: list[dict], path: Path, any_rows: bool = False,
+                  weights: SharedWeights | None = None) -> list[str]:
+    """Trace ``module`` to ``path`` (``any_rows``: its rows and past slots dynamic, `row_axes`); the files the graph
+    is made of (the graph, and its weights file when they are stored outside it: ``weights``, the file its part's
+    other graphs share, `.part_weights`, or ``<graph>.onnx.data``).
 
     The graph is traced in a folder of its own, then moved beside the others. Above 2 GiB (a 1.5B or 7B part)
     torch's exporter writes every tensor of more than 1024 elements to its own file beside the graph, named after
@@ -199,73 +204,7 @@ def _export_graph(module, ins: list[dict], outs: list[dict], path: Path, any_row
             torch.onnx.export(module, example, str(staged), input_names=[t["name"] for t in ins],
                               output_names=[t["name"] for t in outs], opset_version=OPSET, dynamo=False,
                               do_constant_folding=True, dynamic_axes=row_axes(ins + outs) if any_rows else None)
-        return _place_graph(staged, path)
-
-
-def _place_graph(staged: Path, path: Path) -> list[str]:
-    """Move the traced graph ``staged`` to ``path``, its weights in one ``<graph>.data`` file when torch wrote
-    them to files of their own (above 2 GiB) or the graph is big (`EXTERNAL_DATA_THRESHOLD`); the files written."""
-    import os
-
-    import onnx
-
-    data = path.name + ".data"
-    if any(f != staged for f in staged.parent.iterdir()):  # torch's one file per tensor
-        proto = onnx.load(str(staged), load_external_data=False)
-        gather_external_data(proto, staged.parent, path.parent / data)
-        onnx.save_model(proto, str(path))
-        return [path.name, data]
-    if staged.stat().st_size > EXTERNAL_DATA_THRESHOLD:
-        proto = onnx.load(str(staged))
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data)
-        return [path.name, data]
-    os.replace(staged, path)
-    return [path.name]
-
-
-def gather_external_data(proto, source_dir: Path, data_file: Path, chunk: int = 64 << 20) -> None:
-    """Copy the external data of every tensor of ``proto`` (initializers and Constant values, read from
-    ``source_dir``) into the one file ``data_file``, in order, and point the tensors at it (in place). Streams
-    the bytes: memory stays at ``chunk``, whatever the size of the weights."""
-    import onnx
-    from onnx.external_data_helper import ExternalDataInfo
-
-    with open(data_file, "wb") as dst:
-        for tensor in _tensors(proto.graph):
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            info = ExternalDataInfo(tensor)
-            src_path = source_dir / info.location
-            length = info.length if info.length is not None else src_path.stat().st_size - (info.offset or 0)
-            offset = dst.tell()
-            with open(src_path, "rb") as src:
-                src.seek(info.offset or 0)
-                left = length
-                while left:
-                    block = src.read(min(chunk, left))
-                    if not block:
-                        raise OSError(f"{src_path} ends before the {length} bytes of tensor {tensor.name!r}")
-                    dst.write(block)
-                    left -= len(block)
-            del tensor.external_data[:]
-            for key, value in (("location", data_file.name), ("offset", offset), ("length", length)):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, str(value)
-
-
-def _tensors(graph):
-    """Every tensor stored in ``graph``: initializers and the values of Constant (and other) node attributes,
-    subgraphs included."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _tensors(attr.g)
-            for sub in attr.graphs:
-                yield from _tensors(sub)
+        return place_graph(staged, path, weights)
 
 
 def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
@@ -291,13 +230,15 @@ def export_parts(model, form, out_dir: Path, only: int | None = None) -> dict:
         with _progress(model, f"exporting decoder part {k} of {P} (layers {lo}-{hi - 1})"):
             module = _part_module(model, _part_model(model, lo, hi, last, k, P), form, lo, hi, last)
             graphs = {}
+            weights = SharedWeights(out_dir / f"part{k}_of_{P}.onnx.data")  # one copy for the part's graphs
             for kind, rows in graph_kinds(form, ar):
                 ins, outs = part_io(model, lo, hi, last, rows, ctx)
                 name = f"part{k}_of_{P}_{kind}"
-                written = _export_graph(module, ins, outs, out_dir / f"{name}.onnx", any_rows=kind == "any")
-                files += written
-                graphs[kind] = {"file": written[0], "files": written, "ar": rows,
-                                "name": graph_name(kind, rows, ctx, k, P), "inputs": ins, "outputs": outs}
+                written = _export_graph(module, ins, outs, out_dir / f"{name}.onnx", any_rows=kind == "any",
+                                        weights=weights)
+                files += [f for f in written if f not in files]
+                graphs[kind] = {"file": written[0], "files": written, "ar": rows, "inputs": ins, "outputs": outs,
+                                "name": graph_name("prompt" if kind == "followup" else kind, rows, ctx, k, P)}
             del module
             model.release_torch_part()
         parts.append({"index": k, "layers": [lo, hi], "last": last, "graphs": graphs})
@@ -319,13 +260,14 @@ def form_shape(model, form) -> tuple[int, int, list[tuple[int, int]]]:
 
 def graph_kinds(form, ar: int) -> tuple[tuple[str, int], ...]:
     """``(kind, rows)`` of each graph of a part: a prompt graph of ``ar`` rows and a token graph of one (with param
-    ``graphs = prompt``, the prompt graph alone: qnn_htp's follow-up graphs, whose token graph is the main
-    export's), or with param ``rows = any`` (the reference decoder run part by part, `.streamed`) one graph of any
+    ``followup = F``, a third, "followup": the prompt graph at ``F`` rows, qnn_htp's graph for a conversation's
+    next turn), or with param ``rows = any`` (the reference decoder run part by part, `.streamed`) one graph of any
     number of rows (``ar`` only traces it)."""
-    if form.get("graphs") not in (None, "prompt"):
-        raise UsageError(f"{form.label()}: graphs '{form.get('graphs')}' is not prompt (or left out: prompt, token)")
+    followup = int(form.get("followup") or 0)
+    if followup and not 1 < followup < ar:
+        raise UsageError(f"{form.label()}: followup {followup} is not between 1 and the prompt AR {ar}")
     if form.get("rows") in (None, "fixed"):
-        return (("prompt", ar),) if form.get("graphs") == "prompt" else (("prompt", ar), ("token", 1))
+        return (("prompt", ar), ("token", 1)) + ((("followup", followup),) if followup else ())
     if form.get("rows") == "any":
         return (("any", ar),)
 
@@ -393,12 +335,11 @@ def export_part_probe(model, form, out_dir: Path) -> dict:
     H = model.hidden_size
     extra = [{"name": g, "shape": [1, ar, H], "dtype": "float32"} for _, g in pairs if g.startswith("probe_")]
     g = p["graphs"]["prompt"]
-    for f in g["files"]:
-        (out_dir / f).unlink()
+    (out_dir / g["file"]).unlink()  # its weights file stays: the part's other graphs point into it
     module = _part_module(model, _part_model(model, lo, hi, last, k, len(desc["parts"])), form, lo, hi, last,
                           probe=True)
-    written = _export_graph(module, ins, outs + extra, out_dir / g["file"])
-    files = [f for f in manifest["files"] if f not in g["files"]] + written
+    written = _export_graph(module, ins, outs + extra, out_dir / g["file"])  # weights, if outside, its own
+    files = [f for f in manifest["files"] if f not in written] + written
     g.update({"files": written, "outputs": outs + extra})
     desc["probe_part"] = k
     (out_dir / "parts.json").write_text(json.dumps(desc, indent=1))

@@ -3,8 +3,8 @@ LLMs by on AI Hub.
 
 The ``decoder/parts`` export holds P parts, each a prompt (AR-N) and a token (AR-1) graph
 (``vlmrun_ort_reference.decoder_parts``). With qnn_htp's ``followup_ar`` (default 32; 0 = none) each part has a
-third graph, "followup": the prompt graph of the same part from the export at that AR (named by the compile
-options' ``followup_source``, read with ``vlmrun_qualcomm.parts.followup_export``), so that a conversation's next
+third graph, "followup": the prompt graph of the same part at that AR, in the same export (read with
+``vlmrun_qualcomm.parts.followup_export``), so that a conversation's next
 turn costs one small call, as in a local compile. With ``weight_sharing`` on (the default for a hub compile: the
 binaries are for a device, see ``vlmrun_qnn_htp.options.resolve_sharing``):
 
@@ -194,7 +194,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
-    fu_dir, fdesc = followup_export(src_dir, options, desc)  # the follow-up prompt graphs, when asked for
+    fu_dir, fdesc = followup_export(src_dir, desc)  # the follow-up prompt graphs, when exported
     table = {p["index"]: part_graphs(src_dir, p, fu_dir, fdesc) for p in desc["parts"]}  # part -> kind -> graph
     limit = int(options["part_limit_mb"]) * 1_000_000
     runtime = "qnn_dlc" if share else "qnn_context_binary"

@@ -29,6 +29,7 @@ import numpy as np
 from vlmrun.atomic import check_free_space
 from vlmrun.cpu import onnxruntime_options
 from vlmrun.errors import UsageError
+from vlmrun.onnx_files import graph_files
 
 from .calibration_sequence import load, record_in_sequence
 from .parts_run import Chain
@@ -437,9 +438,8 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
 
 
 def graph_set_bytes(paths) -> int:
-    """Bytes of float graphs on disk: each ONNX file and its external data (``NAME.onnx.data``, as exported)."""
-    return sum(f.stat().st_size for path in map(Path, paths) for f in (path, path.parent / (path.name + ".data"))
-               if f.is_file())
+    """Bytes of float graphs on disk: each ONNX file and the external data it names (`vlmrun.onnx_files`)."""
+    return sum(f.stat().st_size for path in map(Path, paths) for f in graph_files(path))
 
 
 def calibration_order(order: str, sets) -> str:

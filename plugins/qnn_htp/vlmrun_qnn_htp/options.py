@@ -268,8 +268,6 @@ def compile_key(opts: dict) -> dict:
     keep = ("precision", "soc", "calibration", "weight_sharing", "part_limit_mb")  # the last two: parts form
     key = {**{k: opts[k] for k in keep if k in opts}, "qnn": ep.qnn_version(), "fallback": "disabled"}
     key.update({k: opts[k] for k in RECIPE_KEYS if k in opts})  # a recipe other than the default
-    if opts.get("followup_source"):  # parts form: the export of the follow-up prompt graph compiled in beside
-        key.update(followup_ar=opts["followup_ar"], followup_source=opts["followup_source"])
     if opts.get("embeds_input") not in (None, "float"):  # parts form, a bundle's decoder: quantized embeddings in
         key["embeds_input"] = opts["embeds_input"]
     if opts.get("toolchain") == "sdk":  # the SDK's tools, its QNN version (the onnxruntime default keys as before)

@@ -6,8 +6,8 @@ Form (export ``decoder/parts``, `vlmrun_ort_reference.decoder_parts`; plan: `vlm
 * each part as two graphs in Genie's I/O layout: "prompt" (AR-N rows, default 128, capped at the hidden size
   because Genie reads AR from embedding inputs as elements / largest dim) and "token" (AR-1), all at one fixed
   context C, and with ``followup_ar`` (default 32) a third, "followup": a second prompt graph of fewer rows
-  (AR-32), the prompt graph of the same export at that AR (`parts_artifact` exports it and names it in the compile
-  options, ``followup_source``), so that a short prompt such as a conversation's next turn costs one small call
+  (AR-32), exported with the other two (`parts_form`; the part's three graphs keep one copy of its weights on
+  disk, `vlmrun_ort_reference.part_weights`), so that a short prompt such as a conversation's next turn costs one small call
   (`.genie_engine.GenieLayoutDecoder` picks the smallest graph covering the rows left); inputs ``inputs_embeds`` (first part) or ``residual_{lo}`` (the residual stream from the previous
   part), ``attention_mask`` [1,T,C], ``position_ids_cos``/``_sin``, the part's past keys (transposed,
   [KV,1,D,C-T]) and values; outputs only the NEW keys/values of the part's layers, plus ``residual_{hi}`` or,
@@ -61,26 +61,22 @@ from .recipe import from_key
 
 
 
-def parts_form(plan: dict, ar: int, opts, prompt_only: bool = False) -> ExportForm:
-    """The ``decoder/parts`` export of ``plan`` (`.options.parts_plan`) with prompt graphs of ``ar`` rows (``opts``:
-    the decoder's normalised options, `.options.stage_options`; ``prompt_only``: no token graphs)."""
-    extra = {"graphs": "prompt"} if prompt_only else {}
-    return ExportForm.of("decoder", "decoder/parts", ar=ar, ctx=plan["ctx"], layers=",".join(map(str, plan["layers"])),
-                         rmsnorm=opts["rmsnorm"], **extra)
+def parts_form(plan: dict, opts) -> ExportForm:
+    """The ``decoder/parts`` export of ``plan`` (`.options.parts_plan`): prompt graphs of the plan's AR, token graphs
+    and, when the plan has a follow-up AR, the follow-up graphs (``opts``: the decoder's normalised options,
+    `.options.stage_options`)."""
+    extra = {"followup": plan["followup_ar"]} if plan["followup_ar"] else {}
+    return ExportForm.of("decoder", "decoder/parts", ar=plan["ar"], ctx=plan["ctx"],
+                         layers=",".join(map(str, plan["layers"])), rmsnorm=opts["rmsnorm"], **extra)
 
 
 def parts_artifact(ctx, stage_plan):
     """The decoder's compiled parts artifact through the store (``ctx``: the stage's context, ``stage_plan``: its
-    `.plan.StagePlan`): the export at the plan's AR and, when the plan has a follow-up AR, the prompt graphs of the
-    same export at that AR compiled into the same artifact (the export's store name is passed as
-    ``followup_source``: it keys the binary too), whoever compiles it (here, or ``--compiler qaihub`` on AI Hub:
-    both read it with `vlmrun_qualcomm.parts.followup_export`)."""
+    `.plan.StagePlan`), from the export `parts_form` names (with the plan's follow-up graphs, which every compiler
+    reads with `vlmrun_qualcomm.parts.followup_export`: here, or ``--compiler qaihub`` on AI Hub)."""
     opts = stage_plan.opts
     plan = parts_plan(ctx.model, opts)
-    if plan["followup_ar"]:
-        followup = ctx.exported(parts_form(plan, plan["followup_ar"], opts, prompt_only=True))
-        opts = {**opts, "followup_ar": plan["followup_ar"], "followup_source": followup.path.name}
-    return compiled_artifact(ctx, "decoder", opts, parts_form(plan, plan["ar"], opts))
+    return compiled_artifact(ctx, "decoder", opts, parts_form(plan, opts))
 
 
 def graph_sources(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict:
@@ -244,7 +240,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
     if desc.get("probe_part"):  # one part's probe graph (vlmrun diff --locate)
         return compile_part_probe(model, source, options, out_dir, calibration_order, context=context)
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
-    fu_dir, fdesc = followup_export(src_dir, options, desc)
+    fu_dir, fdesc = followup_export(src_dir, desc)
     limit = int(options["part_limit_mb"]) * 1_000_000
     jobs_at = context if context is not None else CompileContext()  # the base: in this process, a /tmp work dir
     work = Path(jobs_at.work_dir("vlmrun-qnn-parts-"))

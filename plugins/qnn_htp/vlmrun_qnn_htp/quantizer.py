@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from vlmrun.onnx_files import graph_files
 
 from .memory import in_child, peak_rss_mb, release_memory
 from .qdq_facts import stored_dtypes
@@ -59,7 +60,8 @@ def onnxruntime_tools_without_torch() -> None:
 
 
 def is_big(path: Path) -> bool:
-    return any(path.parent.glob(path.name + ".data")) or path.stat().st_size > BIG_GRAPH_BYTES
+    """A graph with its weights outside it, or a big one: quantized in a child process, saved with external data."""
+    return len(graph_files(path)) > 1 or path.stat().st_size > BIG_GRAPH_BYTES
 
 
 def quantize(src: Path, dst: Path, feeds: list[dict] | Path, recipe: Recipe, work: Path,

@@ -3,7 +3,7 @@
 What every plugin that compiles the parts form shares (qnn_htp compiles it locally, qaihub on AI Hub): the plan
 (how many parts, which layers each holds, the AR and context), the size arithmetic (estimated bytes per part,
 one copy of the weights), the graphs of each part (`part_graphs`: prompt, token and the follow-up prompt graph
-read from its own export, `followup_export`), the part-limit check of compiled binaries and the digest of the
+exported with them, `followup_export`), the part-limit check of compiled binaries and the digest of the
 graphs a binary was compiled from. The form itself is described in `vlmrun_qnn_htp.parts_compile`.
 
 The number of parts (option ``parts``, 0 = auto) is the fewest whose estimated part binary stays under
@@ -14,10 +14,10 @@ weights are balanced, the lm_head counting toward the last part.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from vlmrun.errors import BackendError, UsageError
+from vlmrun.onnx_files import graph_files
 
 PRECISIONS = ("fp16", "w8a16", "w4a16")
 DEFAULT_PART_LIMIT_MB = 1000  # MB (10^6 bytes) per part binary
@@ -94,27 +94,18 @@ def followup_ar(asked, ar: int) -> int:
 
 
 GRAPHS = ("prompt", "token")  # the graphs of every part
-FOLLOWUP = "followup"  # a part's smaller prompt graph (``followup_ar`` rows), when the compile asks for it
+FOLLOWUP = "followup"  # a part's smaller prompt graph (``followup_ar`` rows), when the export has it
 
 
-def followup_export(src_dir: Path, options: dict, desc: dict) -> tuple[Path | None, dict | None]:
-    """(directory, ``parts.json``) of the follow-up prompt graphs' export named by ``options["followup_source"]``
-    (an artifact beside the export ``src_dir`` in the store, whose ``parts.json`` is ``desc``), or ``(None, None)``
-    without one; BackendError when it is missing or was not split as ``desc``. Every compiler of the form reads
-    the follow-up graphs from here (qnn_htp locally, qaihub on AI Hub)."""
-    name = options.get("followup_source")
-    if not name:
+def followup_export(src_dir: Path, desc: dict) -> tuple[Path | None, dict | None]:
+    """(directory, ``parts.json``) of the follow-up prompt graphs of the export ``src_dir`` (whose ``parts.json`` is
+    ``desc``: each part's "followup" graph, exported with its prompt and token graphs under the form's param
+    ``followup``), described as an export of those prompt graphs alone; ``(None, None)`` without them. Every
+    compiler of the form reads the follow-up graphs from here (qnn_htp locally, qaihub on AI Hub)."""
+    if not desc["parts"] or FOLLOWUP not in desc["parts"][0]["graphs"]:
         return None, None
-    path = Path(src_dir).parent / str(name)
-    if not (path / "parts.json").is_file():
-        raise BackendError(f"the follow-up prompt graphs' export {name} is not in the store beside"
-                           f" {Path(src_dir).name}; compile the decoder through its layout (vlmrun compile) or with"
-                           " followup_ar = 0")
-    fdesc = json.loads((path / "parts.json").read_text())
-    if (fdesc["ctx"], fdesc["layers"]) != (desc["ctx"], desc["layers"]):
-        raise BackendError(f"the follow-up export {name} (context {fdesc['ctx']}, layers {fdesc['layers']}) is not split"
-                           f" as the decoder's (context {desc['ctx']}, layers {desc['layers']})")
-    return path, fdesc
+    parts = [{**p, "graphs": {"prompt": p["graphs"][FOLLOWUP]}} for p in desc["parts"]]
+    return Path(src_dir), {**desc, "ar": parts[0]["graphs"]["prompt"]["ar"], "parts": parts}
 
 
 def part_graphs(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict[str, tuple[Path, dict]]:
@@ -152,7 +143,7 @@ def graph_digest(path: Path) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for f in [path, *sorted(path.parent.glob(path.name + ".data"))]:
+    for f in graph_files(path):
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 22), b""):
                 h.update(block)
