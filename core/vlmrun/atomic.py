@@ -232,6 +232,16 @@ def tree_size(path: Path) -> int:
     return total
 
 
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``dst`` as a hard link to ``src`` (no bytes copied), or a copy where the file system has no hard links or
+    they cross file systems; an existing ``dst`` is replaced."""
+    Path(dst).unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename: a reader sees the old
     file or the new one, never half of one."""

@@ -174,12 +174,18 @@ class ArtifactStore:
                     return found
             return self._build(key, path, build)
 
-    def _build_lock(self, path: Path):
-        from filelock import FileLock, Timeout
+    def _lock(self, name: str):
+        """The build lock of artifact ``name`` (a `filelock.FileLock` under ``locks/``, not acquired)."""
+        from filelock import FileLock
 
         locks = self.root / "locks"
         locks.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(locks / f"{path.name}.lock"))
+        return FileLock(str(locks / f"{name}.lock"))
+
+    def _build_lock(self, path: Path):
+        from filelock import Timeout
+
+        lock = self._lock(path.name)
         try:
             lock.acquire(timeout=0)
         except Timeout:
@@ -236,7 +242,7 @@ class ArtifactStore:
         """State folders (`state_dir`) that hold something for an artifact the store does not have, no build of it
         running: what a stopped build kept to resume from (a parts decoder's made parts, a cloud compile's job
         ledger). The next build of the same artifact takes them; `prune` with ``everything`` removes them."""
-        from filelock import FileLock, Timeout
+        from filelock import Timeout
 
         root = self.root / "state"
         if not root.is_dir():
@@ -245,9 +251,8 @@ class ArtifactStore:
         for d in sorted(root.iterdir()):
             if not d.is_dir() or (self.artifacts_dir / d.name).exists() or not any(d.iterdir()):
                 continue
-            lock = FileLock(str(self.root / "locks" / f"{d.name}.lock"))
+            lock = self._lock(d.name)
             try:
-                (self.root / "locks").mkdir(parents=True, exist_ok=True)
                 lock.acquire(timeout=0)
             except Timeout:  # its build is running
                 continue

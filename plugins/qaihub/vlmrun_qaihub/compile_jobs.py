@@ -5,7 +5,6 @@ re-attaches to it. qnn_htp's decoder parts form is compiled by ``parts.py``."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmrun.atomic import link_or_copy
 from vlmrun.errors import BackendError, VlmrunError
 from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
@@ -57,11 +57,7 @@ def _upload_dir(source, work: Path) -> Path:
     d = work / onnx_files[0].name  # directory named like the model
     d.mkdir()
     for f in (onnx_files[0], data[0]):
-        dst = d / f.name if f.suffix in (".onnx", ".data") else d / (f.name + ".data")
-        try:
-            os.link(f, dst)
-        except OSError:
-            shutil.copy2(f, dst)
+        link_or_copy(f, d / f.name if f.suffix in (".onnx", ".data") else d / (f.name + ".data"))
     if not data[0].name.endswith(".data"):  # the client needs a .data suffix: keep the location the ONNX names
         raise BackendError(f"{source.path.name}: external data file {data[0].name} must end in .data for AI Hub")
     return d

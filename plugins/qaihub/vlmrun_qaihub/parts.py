@@ -38,13 +38,13 @@ ledger (the rerun submits that one again, the finished ones are kept); ``--rebui
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+from vlmrun.atomic import link_or_copy
 from vlmrun.errors import BackendError, UsageError
 from vlmrun_qualcomm import parts as qparts  # the form's arithmetic, shared with qnn_htp
 from vlmrun_qualcomm.parts import followup_export, part_graphs
@@ -97,10 +97,7 @@ def _upload_path(src_dir: Path, files: list[str], work: Path) -> Path:
     d = work / onnx_file.name
     d.mkdir()
     for f in (onnx_file, data[0]):
-        try:
-            os.link(f, d / f.name)
-        except OSError:
-            shutil.copy2(f, d / f.name)
+        link_or_copy(f, d / f.name)
     return d
 
 

@@ -18,23 +18,15 @@ import os
 import shutil
 from pathlib import Path
 
+from vlmrun.atomic import link_or_copy, write_text_atomic
+
 RESUME_DIR = "made-parts"
 MADE = "made.json"
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    dst.unlink(missing_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:  # another file system
-        shutil.copy2(src, dst)
-
-
 def _write_json(path: Path, data) -> None:
     """Written whole or not at all (a rename): a file half-written by a killed compile is never read."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, sort_keys=True))
 
 
 class MadeParts:
@@ -115,7 +107,7 @@ class MadeParts:
         if any(not (d / n).is_file() or (d / n).stat().st_size != size for n, size in made["files"].items()):
             return None
         for name in made["files"]:
-            _link_or_copy(d / name, Path(out_dir) / name)
+            link_or_copy(d / name, Path(out_dir) / name)
         return made["result"]
 
     def done(self) -> None:
@@ -134,5 +126,5 @@ def keep(part_dir: str | None, result: dict, out_dir: Path) -> None:
     d.mkdir(parents=True)
     names = [*result["entry"]["binaries"], *result["wrappers"]]
     for name in names:
-        _link_or_copy(Path(out_dir) / name, d / name)
+        link_or_copy(Path(out_dir) / name, d / name)
     _write_json(d / MADE, {"files": {n: (d / n).stat().st_size for n in names}, "result": result})
