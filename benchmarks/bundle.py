@@ -7,8 +7,8 @@ Per decoder precision it writes a bundle of the all-npu layout (the image encode
 decoder's parts at the precision) in a child process and prints, as JSON: the bundle's bytes (image encoder, decoder
 parts, LUT, total), the largest binary against the 1000 MB part limit, the child's wall seconds and peak RSS (export,
 quantization and compile included: what a first ``vlmrun bundle`` costs; the store makes a second one instant), the
-disk it took (``disk``: the store before, its peak above that with the bundle, sampled every 5 s, and both after;
-the model's checkpoint is in the store folder when the benchmark built it), and,
+disk it took (``disk``, 10^9 bytes allocated: the store before, the store and the bundle at their peak, sampled
+every 5 s, and after; the model's checkpoint is in the store folder when the benchmark built it), and,
 on the tiny model with ``--items N``, the emulator's pipeline over N held-out items (informational: an x86_64
 emulator, not a phone): answers equal to the reference's, seconds per answer.
 
@@ -142,7 +142,7 @@ def main() -> None:
         with children.DiskPeak([args.cache_dir, str(out)]) as disk:
             res = {"precision": precision, "vision_precision": args.vision_precision, "target": target,
                    **run_child("write", spec, log)}
-        res["disk"] = {"store_gb_before": round(disk.start / 1e9, 2), "peak_gb_above": disk.peak_gb,
+        res["disk"] = {"store_gb_before": round(disk.start / 1e9, 2), "peak_gb": round(disk.peak / 1e9, 2),
                        "store_and_bundle_gb_after": round(disk.bytes_now() / 1e9, 2)}
         if not args.full_size and target == "local" and args.items and not res.get("failed"):
             res["emulator"] = run_child("run", spec, log)

@@ -43,7 +43,7 @@ def run_step(argv: Sequence[str], step: str) -> dict:
 
 class DiskPeak:
     """Samples the bytes under ``paths`` every ``every`` seconds in a thread while its ``with`` block runs (files
-    counted once however many names they have): ``start`` and ``peak`` bytes, ``peak_gb`` above the start."""
+    counted once however many names they have): ``start`` and ``peak`` bytes (``peak_gb``: above the start)."""
 
     def __init__(self, paths: Sequence[str], every: float = 5.0):
         import threading
