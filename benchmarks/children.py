@@ -43,7 +43,7 @@ def run_step(argv: Sequence[str], step: str) -> dict:
 
 class DiskPeak:
     """Samples the bytes under ``paths`` every ``every`` seconds in a thread while its ``with`` block runs (files
-    counted once however many names they have): ``start`` and ``peak`` bytes (``peak_gb``: above the start)."""
+    counted once however many names they have): ``start`` and ``peak`` bytes."""
 
     def __init__(self, paths: Sequence[str], every: float = 5.0):
         import threading
@@ -78,10 +78,6 @@ class DiskPeak:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.bytes_now())
-
-    @property
-    def peak_gb(self) -> float:
-        return round((self.peak - self.start) / 1e9, 2)
 
 
 class Served:

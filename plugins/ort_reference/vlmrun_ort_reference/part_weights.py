@@ -34,8 +34,6 @@ class SharedWeights:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.stored: dict[tuple[int, str], int] = {}  # (length, sha256) -> offset
-        self.appended = 0  # bytes written
-        self.shared = 0  # bytes a graph found stored already
 
     def store(self, proto, source_dir: Path) -> None:
         """Put every tensor of ``proto`` that torch wrote outside it (files under ``source_dir``) and every
@@ -66,14 +64,10 @@ class SharedWeights:
 
     def _copy_bytes(self, dst, data: bytes) -> tuple[int, int]:
         key = (len(data), hashlib.sha256(data).hexdigest())
-        if key in self.stored:
-            self.shared += len(data)
-            return self.stored[key], len(data)
-        offset = dst.seek(0, os.SEEK_END)
-        dst.write(data)
-        self.stored[key] = offset
-        self.appended += len(data)
-        return offset, len(data)
+        if key not in self.stored:
+            self.stored[key] = dst.seek(0, os.SEEK_END)
+            dst.write(data)
+        return self.stored[key], len(data)
 
     def _copy_file(self, dst, tensor, source_dir: Path) -> tuple[int, int]:
         """Copy an external tensor's bytes to the end of the file while hashing them; when the file held them
@@ -98,11 +92,9 @@ class SharedWeights:
         key = (length, digest.hexdigest())
         if key in self.stored:
             dst.truncate(offset)
-            self.shared += length
-            return self.stored[key], length
-        self.stored[key] = offset
-        self.appended += length
-        return offset, length
+        else:
+            self.stored[key] = offset
+        return self.stored[key], length
 
 
 def place_graph(staged: Path, path: Path, weights: SharedWeights | None = None) -> list[str]:
