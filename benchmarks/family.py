@@ -132,7 +132,7 @@ def make_part_step(model, work: Path, k: int, args) -> dict:
     src = work / "out" / f"part{k}"
     desc = json.loads((src / "parts.json").read_text())
     p = next(e for e in desc["parts"] if e["index"] == k)
-    sources = graph_sources(src, p, None, None)
+    sources = {kind: g for kind, g in graph_sources(src, p).items() if kind in ("prompt", "token")}
     out, scratch = _fresh(work, f"bundle_part{k}"), _fresh(work, f"scratch{k}")
     counts = dict(zip(("prompt", "token"), _feed_counts(args.calibration_feeds)))
     feeds = {kind: str(spill_feeds(random_feeds(path, counts[kind], seed=k), scratch / f"{kind}.npz"))

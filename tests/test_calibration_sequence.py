@@ -27,14 +27,12 @@ def whole(tiny_model, store):
 
 
 def calibration_inputs(pipe):
-    from vlmrun_qualcomm.parts import followup_export
-
     art = pipe.handles["decoder"].artifact
     src = source_dir(pipe.store, art)
     desc = json.loads((src / "parts.json").read_text())
-    fu_dir, fdesc = followup_export(src, desc)
-    assert len(desc["parts"]) == 3 and fu_dir is not None
-    return src, desc, (fu_dir, fdesc)
+    assert len(desc["parts"]) == 3 and all(sorted(p["graphs"]) == ["followup", "prompt", "token"]
+                                           for p in desc["parts"])
+    return src, desc
 
 
 class Opened:
@@ -62,12 +60,12 @@ class Opened:
 def test_in_sequence_the_feeds_are_whole_at_onces_with_one_part_open_at_a_time(whole, tiny_model, monkeypatch):
     from vlmrun_qnn_htp import calibration
 
-    src, desc, followup = calibration_inputs(whole)
+    src, desc = calibration_inputs(whole)
     ctx = compile_context(whole, "decoder")
     feeds, opened = {}, {}
     for order in ("whole", "sequence"):
         count = Opened(monkeypatch)
-        feeds[order] = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, order)
+        feeds[order] = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, order)
         opened[order] = (count.most, count.opened)
     (a, label_a), (b, label_b) = feeds["whole"], feeds["sequence"]
     assert sorted(a) == sorted(b) == [(k, kind) for k in (1, 2, 3) for kind in ("followup", "prompt", "token")]
@@ -89,7 +87,7 @@ def test_in_sequence_the_feeds_are_whole_at_onces_with_one_part_open_at_a_time(w
     lengths = [min(f["inputs_embeds"].shape[1], C - desc["ar"] - calibration.GEN_STEPS)
                for f in ctx.reference_inputs(None, prompts)]
     calls, rounds = {}, {}
-    for kind, rows, _ in calibration.parts_graph_sets(src, desc, followup):
+    for kind, rows, _ in calibration.parts_graph_sets(src, desc):
         steps = calibration.GEN_STEPS if kind == "token" else calibration.PROMPT_GEN_STEPS
         calls[kind] = [calibration.host_loop_calls(n, rows, steps, C) for n in lengths]
         rounds[kind] = max(c - -(-n // rows) for c, n in zip(calls[kind], lengths))  # greedy steps of a prompt
@@ -119,13 +117,13 @@ def test_a_part_calibrated_in_sequence_quantizes_and_answers_as_whole_at_once(wh
 
     from conftest import IMAGE_SIZE
 
-    src, desc, followup = calibration_inputs(whole)
+    src, desc = calibration_inputs(whole)
     ctx = compile_context(whole, "decoder")
     recipe = from_key(whole.handles["decoder"].artifact.manifest["key"]["options"])
     graph = src / desc["parts"][1]["graphs"]["prompt"]["file"]  # part 2: its inputs are part 1's outputs
     qdq = {}
     for order in ("whole", "sequence"):
-        feeds, _ = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, order)
+        feeds, _ = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, order)
         work = tmp_path / order
         work.mkdir()
         quantize(graph, work / "part2_prompt.qdq.onnx", feeds[(2, "prompt")], recipe, work)
@@ -156,10 +154,10 @@ def test_in_sequence_into_a_folder_the_feeds_go_to_disk_part_by_part_and_a_full_
     from vlmrun.errors import UsageError
     from vlmrun_qnn_htp import calibration
 
-    src, desc, followup = calibration_inputs(whole)
+    src, desc = calibration_inputs(whole)
     ctx = compile_context(whole, "decoder")
-    in_memory, _ = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, "sequence")
-    paths, label = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, "sequence",
+    in_memory, _ = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, "sequence")
+    paths, label = calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, "sequence",
                                                        into=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"feeds_part{k}_{kind}.npz" for k in (1, 2, 3) for kind in ("followup", "prompt", "token"))  # spill gone
@@ -173,15 +171,15 @@ def test_in_sequence_into_a_folder_the_feeds_go_to_disk_part_by_part_and_a_full_
     monkeypatch.setattr(calibration.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(UsageError, match=r"calibrating the prompt graphs in sequence \(\d+ kept calls x 3 parts\)"
                                          r" in .* needs \d+ bytes \([\d.]+ GB\) free on its disk, which has 1000 "):
-        calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, followup, "sequence",
+        calibration.parts_calibration_feeds(tiny_model, src, desc, [], ctx, "sequence",
                                             into=tmp_path / "full")
 
 
 def test_auto_calibrates_in_sequence_when_the_float_decoder_does_not_fit_the_budget(whole, monkeypatch):
     from vlmrun_qnn_htp import calibration
 
-    src, desc, followup = calibration_inputs(whole)
-    sets = calibration.parts_graph_sets(src, desc, followup)
+    src, desc = calibration_inputs(whole)
+    sets = calibration.parts_graph_sets(src, desc)
     need = 2 * max(calibration.graph_set_bytes(paths) for _, _, paths in sets)
     assert need > 0
     monkeypatch.delenv("VLMRUN_MEMORY_BUDGET_GB", raising=False)

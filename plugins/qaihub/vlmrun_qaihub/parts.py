@@ -3,9 +3,9 @@ LLMs by on AI Hub.
 
 The ``decoder/parts`` export holds P parts, each a prompt (AR-N) and a token (AR-1) graph
 (``vlmrun_ort_reference.decoder_parts``). With qnn_htp's ``followup_ar`` (default 32; 0 = none) each part has a
-third graph, "followup": the prompt graph of the same part at that AR, in the same export (read with
-``vlmrun_qualcomm.parts.followup_export``), so that a conversation's next
-turn costs one small call, as in a local compile. With ``weight_sharing`` on (the default for a hub compile: the
+third graph, "followup": the prompt graph of the same part at that AR, in the same export
+(``vlmrun_qualcomm.parts.part_graphs``), so that a conversation's next turn costs one small call, as in a local
+compile. With ``weight_sharing`` on (the default for a hub compile: the
 binaries are for a device, see ``vlmrun_qnn_htp.options.resolve_sharing``):
 
 1. every graph is uploaded and compiled by one compile job, ``--target_runtime qnn_dlc --qnn_graph_name <name>``
@@ -47,7 +47,7 @@ from pathlib import Path
 from vlmrun.atomic import link_or_copy
 from vlmrun.errors import BackendError, UsageError
 from vlmrun_qualcomm import parts as qparts  # the form's arithmetic, shared with qnn_htp
-from vlmrun_qualcomm.parts import followup_export, part_graphs
+from vlmrun_qualcomm.parts import exported_followup_ar, part_graphs
 from vlmrun_qualcomm.manifest import ContextManifest, onnx_io, write_ctx_onnx
 
 from . import hub as hubmod
@@ -191,8 +191,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
-    fu_dir, fdesc = followup_export(src_dir, desc)  # the follow-up prompt graphs, when exported
-    table = {p["index"]: part_graphs(src_dir, p, fu_dir, fdesc) for p in desc["parts"]}  # part -> kind -> graph
+    table = {p["index"]: part_graphs(src_dir, p) for p in desc["parts"]}  # part -> kind -> graph (follow-up too)
     limit = int(options["part_limit_mb"]) * 1_000_000
     runtime = "qnn_dlc" if share else "qnn_context_binary"
     link_opts = f"--qairt_version {qairt}" if qairt else ""
@@ -339,7 +338,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
         extra={
             "decoder_parts": {
                 "ar": ar, "ctx": ctx, "parts": parts, "count": P, "layers": desc["layers"],
-                "followup_ar": fdesc["ar"] if fdesc else 0, "graph_bytes": graph_bytes(out_dir, parts, share),
+                "followup_ar": exported_followup_ar(desc), "graph_bytes": graph_bytes(out_dir, parts, share),
                 "weight_sharing": share, "graphs_per_binary": len(table[k1]) if share else 1,
                 "binaries_in_order": binaries, "total_bytes": total, "limit_bytes": limit,
                 "weight_bytes": weight_bytes, "bytes_over_weights": round(total / weight_bytes, 4),

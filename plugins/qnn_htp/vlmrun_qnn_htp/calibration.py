@@ -30,6 +30,7 @@ from vlmrun.atomic import check_free_space
 from vlmrun.cpu import onnxruntime_options
 from vlmrun.errors import UsageError
 from vlmrun.onnx_files import graph_files
+from vlmrun_qualcomm.parts import part_graphs
 
 from .calibration_sequence import load, record_in_sequence
 from .parts_run import Chain
@@ -318,16 +319,13 @@ class PromptLoop:
         greedy_steps(dec, self.logits, self.rows, self.n_steps, self.embed_tokens)
 
 
-def parts_graph_sets(src_dir: Path, desc: dict, followup: tuple[Path, dict] | None = None) -> list[tuple]:
+def parts_graph_sets(src_dir: Path, desc: dict, kinds=None) -> list[tuple]:
     """``(kind, rows, [float ONNX file per part])`` of each graph set to calibrate: the prompt graphs, the token
-    graphs and, with ``followup`` (the follow-up export's directory and ``parts.json``), its prompt graphs as
-    "followup"."""
-    sets = [(kind, desc["ar"] if kind == "prompt" else 1, [src_dir / p["graphs"][kind]["file"] for p in desc["parts"]])
-            for kind in ("prompt", "token")]
-    if followup is not None:
-        fu_dir, fdesc = followup
-        sets.append(("followup", fdesc["ar"], [fu_dir / p["graphs"]["prompt"]["file"] for p in fdesc["parts"]]))
-    return sets
+    graphs and, when the export has them, the follow-up prompt graphs as "followup"
+    (`vlmrun_qualcomm.parts.part_graphs`); only those of ``kinds`` when given."""
+    graphs = [part_graphs(src_dir, p) for p in desc["parts"]]
+    return [(kind, g0["ar"], [d / g[kind][1]["file"] for g in graphs]) for kind, (d, g0) in graphs[0].items()
+            if kinds is None or kind in kinds]
 
 
 def host_loop_calls(length: int, rows: int, steps: int, ctx: int) -> int:
@@ -358,8 +356,7 @@ def call_bytes(path: Path) -> int:
 
 
 def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
-                            followup: tuple[Path, dict] | None = None, order: str = "auto",
-                            into: Path | None = None) -> tuple[dict, str]:
+                            order: str = "auto", into: Path | None = None, kinds=None) -> tuple[dict, str]:
     """{(part index, "prompt"|"token"|"followup"): [feeds]} recorded from the float part graphs on the CPU, and a
     label. Each graph set runs the host loop alone: the prompts in chunks of its rows, then greedy steps through
     it (so the follow-up graphs see calls on a filled past, as a conversation's next turn gives them). ``order``
@@ -368,7 +365,8 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
     loop a `PromptLoop`): the same feeds either way. With ``into`` (a folder), each part's
     feeds of a graph set are written there as they are made (`spill_feeds`, ``feeds_part{k}_{kind}.npz``) and the
     dict holds those paths: in sequence, memory then holds one part's kept feeds at a time, and the disk the kept
-    calls of one graph set (checked before it starts) plus the files written."""
+    calls of one graph set (checked before it starts) plus the files written. ``kinds``: only those graph sets
+    (`parts_graph_sets`)."""
     from vlmrun_qualcomm.genie_config import GenieModel
 
     facts = GenieModel.from_model(model)
@@ -377,7 +375,7 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
         CALIBRATION_PROMPTS)
     embeds = [f["inputs_embeds"][:, : max(1, ctx - ar - GEN_STEPS)].astype(np.float32)
               for f in context.reference_inputs(files or None, prompts)]
-    sets = parts_graph_sets(src_dir, desc, followup)
+    sets = parts_graph_sets(src_dir, desc, kinds)
     order = calibration_order(order, sets)
     embed_lock = threading.Lock()  # in sequence the prompts' greedy steps run in threads: one token lookup at a time
 

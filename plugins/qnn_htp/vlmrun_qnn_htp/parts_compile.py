@@ -45,8 +45,8 @@ import attrs
 from vlmrun.errors import BackendError
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
-from vlmrun_qualcomm.parts import (FOLLOWUP, check_part_limits, followup_export, graph_digest, part_graphs,
-                                   weight_bytes)
+from vlmrun_qualcomm.parts import (FOLLOWUP, GRAPHS, check_part_limits, exported_followup_ar, graph_digest,
+                                   part_graphs, weight_bytes)
 
 from vlmrun.stages import CompileContext, ExportForm
 
@@ -73,16 +73,16 @@ def parts_form(plan: dict, opts) -> ExportForm:
 def parts_artifact(ctx, stage_plan):
     """The decoder's compiled parts artifact through the store (``ctx``: the stage's context, ``stage_plan``: its
     `.plan.StagePlan`), from the export `parts_form` names (with the plan's follow-up graphs, which every compiler
-    reads with `vlmrun_qualcomm.parts.followup_export`: here, or ``--compiler qaihub`` on AI Hub)."""
+    reads from the same export: here, or ``--compiler qaihub`` on AI Hub)."""
     opts = stage_plan.opts
     plan = parts_plan(ctx.model, opts)
     return compiled_artifact(ctx, "decoder", opts, parts_form(plan, opts))
 
 
-def graph_sources(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict:
-    """``{kind: (ONNX file, rows, Genie name)}`` of part ``p``'s graphs: prompt, token and, with a follow-up export,
-    its prompt graph of the same part as "followup" (`vlmrun_qualcomm.parts.part_graphs`)."""
-    graphs = part_graphs(src_dir, p, fu_dir, fdesc)
+def graph_sources(src_dir: Path, p: dict) -> dict:
+    """``{kind: (ONNX file, rows, Genie name)}`` of part ``p``'s graphs: prompt, token and, when exported, its
+    follow-up prompt graph as "followup" (`vlmrun_qualcomm.parts.part_graphs`)."""
+    graphs = part_graphs(src_dir, p)
     return {kind: (d / g["file"], g["ar"], g["name"]) for kind, (d, g) in graphs.items()}
 
 
@@ -240,7 +240,6 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
     if desc.get("probe_part"):  # one part's probe graph (vlmrun diff --locate)
         return compile_part_probe(model, source, options, out_dir, calibration_order, context=context)
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
-    fu_dir, fdesc = followup_export(src_dir, desc)
     limit = int(options["part_limit_mb"]) * 1_000_000
     jobs_at = context if context is not None else CompileContext()  # the base: in this process, a /tmp work dir
     work = Path(jobs_at.work_dir("vlmrun-qnn-parts-"))
@@ -257,10 +256,9 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
         elif recipe is not None:
             t0 = time.perf_counter()
             files = calibration.calibration_files(options.get("calibration_images"))
-            followup = (fu_dir, fdesc) if fu_dir is not None else None
             # on disk as they are made, until their graph is quantized: one graph's feeds in memory at a time
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
-                                                               calibration.require_context(context), followup,
+                                                               calibration.require_context(context),
                                                                calibration_order, into=kept.feeds_dir(work))
             feeds = kept.keep_feeds({key: str(path) for key, path in feeds.items()}, label)
             context.release_reference()  # its image encoder's session would outlive every quantization below
@@ -271,7 +269,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
         jobs = []
         for p in desc["parts"]:
             sources = {kind: (str(f), rows, name) for kind, (f, rows, name)
-                       in graph_sources(src_dir, p, fu_dir, fdesc).items()}
+                       in graph_sources(src_dir, p).items()}
             jobs.append(PartJob(part={"index": p["index"], "layers": p["layers"]}, count=P, sources=sources,
                                 feeds={kind: feeds[(p["index"], kind)] for kind in sources if feeds},
                                 options=dict(options), work=str(work), out_dir=str(out_dir),
@@ -319,7 +317,7 @@ def compile_parts(model, source, options: dict, out_dir: Path, *, calibration_or
     first, last = parts[0]["graphs"]["prompt"], parts[-1]["graphs"]["prompt"]
     extra["decoder_parts"] = {
         "ar": ar, "ctx": ctx, "parts": parts, "count": P, "layers": desc["layers"],
-        "followup_ar": fdesc["ar"] if fdesc else 0, "graph_compile_s": {k: round(v, 3) for k, v in graph_s.items()},
+        "followup_ar": exported_followup_ar(desc), "graph_compile_s": {k: round(v, 3) for k, v in graph_s.items()},
         "graph_bytes": graph_bytes(out_dir, parts, share),
         "weight_sharing": share, "graphs_per_binary": len(parts[0]["graphs"]) if share else 1,
         "binaries_in_order": binaries, "total_bytes": total, "limit_bytes": limit,
@@ -389,7 +387,7 @@ def compile_part_probe(model, source, options: dict, out_dir, calibration_order:
             files = calibration.calibration_files(options.get("calibration_images"))
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
                                                                calibration.require_context(context),
-                                                               order=calibration_order)
+                                                               order=calibration_order, kinds=GRAPHS)
             dst = work / f"part{k}_prompt_probe.qdq.onnx"
             facts = quantize(src, dst, feeds[(k, "prompt")], recipe, work, _layers(options, k, "prompt"))
             extra["quantization"] = {**facts, "calibration": label, "quantize_s": round(time.perf_counter() - t0, 3)}

@@ -3,7 +3,7 @@
 What every plugin that compiles the parts form shares (qnn_htp compiles it locally, qaihub on AI Hub): the plan
 (how many parts, which layers each holds, the AR and context), the size arithmetic (estimated bytes per part,
 one copy of the weights), the graphs of each part (`part_graphs`: prompt, token and the follow-up prompt graph
-exported with them, `followup_export`), the part-limit check of compiled binaries and the digest of the
+exported with them), the part-limit check of compiled binaries and the digest of the
 graphs a binary was compiled from. The form itself is described in `vlmrun_qnn_htp.parts_compile`.
 
 The number of parts (option ``parts``, 0 = auto) is the fewest whose estimated part binary stays under
@@ -97,25 +97,18 @@ GRAPHS = ("prompt", "token")  # the graphs of every part
 FOLLOWUP = "followup"  # a part's smaller prompt graph (``followup_ar`` rows), when the export has it
 
 
-def followup_export(src_dir: Path, desc: dict) -> tuple[Path | None, dict | None]:
-    """(directory, ``parts.json``) of the follow-up prompt graphs of the export ``src_dir`` (whose ``parts.json`` is
-    ``desc``: each part's "followup" graph, exported with its prompt and token graphs under the form's param
-    ``followup``), described as an export of those prompt graphs alone; ``(None, None)`` without them. Every
-    compiler of the form reads the follow-up graphs from here (qnn_htp locally, qaihub on AI Hub)."""
-    if not desc["parts"] or FOLLOWUP not in desc["parts"][0]["graphs"]:
-        return None, None
-    parts = [{**p, "graphs": {"prompt": p["graphs"][FOLLOWUP]}} for p in desc["parts"]]
-    return Path(src_dir), {**desc, "ar": parts[0]["graphs"]["prompt"]["ar"], "parts": parts}
-
-
-def part_graphs(src_dir: Path, p: dict, fu_dir: Path | None, fdesc: dict | None) -> dict[str, tuple[Path, dict]]:
+def part_graphs(src_dir: Path, p: dict) -> dict[str, tuple[Path, dict]]:
     """``{kind: (export directory, the graph's ``parts.json`` entry)}`` of part ``p`` (an entry of ``parts.json``
-    in ``src_dir``): prompt, token and, with a follow-up export (`followup_export`), the prompt graph of its same
-    part as "followup"; in that order, the order a part's graphs are compiled, linked and listed in."""
-    out = {kind: (Path(src_dir), p["graphs"][kind]) for kind in GRAPHS}
-    if fu_dir is not None:
-        out[FOLLOWUP] = (Path(fu_dir), fdesc["parts"][p["index"] - 1]["graphs"]["prompt"])
-    return out
+    in ``src_dir``): prompt, token and, when the export has it (the form's param ``followup``), the follow-up prompt
+    graph as "followup"; in that order, the order a part's graphs are compiled, linked and listed in."""
+    return {kind: (Path(src_dir), p["graphs"][kind]) for kind in (*GRAPHS, FOLLOWUP) if kind in p["graphs"]}
+
+
+def exported_followup_ar(desc: dict) -> int:
+    """The rows of the follow-up prompt graphs of the export described by ``desc`` (its ``parts.json``); 0 when it
+    has none."""
+    first = desc["parts"][0]["graphs"] if desc["parts"] else {}
+    return int(first[FOLLOWUP]["ar"]) if FOLLOWUP in first else 0
 
 
 def weight_bytes(model, precision: str) -> int:
