@@ -6,6 +6,7 @@ graphs and the same logits on the emulator; ``auto`` picks the order from the me
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -165,7 +166,18 @@ def test_in_sequence_into_a_folder_the_feeds_go_to_disk_part_by_part_and_a_full_
         on_disk = calibration.load_feeds(path)
         assert len(on_disk) == len(in_memory[key]) > 0
         for a, b in zip(on_disk, in_memory[key]):
-            assert sorted(a) == sorted(b) and all(np.array_equal(a[n], b[n]) for n in a), key
+            assert sorted(a) == sorted(b), key
+            for n in a:
+                assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, (key, n)
+                assert a[n].tobytes() == b[n].tobytes(), (key, n)  # to the bit
+    # the pasts' unfilled positions are not written (vlmrun_qnn_htp.feed_files): a part's files take less than the
+    # arrays they hold (context 128: the prompts' 60-70 rows and their greedy steps filled; more at full size)
+    raw = {key: sum(v.nbytes for f in in_memory[key] for v in f.values()) for key in paths}
+    for k in (1, 2, 3):
+        size = {kind: Path(paths[(k, kind)]).stat().st_size / raw[(k, kind)] for kind in ("prompt", "token",
+                                                                                          "followup")}
+        # measured: token 0.38, prompt 0.57-0.64, followup 0.51-0.54
+        assert size["token"] < 0.45 and size["prompt"] < 0.7 and size["followup"] < 0.6, (k, size)
     assert "GB of kept feeds on disk" in label
     real = shutil.disk_usage
     monkeypatch.setattr(calibration.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))

@@ -33,6 +33,7 @@ from vlmrun.onnx_files import graph_files
 from vlmrun_qualcomm.parts import part_graphs
 
 from .calibration_sequence import load, record_in_sequence
+from .feed_files import load_arrays, save_arrays
 from .parts_run import Chain
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
@@ -457,15 +458,15 @@ def calibration_order(order: str, sets) -> str:
 
 
 def spill_feeds(feeds: list[dict], path: Path) -> Path:
-    """Write calibration feeds to ``path`` (.npz) so they are not held while other graphs are quantized."""
-    np.savez(path, **{f"{i}/{name}": v for i, f in enumerate(feeds) for name, v in f.items()})
-    return path
+    """Write calibration feeds to ``path`` (.npz) so they are not held while other graphs are quantized; each
+    array without its zeros around it (`.feed_files`: a past's unfilled positions), read back to the bit."""
+    return save_arrays(path, {f"{i}/{name}": v for i, f in enumerate(feeds) for name, v in f.items()})
 
 
 def load_feeds(path: Path) -> list[dict]:
-    with np.load(path) as z:
-        out: dict[int, dict] = {}
-        for key in z.files:
-            i, name = key.split("/", 1)
-            out.setdefault(int(i), {})[name] = z[key]
+    """The feeds `spill_feeds` wrote to ``path``."""
+    out: dict[int, dict] = {}
+    for key, value in load_arrays(path).items():
+        i, name = key.split("/", 1)
+        out.setdefault(int(i), {})[name] = value
     return [out[i] for i in sorted(out)]

@@ -21,7 +21,7 @@ runs in two phases:
 Graphs opened: parts x (1 + the greedy steps of the prompt that makes most), instead of parts x its calls (a token
 graph's prefill is a call per row: at FastVLM-1.5B ~290 calls per prompt).
 
-Only the kept calls' feeds are written to disk (`np.save`, one folder per part): which calls are kept is known
+Only the kept calls' feeds are written to disk (`.feed_files.save_arrays`, one folder per part): which calls are kept is known
 before the first call, because each prompt's number of calls is (``counts``, `.calibration.host_loop_calls`;
 checked at the end). The calls are numbered prompt by prompt, the order whole-at-once makes them in (a prompt's
 prefill calls, then its greedy steps), so the same calls are kept: the same feeds, the same quantized part
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+
+from .feed_files import load_arrays, save_arrays
 
 
 class _Rounds:
@@ -100,16 +102,19 @@ class _Lane:
 
 def _save(folder: Path, feeds: dict, clip: float | None) -> None:
     folder.mkdir(parents=True)
+    arrays = {}
     for name, value in feeds.items():
         value = np.asarray(value)
         if clip is not None and name == "attention_mask":
             value = np.maximum(value, np.float32(clip))
-        np.save(folder / f"{name}.npy", value)
+        arrays[name] = value
+    save_arrays(folder / "feeds.npz", arrays)
 
 
 def load(folder: Path, names: Sequence[str]) -> dict:
     """One kept call's feeds of one part, as `record_in_sequence` saved them."""
-    return {name: np.load(folder / f"{name}.npy") for name in names}
+    arrays = load_arrays(folder / "feeds.npz", set(names))
+    return {name: arrays[name] for name in names}
 
 
 def kept_calls(counts: Sequence[int], keep: set[int]) -> dict[tuple[int, int], int]:
