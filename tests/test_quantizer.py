@@ -85,7 +85,8 @@ def test_aimet_lpbq_decoder_matches_aimets_simulation_on_the_emulator(lpbq, tiny
     # the same calibration feeds the compile used, AIMET's simulation of the same recipe on the float graph
     src = source_dir(store, art)
     desc = json.loads((src / "parts.json").read_text())
-    feeds, _ = calibration.parts_calibration_feeds(tiny_model, src, desc, [], compile_context(lpbq, "decoder"))
+    feeds, _ = calibration.parts_calibration_feeds(tiny_model, src, desc, [], compile_context(lpbq, "decoder"),
+                                                   kinds=("prompt",))
     prompt = feeds[(1, "prompt")]
     sim, _ = aimet_engine.build_sim(preprocessed(src / desc["parts"][0]["graphs"]["prompt"]["file"], tmp_path),
                                     prompt, from_key(art.manifest["key"]["options"]), tmp_path)
