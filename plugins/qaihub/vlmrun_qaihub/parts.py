@@ -191,7 +191,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     src_dir = source.path
     desc = json.loads((src_dir / "parts.json").read_text())
     P, ar, ctx = len(desc["parts"]), desc["ar"], desc["ctx"]
-    table = {p["index"]: part_graphs(src_dir, p) for p in desc["parts"]}  # part -> kind -> graph (follow-up too)
+    table = {p["index"]: part_graphs(p) for p in desc["parts"]}  # part -> kind -> graph (follow-up too)
     limit = int(options["part_limit_mb"]) * 1_000_000
     runtime = "qnn_dlc" if share else "qnn_context_binary"
     link_opts = f"--qairt_version {qairt}" if qairt else ""
@@ -211,7 +211,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     cjobs: dict[tuple[int, str], object] = {}
     for p in desc["parts"]:
         k = p["index"]
-        for kind, (gdir, g) in table[k].items():
+        for kind, g in table[k].items():
             key = steps.key("compile", k, kind)
             what = f"decoder part {k}/{P} {kind} graph"
             job = None if rebuild else steps.attach(key, "compile")
@@ -227,14 +227,14 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
                 if hub_model is None:
                     work = Path(tempfile.mkdtemp(prefix="vlmrun-qaihub-up-"))
                     try:
-                        path = _upload_path(gdir, g["files"], work)
-                        hub.say(f"AI Hub: uploading {what} ({g['file']}) from {gdir.name}")
+                        path = _upload_path(src_dir, g["files"], work)
+                        hub.say(f"AI Hub: uploading {what} ({g['file']}) from {src_dir.name}")
                         hub_model = hub.call("model upload", client.upload_model, str(path),
-                                             name=f"vlmrun-decoder-{Path(g['file']).stem}-{gdir.name}")
+                                             name=f"vlmrun-decoder-{Path(g['file']).stem}-{src_dir.name}")
                     finally:
                         shutil.rmtree(work, ignore_errors=True)
                     ledger.update(key, state="uploaded", model_id=hub_model.model_id, what=what, kind="compile")
-                specs = input_specs(gdir / g["file"])
+                specs = input_specs(src_dir / g["file"])
                 opts = graph_options(runtime, g["name"], qairt, extra)
                 job = hub.call("compile job submission", client.submit_compile_job, hub_model, make_device(dev.spec),
                                name=f"vlmrun decoder part{k}_of_{P} {kind} {precision}", input_specs=specs or None,
@@ -274,7 +274,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
     for p in desc["parts"]:
         k = p["index"]
         entry = {"index": k, "layers": p["layers"], "graphs": {}, "binaries": [],
-                 "source_sha256": {kind: qparts.graph_digest(d / g["file"]) for kind, (d, g) in table[k].items()},
+                 "source_sha256": {kind: qparts.graph_digest(src_dir / g["file"]) for kind, g in table[k].items()},
                  "hub_compile_jobs": {kind: cjobs[(k, kind)].job_id for kind in table[k]}}
         pieces = ([(None, finals[k], f"part{k}_of_{P}_qnn.bin")] if share else
                   [(kind, cjobs[(k, kind)], f"part{k}_of_{P}_{kind}_qnn.bin") for kind in table[k]])
@@ -291,7 +291,7 @@ def compile_parts_on_hub(hub: hubmod.Hub, model, source, options: dict, out_dir:
             got = [n.strip() for n in re.split(r"[,;]", meta.get(ModelMetadataKey.QNN_CONTEXT_BIN_GRAPH_NAMES) or "")
                    if n.strip()]
             for kind in ([only] if only else table[k]):
-                g = table[k][kind][1]
+                g = table[k][kind]
                 name = next((n for n in got if base_name(n) == g["name"]), None)
                 if name is None:
                     raise BackendError(f"{what}: AI Hub job {job.job_id} returned a binary with graphs"

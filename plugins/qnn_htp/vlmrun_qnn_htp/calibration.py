@@ -324,8 +324,8 @@ def parts_graph_sets(src_dir: Path, desc: dict, kinds=None) -> list[tuple]:
     """``(kind, rows, [float ONNX file per part])`` of each graph set to calibrate: the prompt graphs, the token
     graphs and, when the export has them, the follow-up prompt graphs as "followup"
     (`vlmrun_qualcomm.parts.part_graphs`); only those of ``kinds`` when given."""
-    graphs = [part_graphs(src_dir, p) for p in desc["parts"]]
-    return [(kind, g0["ar"], [d / g[kind][1]["file"] for g in graphs]) for kind, (d, g0) in graphs[0].items()
+    graphs = [part_graphs(p) for p in desc["parts"]]
+    return [(kind, g0["ar"], [Path(src_dir) / g[kind]["file"] for g in graphs]) for kind, g0 in graphs[0].items()
             if kinds is None or kind in kinds]
 
 

@@ -82,8 +82,7 @@ def parts_artifact(ctx, stage_plan):
 def graph_sources(src_dir: Path, p: dict) -> dict:
     """``{kind: (ONNX file, rows, Genie name)}`` of part ``p``'s graphs: prompt, token and, when exported, its
     follow-up prompt graph as "followup" (`vlmrun_qualcomm.parts.part_graphs`)."""
-    graphs = part_graphs(src_dir, p)
-    return {kind: (d / g["file"], g["ar"], g["name"]) for kind, (d, g) in graphs.items()}
+    return {kind: (Path(src_dir) / g["file"], g["ar"], g["name"]) for kind, g in part_graphs(p).items()}
 
 
 def binary_names(k: int, P: int, kinds, share: bool) -> list[str]:

@@ -97,11 +97,12 @@ GRAPHS = ("prompt", "token")  # the graphs of every part
 FOLLOWUP = "followup"  # a part's smaller prompt graph (``followup_ar`` rows), when the export has it
 
 
-def part_graphs(src_dir: Path, p: dict) -> dict[str, tuple[Path, dict]]:
-    """``{kind: (export directory, the graph's ``parts.json`` entry)}`` of part ``p`` (an entry of ``parts.json``
-    in ``src_dir``): prompt, token and, when the export has it (the form's param ``followup``), the follow-up prompt
-    graph as "followup"; in that order, the order a part's graphs are compiled, linked and listed in."""
-    return {kind: (Path(src_dir), p["graphs"][kind]) for kind in (*GRAPHS, FOLLOWUP) if kind in p["graphs"]}
+def part_graphs(p: dict) -> dict[str, dict]:
+    """``{kind: the graph's ``parts.json`` entry}`` of part ``p`` (an entry of an export's ``parts.json``; a graph's
+    files are in that export's folder): prompt, token and, when the export has it (the form's param ``followup``),
+    the follow-up prompt graph as "followup"; in that order, the order a part's graphs are compiled, linked and
+    listed in."""
+    return {kind: p["graphs"][kind] for kind in (*GRAPHS, FOLLOWUP) if kind in p["graphs"]}
 
 
 def exported_followup_ar(desc: dict) -> int:
