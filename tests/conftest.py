@@ -155,7 +155,7 @@ def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
 #: The groups that take longest (measured on a 2-core machine, longest first): started first, so that under
 #: pytest-xdist the two workers finish together instead of one running a long module alone at the end. A stale
 #: list only costs balance; every other group keeps its collection order after these.
-LONG_FIRST = ("bundle", "docs-tour", "test_examples_run[diff.md]", "test_locate", "test_phone_chat",
+LONG_FIRST = ("bundle", "docs-tour", "locate", "test_phone_chat",
               "test_quantizer", "test_qnn_htp", "test_calibration_sequence", "test_examples_run[npu.md]",
               "test_eval", "test_bundle_ray", "test_npu_decoder", "test_examples_run[eval.md]")
 
@@ -168,10 +168,13 @@ LONG_FIRST = ("bundle", "docs-tour", "test_examples_run[diff.md]", "test_locate"
 #: * ``docs-tour``: the docs pages that run README's tour (the tuned build, the w4a16 eval, the bundle), README
 #:   first, so that the later pages find its builds and tune in the worker's store (apart, tune.md took 174 s
 #:   instead of 11 s, index.md 98 s instead of 44 s); then test_tune, whose tunes compile the same w4a16 base and
-#:   candidates (decoder.layer0, decoder.lm_head) (alone, its first tune compiled them all: 434 s).
+#:   candidates (decoder.layer0, decoder.lm_head) (alone, its first tune compiled them all: 434 s);
+#: * ``locate``: diff.md and test_locate, which locate drift in the same int8 and w4a16 layouts (16 of test_locate's
+#:   27 store artifacts are diff.md's too; diff.md after test_locate: 93 s instead of 112 s).
 SHARED_BUILDS = {
     "bundle": ("test_bundle", "test_chat", "test_followup", "test_runtime_boundary", "test_serve", "bundles.md"),
     "docs-tour": ("README.md", "api.md", "getting-started.md", "index.md", "tune.md", "test_tune"),
+    "locate": ("diff.md", "test_locate"),
 }
 GROUP_OF_NAME = {name: group for group, names in SHARED_BUILDS.items() for name in names}
 

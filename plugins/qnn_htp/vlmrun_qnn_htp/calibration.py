@@ -7,8 +7,8 @@
   float graph on the CPU over the reference pipeline's prompt embeddings of the calibration images (the demo image
   when none are given), prefill then greedy decode;
 * the parts decoder: the same host loop over the float part graphs (`parts_calibration_feeds`), once with
-  the prompt graphs, once with the token graphs and, when compiled, once with the follow-up prompt graphs (their
-  own export at fewer rows), the attention mask clipped at `MASK_CLIP`; every part's graph open at once, or one
+  the prompt graphs, once with the token graphs and, when compiled, once with the follow-up prompt graphs (fewer
+  rows, in the same export), the attention mask clipped at `MASK_CLIP`; every part's graph open at once, or one
   part at a time (`calibration_order`, `.calibration_sequence`) when the whole decoder in float32 would not fit.
 
 `Reader` hands feeds to onnxruntime's calibrators; `spill_feeds` / `load_feeds` keep a graph's
@@ -30,6 +30,7 @@ from vlmrun.atomic import check_free_space
 from vlmrun.cpu import onnxruntime_options
 from vlmrun.errors import UsageError
 from vlmrun.onnx_files import graph_files
+from vlmrun_qualcomm.genie_config import GenieModel
 from vlmrun_qualcomm.parts import part_graphs
 
 from .calibration_sequence import load, record_in_sequence
@@ -368,8 +369,6 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
     dict holds those paths: in sequence, memory then holds one part's kept feeds at a time, and the disk the kept
     calls of one graph set (checked before it starts) plus the files written. ``kinds``: only those graph sets
     (`parts_graph_sets`)."""
-    from vlmrun_qualcomm.genie_config import GenieModel
-
     facts = GenieModel.from_model(model)
     ar, ctx = desc["ar"], desc["ctx"]
     prompts = [CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)] for i in range(len(files))] or list(
