@@ -322,6 +322,28 @@ def test_compare_edge_cases():
     assert "FAIL" in diff.format_table(result)
 
 
+@pytest.mark.parametrize("drop", [("tokens",), ("logits",), ("logits", "tokens"), tuple(diff.CAPTURE_KEYS)])
+def test_a_device_without_its_answer_or_logits_never_passes(drop):
+    """A device capture (a third-party backend's, one built through the API) that lacks the answer or the logits
+    that explain it fails at w4a16 too, where free-running tokens alone are not checked: before, one without any
+    tensor passed on no checkpoint at all, and one with tokens but no logits passed on 0/4 tokens matched."""
+    ref = _synthetic([1, 2, 3, 4])
+    dev = _synthetic([7, 7, 7, 7], seed=0)
+    for name in drop:
+        dev.tensors.pop(name, None)
+    result = diff.compare(ref, dev, precision="w4a16")
+    assert not result.passed
+    for name in drop:
+        if name in ("logits", "tokens"):
+            entry = result.entry("decoder" if name == "logits" else "generation", name)
+            assert [c.metric for c in entry.failures] == [f"{name}_captured"]
+            assert entry.note == "not captured on the device side"
+    verdicts = [line for line in diff.format_table(result).splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 1 and verdicts[0].startswith("FAIL: likely culprit: ")
+    assert json.loads(json.dumps(result.to_json(), allow_nan=False))["passed"] is False
+    assert diff.compare(ref, _synthetic([1, 2, 3, 4]), precision="w4a16").passed  # the same capture, whole: passes
+
+
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_qnn_htp_vs_reference_figures_are_what_we_measure(precision, ref_pipe, tiny_model, store, image_path,
                                                           tmp_path):

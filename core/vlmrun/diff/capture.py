@@ -38,7 +38,9 @@ class Capture:
     def forced_tokens(self) -> list[int]:
         """The tokens the decoder was teacher-forced on to produce ``logits``."""
         forced = self.meta.get("teacher_tokens")
-        return [int(t) for t in forced] if forced is not None else self.tokens
+        if forced is None:
+            return self.tokens if "tokens" in self.tensors else []
+        return [int(t) for t in forced]
 
     @property
     def label(self) -> str:

@@ -168,6 +168,11 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
             continue
         if name not in ref.tensors or name not in dev.tensors:
             side = "device" if name not in dev.tensors else "reference"
+            if name in MUST_CAPTURE:  # the answer, and the logits that explain it: without them nothing is certified
+                entries.append(_not_captured(ref, dev, stage, name, side))
+                notes.append(f"the {side} side's {MUST_CAPTURE[name]} ({name}) were not captured: this diff cannot"
+                             f" pass without them")
+                continue
             notes.append(f"{name} is not observable on the {side} side (its runtime fuses the stages around it):"
                          f" not compared")
             continue
@@ -201,6 +206,25 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
             )
         entries.append(_apply(Entry(stage, name, r.shape, d.shape, m), thresholds))
     return DiffResult(entries, steps, thresholds, precision, dict(ref.meta), dict(dev.meta), notes)
+
+
+#: the checkpoints every side must have (a runtime may fuse the others away, e.g. a bundle's image features): the
+#: answer and the decoder's logits, which explain it
+MUST_CAPTURE = {"logits": "decoder logits", "tokens": "answer tokens"}
+
+
+def _not_captured(ref: Capture, dev: Capture, stage: str, name: str, side: str) -> Entry:
+    """A failed checkpoint for a `MUST_CAPTURE` tensor one side lacks (a third-party backend's capture, one built
+    through the Python API): without it the diff would pass on the checkpoints it has, or on none."""
+    shape = {s: tuple(np.shape(c.tensors[name])) if name in c.tensors else () for s, c in (("ref", ref), ("dev", dev))}
+    m: dict = {}
+    if name == "tokens":
+        ref_tokens = ref.tokens if "tokens" in ref.tensors else []
+        dev_tokens = dev.tokens if "tokens" in dev.tensors else []
+        m = {**generation_metrics(ref_tokens, dev_tokens), "unexplained_divergence": 0}
+    entry = Entry(stage, name, shape["ref"], shape["dev"], m, note=f"not captured on the {side} side")
+    entry.checks.append(Check(f"{name}_captured", ">=", 1.0, 0.0, False))
+    return entry
 
 
 def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]:

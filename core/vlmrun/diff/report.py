@@ -44,7 +44,8 @@ def format_table(result: DiffResult) -> str:
             cos = m.get("cosine")
             vals = [fmt(m.get("max_abs")), fmt(m.get("mean_abs")), fmt(m.get("rel_l2")),
                     "-" if cos is None else f"{cos:.8f}", "-" if m.get("sqnr_db") is None else f"{m['sqnr_db']:.1f}"]
-        rows.append((e.stage, e.tensor, fmt_shape(e.shape_dev), *vals, status))
+        shape = "-" if e.note.startswith("not captured") else fmt_shape(e.shape_dev)
+        rows.append((e.stage, e.tensor, shape, *vals, status))
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols) - 1)]
     for r in [cols, *rows]:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
