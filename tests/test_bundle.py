@@ -204,6 +204,11 @@ def _missing(b: Path):
     (b / "part1_of_1_token.bin").unlink()
 
 
+def _no_binaries(b: Path):
+    edit_json(b, "text-generator.json", lambda d: d["text-generator"]["engine"]["model"]["binary"].update(
+        {"ctx-bins": []}))
+
+
 def _changed(b: Path):
     with open(b / "vision_encoder.bin", "ab") as f:
         f.write(b"\0")
@@ -214,6 +219,7 @@ def _changed(b: Path):
     (_no_lut, "text-generator.json has no embedding LUT block"),
     (_missing, "part1_of_1_token.bin is missing"),
     (_changed, "vision_encoder.bin does not match its sha256"),
+    (_no_binaries, "text-generator.json names no context binary"),
 ])
 def test_verify_refuses_a_spoilt_bundle_in_one_line(spoil, message, bundle_dir, tmp_path):
     from vlmrun.cli_bundle import verify
