@@ -344,6 +344,21 @@ def test_a_device_without_its_answer_or_logits_never_passes(drop):
     assert diff.compare(ref, _synthetic([1, 2, 3, 4]), precision="w4a16").passed  # the same capture, whole: passes
 
 
+@pytest.mark.parametrize("rows, vocab, note", [(0, None, "no comparable row"), (None, 7, "shape 1x4x")])
+def test_a_runtime_without_comparable_logits_fails_in_one_verdict(rows, vocab, note):
+    """A device runtime (a bundle's Genie) whose teacher-forced logits have no row, or rows of another width, fails
+    at the runtime checkpoint with the reason: it raised (a reshape of no rows; the verdict's missing SQNR)."""
+    ref = _synthetic([1, 2, 3, 4])
+    dev = _synthetic([1, 2, 3, 4])
+    n = dev.tensors["logits"].shape[1] if rows is None else rows
+    dev.tensors["runtime_logits"] = np.zeros((1, n, vocab or dev.tensors["logits"].shape[2]), np.float32)
+    result = diff.compare(ref, dev, precision="w4a16")
+    assert not result.passed and result.culprit == "runtime" and result.boundary is None
+    assert note in result.entry("runtime").note
+    verdict = diff.format_table(result).splitlines()[-1]
+    assert verdict.startswith("FAIL: likely culprit: runtime (") and note in verdict
+
+
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_qnn_htp_vs_reference_figures_are_what_we_measure(precision, ref_pipe, tiny_model, store, image_path,
                                                           tmp_path):

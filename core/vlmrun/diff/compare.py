@@ -82,6 +82,8 @@ class DiffResult:
         except KeyError:
             return None
         m = rt.metrics
+        if "steps" not in m:  # nothing compared across the boundary (no row, other shapes): the entry's own failure
+            return None
         rt_ok = all(c.ok for c in rt.checks if not c.metric.startswith("engine_"))
         boundary_ok = all(c.ok for c in rt.checks if c.metric.startswith("engine_"))
         if rt_ok and dec.passed and boundary_ok:
@@ -236,6 +238,11 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
     d = np.asarray(dev.tensors["runtime_logits"])[:, :rows]
     e = np.asarray(dev.tensors["logits"])[:, :rows]
     rows = min(r.shape[1], d.shape[1], e.shape[1])
+    if rows == 0:  # a runtime that gave no teacher-forced row has shown nothing: not a pass on no rows
+        entry = Entry("runtime", "runtime_logits", r.shape, d.shape, {}, note="no comparable row (the runtime or the"
+                      " engine gave none)")
+        entry.checks.append(Check("runtime_logits_captured", ">=", 1.0, 0.0, False))
+        return entry, {}
     r, d, e = r[:, :rows], d[:, :rows], e[:, :rows]
     if r.shape != d.shape:
         entry = Entry("runtime", "runtime_logits", r.shape, d.shape, {}, note=f"shape {fmt_shape(r.shape)} vs"
