@@ -190,3 +190,17 @@ def test_ray_unreachable_is_one_line(cache_dir, ref_pipe):
     assert res.returncode == 2, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.startswith("vlmrun")]
     assert len(lines) == 1 and "cannot join the Ray cluster at 127.0.0.1:" in lines[0], res.stderr
+
+
+def test_a_budget_without_limits_is_the_default_not_anything_goes():
+    """`tune.Budget()` through the API set no limit, and every build was within it (the smallest, whatever its
+    answers, would have won); it is `Budget.of()`'s default now: every answer as the reference's."""
+    from vlmrun.tune.climb import Point
+    from vlmrun.tune.search import Budget
+
+    def point(answers):
+        return Point("p", {}, {}, 1, 0.5, 0.9, answers, 10.0, 0.0, 4, "k")
+
+    assert Budget().misses(point(0.25)) == ["answers as reference 25.0% < 100.0%"]
+    assert Budget().misses(point(1.0)) == [] and Budget().describe() == "answers as reference >= 100.0%"
+    assert Budget(min_logits_sqnr=5.0).misses(point(0.25)) == []  # a limit that is set is the only one checked

@@ -82,7 +82,11 @@ class Budget:
         return cls(drop, answers, sqnr)
 
     def misses(self, point: "Point") -> list[str]:
-        """What ``point`` misses, one phrase each (empty: within the budget)."""
+        """What ``point`` misses, one phrase each (empty: within the budget). A budget without any limit
+        (``Budget()`` through the API) is `of`'s default, every answer as the reference's: it never takes a build
+        unseen."""
+        if self.max_accuracy_drop is None and self.min_answers_as_reference is None and self.min_logits_sqnr is None:
+            return Budget.of().misses(point)
         out = []
         if self.max_accuracy_drop is not None and (point.accuracy_drop is None
                                                    or point.accuracy_drop > self.max_accuracy_drop + 1e-9):
@@ -99,6 +103,8 @@ class Budget:
         return out
 
     def describe(self) -> str:
+        if self.max_accuracy_drop is None and self.min_answers_as_reference is None and self.min_logits_sqnr is None:
+            return Budget.of().describe()
         parts = []
         if self.max_accuracy_drop is not None:
             parts.append(f"accuracy drop <= {_pct(self.max_accuracy_drop)}")
