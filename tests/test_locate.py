@@ -630,8 +630,7 @@ def test_qnn_htp_parts_form_boundaries_then_inside_the_worst_part(model, store, 
     from vlmrun.stages import STAGES
 
     ref = clean.pipelines["reference"]
-    if "decoder_form" not in ref.registry.options.for_stage("qnn_htp", "decoder"):
-        pytest.skip("qnn_htp has no parts form here")
+    assert "decoder_form" in ref.registry.options.for_stage("qnn_htp", "decoder")
     L = model.num_layers
     opts = {"context_length": 256, "decoder_form": "parts", "parts": 2, "precision": "w8a16"}
     lay = Layout("parts", {s: StageAssignment("qnn_htp" if s == "decoder" else "ort_reference",
@@ -685,8 +684,7 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
     from vlmrun.stages import STAGES
 
     ref = clean.pipelines["reference"]
-    if "decoder_form" not in ref.registry.options.for_stage("qnn_htp", "decoder"):
-        pytest.skip("qnn_htp has no parts form here")
+    assert "decoder_form" in ref.registry.options.for_stage("qnn_htp", "decoder")
     L = model.num_layers
 
     def parts_on_htp(**extra):
