@@ -201,6 +201,7 @@ def test_a_budget_without_limits_is_the_default_not_anything_goes():
     def point(answers):
         return Point("p", {}, {}, 1, 0.5, 0.9, answers, 10.0, 0.0, 4, "k")
 
+    assert Budget() == Budget.of() == Budget(min_answers_as_reference=1.0)
     assert Budget().misses(point(0.25)) == ["answers as reference 25.0% < 100.0%"]
     assert Budget().misses(point(1.0)) == [] and Budget().describe() == "answers as reference >= 100.0%"
     assert Budget(min_logits_sqnr=5.0).misses(point(0.25)) == []  # a limit that is set is the only one checked

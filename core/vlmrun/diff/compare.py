@@ -218,13 +218,14 @@ MUST_CAPTURE = {"logits": "decoder logits", "tokens": "answer tokens"}
 def _not_captured(ref: Capture, dev: Capture, stage: str, name: str, side: str) -> Entry:
     """A failed checkpoint for a `MUST_CAPTURE` tensor one side lacks (a third-party backend's capture, one built
     through the Python API): without it the diff would pass on the checkpoints it has, or on none."""
-    shape = {s: tuple(np.shape(c.tensors[name])) if name in c.tensors else () for s, c in (("ref", ref), ("dev", dev))}
+    def shape(c: Capture) -> tuple:
+        return tuple(np.shape(c.tensors[name])) if name in c.tensors else ()
+
     m: dict = {}
-    if name == "tokens":
-        ref_tokens = ref.tokens if "tokens" in ref.tensors else []
-        dev_tokens = dev.tokens if "tokens" in dev.tensors else []
-        m = {**generation_metrics(ref_tokens, dev_tokens), "unexplained_divergence": 0}
-    entry = Entry(stage, name, shape["ref"], shape["dev"], m, note=f"not captured on the {side} side")
+    if name == "tokens":  # the side that has tokens against none: the generation line still reads its figures
+        m = {**generation_metrics(*(c.tokens if name in c.tensors else [] for c in (ref, dev))),
+             "unexplained_divergence": 0}
+    entry = Entry(stage, name, shape(ref), shape(dev), m, note=f"not captured on the {side} side")
     entry.checks.append(Check(f"{name}_captured", ">=", 1.0, 0.0, False))
     return entry
 

@@ -58,11 +58,16 @@ class Budget:
     """What a build must keep to count: accuracy at most ``max_accuracy_drop`` below the reference's, at least
     ``min_answers_as_reference`` of the answers equal to the reference's, a median logits SQNR of at least
     ``min_logits_sqnr`` dB (teacher-forced). Fractions are 0..1 (``"5%"`` is taken too); unset limits are not
-    checked. `of` gives the default, every answer as the reference's, when no limit is set."""
+    checked. With no limit set (``Budget()``, or `of` without one) the budget is the default: every answer as the
+    reference's; a budget never takes every build."""
 
     max_accuracy_drop: float | None = None
     min_answers_as_reference: float | None = None
     min_logits_sqnr: float | None = None
+
+    def __attrs_post_init__(self):
+        if self.max_accuracy_drop is None and self.min_answers_as_reference is None and self.min_logits_sqnr is None:
+            object.__setattr__(self, "min_answers_as_reference", 1.0)  # frozen: set once, here
 
     @classmethod
     def of(cls, max_accuracy_drop=None, min_answers_as_reference=None, min_logits_sqnr=None) -> "Budget":
@@ -77,16 +82,10 @@ class Budget:
                 raise UsageError(f"--min-logits-sqnr {min_logits_sqnr!r} is not a number of dB") from None
             if not math.isfinite(sqnr) or not -100 <= sqnr <= 200:
                 raise UsageError(f"--min-logits-sqnr {min_logits_sqnr!r} dB is not a usable SQNR (-100..200)")
-        if drop is None and answers is None and sqnr is None:
-            answers = 1.0
         return cls(drop, answers, sqnr)
 
     def misses(self, point: "Point") -> list[str]:
-        """What ``point`` misses, one phrase each (empty: within the budget). A budget without any limit
-        (``Budget()`` through the API) is `of`'s default, every answer as the reference's: it never takes a build
-        unseen."""
-        if self.max_accuracy_drop is None and self.min_answers_as_reference is None and self.min_logits_sqnr is None:
-            return Budget.of().misses(point)
+        """What ``point`` misses, one phrase each (empty: within the budget)."""
         out = []
         if self.max_accuracy_drop is not None and (point.accuracy_drop is None
                                                    or point.accuracy_drop > self.max_accuracy_drop + 1e-9):
@@ -103,8 +102,6 @@ class Budget:
         return out
 
     def describe(self) -> str:
-        if self.max_accuracy_drop is None and self.min_answers_as_reference is None and self.min_logits_sqnr is None:
-            return Budget.of().describe()
         parts = []
         if self.max_accuracy_drop is not None:
             parts.append(f"accuracy drop <= {_pct(self.max_accuracy_drop)}")

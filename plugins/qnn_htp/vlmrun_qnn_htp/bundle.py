@@ -351,7 +351,7 @@ def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None =
                                    f" {want}): Genie would feed wrong embeddings; write the bundle again")
     bins = gen.get("engine", {}).get("model", {}).get("binary", {}).get("ctx-bins", [])
     img_bins = cfgs["imageEncoder"]["image-encoder"]["engine"]["model"]["binary"]["ctx-bins"]
-    for node, names in (("text-generator.json", bins), (NODES["imageEncoder"], img_bins)):
+    for node, names in ((NODES["textGenerator"], bins), (NODES["imageEncoder"], img_bins)):
         if not names:  # a node without a binary would pass every check below and then not run
             raise BackendError(f"bundle {path}: {node} names no context binary (ctx-bins is empty); write the"
                                " bundle again")
