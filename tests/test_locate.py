@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -667,6 +668,10 @@ def test_qnn_htp_parts_form_boundaries_then_inside_the_worst_part(model, store, 
     assert art.manifest["precision"] == "w8a16" and art.manifest["key"]["options"]["precision"] == "w8a16"
     assert art.manifest["probe_part"] == {"part": k, "of": 2, "layers": [lo, hi]}
     assert "QUInt16" in art.manifest["quantization"]["activation"]
+    # its calibration recorded the prompt graphs' feeds only (the probe quantizes a prompt graph), and the same
+    # prompt feeds as the stage's: the bit-for-bit outputs above
+    label = art.manifest["quantization"]["calibration"]
+    assert "the prompt graphs only" in label and re.search(r"; \d+ prompt feeds per part;", label), label
     assert art.path == handle.inside(k).artifacts[-1].path
 
 

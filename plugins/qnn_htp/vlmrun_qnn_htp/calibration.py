@@ -376,6 +376,8 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
     embeds = [f["inputs_embeds"][:, : max(1, ctx - ar - GEN_STEPS)].astype(np.float32)
               for f in context.reference_inputs(files or None, prompts)]
     sets = parts_graph_sets(src_dir, desc, kinds)
+    if not sets:
+        raise RuntimeError(f"calibration: this parts export has no graphs of the kinds {list(kinds or [])}")
     order = calibration_order(order, sets)
     embed_lock = threading.Lock()  # in sequence the prompts' greedy steps run in threads: one token lookup at a time
 
@@ -423,12 +425,13 @@ def parts_calibration_feeds(model, src_dir: Path, desc: dict, files, context,
                 out[(p["index"], kind)] = keep_feeds(p, kind, rec)
             del chain
     what = f"images:{len(files)}" if files else "demo image"
-    n = {k: v for k, v in sizes.items() if k[0] == 1}
-    fu = f" / {n[(1, 'followup')]} follow-up" if (1, "followup") in n else ""
+    names = {"prompt": "prompt", "token": "token", "followup": "follow-up"}
+    recorded = " / ".join(f"{sizes[(1, kind)]} {names.get(kind, kind)}" for kind, _, _ in sets)
+    graphs = (" and ".join(f"{names.get(kind, kind)} graphs" for kind, _, _ in sets[:2]) + " separately"
+              if len(sets) > 1 else f"the {names.get(sets[0][0], sets[0][0])} graphs only")
     label = (f"{what} x {len(embeds)} prompt(s): reference (ort_reference) prompt embeddings through the float part"
-             f" graphs on the CPU (prefill + {GEN_STEPS} greedy steps, prompt graphs and token graphs separately);"
-             f" {n.get((1, 'prompt'), 0)} prompt / {n.get((1, 'token'), 0)} token{fu} feeds per part; mask clipped"
-             f" at {MASK_CLIP:g}")
+             f" graphs on the CPU (prefill + {GEN_STEPS} greedy steps, {graphs}); {recorded} feeds per"
+             f" part; mask clipped at {MASK_CLIP:g}")
     if order == "sequence":
         label += (f"; in sequence (one part's float graph at a time, {opened} graphs opened, at most"
                   f" {spilled / 1e9:.2f} GB of kept feeds on disk)")

@@ -45,7 +45,7 @@ import attrs
 from vlmrun.errors import BackendError
 from vlmrun_qualcomm import socs
 from vlmrun_qualcomm.manifest import ContextManifest, describe_ctx_onnx
-from vlmrun_qualcomm.parts import (FOLLOWUP, GRAPHS, check_part_limits, exported_followup_ar, graph_digest,
+from vlmrun_qualcomm.parts import (FOLLOWUP, check_part_limits, exported_followup_ar, graph_digest,
                                    part_graphs, weight_bytes)
 
 from vlmrun.stages import CompileContext, ExportForm
@@ -367,8 +367,8 @@ def _compile(src: Path, wrapper: Path, soc, share: bool, stop: bool, what: str) 
 def compile_part_probe(model, source, options: dict, out_dir, calibration_order: str, context=None) -> dict:
     """Compile the probe graph of one part (the ``decoder/parts`` probe export ``source``, ``parts.json`` with
     ``probe_part``) into ``out_dir``: the part's prompt graph with its layer outputs, quantized exactly as
-    `compile_parts` quantizes that part (the same calibration feeds, recorded from the float graphs of every
-    part; the same recipe), one binary, not weight-shared; the manifest."""
+    `compile_parts` quantizes that part (the same calibration feeds, recorded from the float prompt graphs of every
+    part: only the prompt graph set, the others' feeds would not be read; the same recipe), one binary, not weight-shared; the manifest."""
     soc = socs.soc(options.get("soc"))
     precision = options["precision"]
     recipe = from_key(options)
@@ -386,7 +386,7 @@ def compile_part_probe(model, source, options: dict, out_dir, calibration_order:
             files = calibration.calibration_files(options.get("calibration_images"))
             feeds, label = calibration.parts_calibration_feeds(model, src_dir, desc, files,
                                                                calibration.require_context(context),
-                                                               order=calibration_order, kinds=GRAPHS)
+                                                               order=calibration_order, kinds=("prompt",))
             dst = work / f"part{k}_prompt_probe.qdq.onnx"
             facts = quantize(src, dst, feeds[(k, "prompt")], recipe, work, _layers(options, k, "prompt"))
             extra["quantization"] = {**facts, "calibration": label, "quantize_s": round(time.perf_counter() - t0, 3)}
