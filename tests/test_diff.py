@@ -344,7 +344,8 @@ def test_a_device_without_its_answer_or_logits_never_passes(drop):
     assert diff.compare(ref, _synthetic([1, 2, 3, 4]), precision="w4a16").passed  # the same capture, whole: passes
 
 
-@pytest.mark.parametrize("rows, vocab, note", [(0, None, "no comparable row"), (None, 7, "shape 1x4x")])
+@pytest.mark.parametrize("rows, vocab, note", [(0, None, "the runtime gave 0 of the 4 teacher-forced logits rows due"),
+                                             (None, 7, "shape 1x4x")])
 def test_a_runtime_without_comparable_logits_fails_in_one_verdict(rows, vocab, note):
     """A device runtime (a bundle's Genie) whose teacher-forced logits have no row, or rows of another width, fails
     at the runtime checkpoint with the reason: it raised (a reshape of no rows; the verdict's missing SQNR)."""

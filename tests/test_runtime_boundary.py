@@ -213,6 +213,55 @@ def test_a_near_tie_the_logits_show_is_an_explained_divergence():
     assert g.passed
 
 
+def test_a_device_short_of_logits_rows_fails_whatever_its_tokens():
+    ref, _ = _caps((), None)
+    full = ref.tensors["logits"]
+    for rows, tokens in (((1, 0, 10), (9, 9, 9, 9)), ((1, 1, 10), (5, 9, 9, 2))):
+        _, dev = _caps(tokens, full[:, : rows[1]].copy())
+        for precision in diff.PRECISIONS:
+            result = diff.compare(ref, dev, precision=precision)
+            dec = result.entry("decoder", "logits")
+            assert [c.metric for c in dec.failures] == ["logits_steps"], precision
+            assert dec.note == f"the device gave {rows[1]} of the 4 teacher-forced logits rows due"
+            # the token the device chose where no row of its own was measured is not explained by anything checked
+            g = result.entry("generation")
+            assert g.metrics["unexplained_divergence"] == 1 and not g.passed
+            assert not result.passed and result.culprit == "decoder"
+        table = diff.format_table(result)
+        assert f"FAIL: likely culprit: decoder (first stage to cross its thresholds: logits: the device gave" \
+               f" {rows[1]} of the 4 teacher-forced logits rows due)" in table
+
+
+def test_an_empty_tensor_scores_nothing():
+    m = diff.tensor_metrics(np.zeros((1, 0, 10)), np.zeros((1, 0, 10)))
+    assert all(np.isnan(v) for v in m.values()), m
+
+
+@pytest.mark.parametrize("tokens,budget,unexplained", [
+    ((), None, 1),  # no answer at all
+    ((5, 6, 7), None, 1),  # cut off without its stop token where the reference went on
+    ((5, 6, 7), 3, 0),  # its own budget of 3 tokens used up: what the budget asked for
+    ((5, 6, 7, 2, 8), None, 1),  # on past the reference's stop token
+])
+def test_an_answer_cut_short_or_run_on_is_an_unexplained_divergence(tokens, budget, unexplained):
+    ref, dev = _caps(tokens, None)
+    dev.tensors["logits"] = ref.tensors["logits"].copy()
+    if budget is not None:
+        dev.meta["max_new_tokens"] = budget
+    for precision in diff.PRECISIONS:
+        result = diff.compare(ref, dev, precision=precision)
+        assert result.entry("decoder").passed
+        g = result.entry("generation")
+        assert g.metrics["unexplained_divergence"] == unexplained, (precision, g.metrics)
+        assert [c.ok for c in g.checks if c.metric == "unexplained_divergence"] == [not unexplained]
+        if unexplained:
+            assert not result.passed and result.culprit == "generation"
+    if unexplained:
+        who = "went on" if len(tokens) > 4 else "stopped"
+        assert f"the device {who} after {min(len(tokens), 4)} tokens where the reference made 4" in \
+            diff.format_table(result)
+
+
 def test_eval_reports_genies_logits_and_the_bundles_bytes(bundle_dir, tiny_model, store):
     from vlmrun import eval as ev
 

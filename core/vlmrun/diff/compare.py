@@ -188,6 +188,10 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
             r, d = r[:, :rows], d[:, :rows]
             if note:
                 notes.append(note)
+            if d.ndim == 3 and d.shape[1] < rows:  # rows the device never gave have shown nothing: not a pass
+                entries.append(_missing_rows(Entry(stage, name, r.shape, d.shape, {}),
+                                             rows, "the device"))
+                continue
         if r.shape != d.shape:
             m = {"mismatches": int(max(r.size, d.size))} if name == "input_ids" else {}
             entry = Entry(stage, name, r.shape, d.shape, m, note=f"shape {fmt_shape(r.shape)} vs {fmt_shape(d.shape)}")
@@ -238,13 +242,9 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
     r = np.asarray(ref.tensors["logits"])[:, :rows]
     d = np.asarray(dev.tensors["runtime_logits"])[:, :rows]
     e = np.asarray(dev.tensors["logits"])[:, :rows]
-    rows = min(r.shape[1], d.shape[1], e.shape[1])
-    if rows == 0:  # a runtime that gave no teacher-forced row has shown nothing: not a pass on no rows
-        entry = Entry("runtime", "runtime_logits", r.shape, d.shape, {}, note="no comparable row (the runtime or the"
-                      " engine gave none)")
-        entry.checks.append(Check("runtime_logits_captured", ">=", 1.0, 0.0, False))
-        return entry, {}
-    r, d, e = r[:, :rows], d[:, :rows], e[:, :rows]
+    for got, side in ((d, "the runtime"), (e, "the engine")):
+        if got.ndim == 3 and got.shape[1] < rows:  # a runtime (or engine) that gave fewer rows: not a pass on fewer
+            return _missing_rows(Entry("runtime", "runtime_logits", r.shape, got.shape, {}), rows, side), {}
     if r.shape != d.shape:
         entry = Entry("runtime", "runtime_logits", r.shape, d.shape, {}, note=f"shape {fmt_shape(r.shape)} vs"
                       f" {fmt_shape(d.shape)}")
@@ -276,6 +276,14 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
                    "runtime_engine_top1": [float(x) for x in eng_top1], "runtime_argmax": st["dev_argmax"]}
 
 
+def _missing_rows(entry: Entry, want: int, side: str) -> Entry:
+    """A failed checkpoint for teacher-forced logits rows a side did not give (``want`` of them were due)."""
+    got = entry.shape_dev[1] if len(entry.shape_dev) == 3 else 0
+    entry.note = f"{side} gave {got} of the {want} teacher-forced logits rows due"
+    entry.checks.append(Check(f"{entry.tensor}_steps", ">=", float(want), float(got), False))
+    return entry
+
+
 def _divergence(ref: Capture, dev: Capture) -> dict:
     """Was the free-running generation made by the logits the diff checked? At the first step where it leaves the
     reference, the context is the reference's on both sides, so the generating runtime's own teacher-forced row
@@ -284,24 +292,40 @@ def _divergence(ref: Capture, dev: Capture) -> dict:
     from somewhere the teacher-forced checkpoints never measured (a runtime, a sampler, a KV cache)."""
     rt, dt = ref.tokens, dev.tokens
     p = common_prefix(rt, dt)
-    if p >= len(rt) or p >= len(dt):
+    if p >= len(rt) and p >= len(dt):
         return {"unexplained_divergence": 0}
+    if p >= len(rt) or p >= len(dt):  # one side stopped where the other went on, with no stop token of its own
+        # (a side's answer ends with its stop token; one that stops without one was cut off, or runs past a stop):
+        # the logits checked never predicted that, unless the shorter side only used up its token budget
+        short, long_ = (dev, rt) if p >= len(dt) else (ref, dt)
+        budget = short.meta.get("max_new_tokens")
+        if budget is not None and p >= int(budget):
+            return {"unexplained_divergence": 0}
+        who = "the device stopped" if short is dev else "the device went on"
+        return {"unexplained_divergence": 1,
+                "divergence": {"step": p, "device_token": dt[p] if p < len(dt) else None,
+                               "reference_token": rt[p] if p < len(rt) else None, "judged_by": "length",
+                               "why": f"{who} after {p} tokens where the reference made {len(rt)}"}}
     key = "runtime_logits" if "runtime_logits" in dev.tensors else "logits"
-    if key not in dev.tensors:
-        return {"unexplained_divergence": 0}
-    rows = np.asarray(dev.tensors[key])
+    rows = np.asarray(dev.tensors.get(key, np.zeros((1, 0, 0))))
     if rows.ndim != 3 or rows.shape[1] <= p or common_prefix(dev.forced_tokens, rt) < p:
-        return {"unexplained_divergence": 0}
+        # no row of the device's, on the reference's context, at the step it left the reference: what made the
+        # token was never measured, so the departure cannot be explained by the logits checked
+        return {"unexplained_divergence": 1,
+                "divergence": {"step": p, "device_token": dt[p], "reference_token": rt[p], "judged_by": key,
+                               "why": f"the device has no teacher-forced {key} row on the reference's context at"
+                                      f" step {p}"}}
     explained, detail = divergence_explained(rows[0, p], dt[p])
     return {"unexplained_divergence": 0 if explained else 1,
             "divergence": {"step": p, "device_token": dt[p], "reference_token": rt[p], "judged_by": key, **detail}}
 
 
 def _comparable_rows(ref: Capture, dev: Capture) -> tuple[int, str]:
-    """Logits rows predicting the same context on both sides: k where forced tokens agree before k."""
+    """Logits rows due on both sides, predicting the same context: k where forced tokens agree before k (the rows
+    of the reference's; a device that gave fewer fails on them)."""
     fr, fd = ref.forced_tokens, dev.forced_tokens
     n = max(len(fr), 1)
-    rows = min(ref.tensors["logits"].shape[1], dev.tensors["logits"].shape[1], n)
+    rows = min(np.shape(ref.tensors["logits"])[1], n)
     prefix = common_prefix(fr, fd)
     if prefix < min(len(fr), len(fd)) or len(fr) != len(fd):
         keep = min(rows, prefix + 1)

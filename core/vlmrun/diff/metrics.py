@@ -48,11 +48,12 @@ METRICS_OF_STAGE: dict[str, dict[str, str]] = {
 
 
 def tensor_metrics(ref, dev) -> dict[str, float]:
-    """max abs, mean abs, relative L2, cosine and SQNR (dB, capped at +-200) of ``dev`` against ``ref``."""
+    """max abs, mean abs, relative L2, cosine and SQNR (dB, capped at +-200) of ``dev`` against ``ref``; NaN for
+    empty tensors."""
     r = np.asarray(ref, dtype=np.float64).ravel()
     err = np.asarray(dev).ravel() - r  # float64, one pass
-    if err.size == 0:
-        return {"max_abs": 0.0, "mean_abs": 0.0, "rel_l2": 0.0, "cosine": 1.0, "sqnr_db": SQNR_CAP_DB}
+    if err.size == 0:  # nothing to compare has shown nothing: NaN fails every threshold, never a perfect score
+        return dict.fromkeys(("max_abs", "mean_abs", "rel_l2", "cosine", "sqnr_db"), float("nan"))
     noise, signal = float(err @ err), float(r @ r)
     cross = float(r @ err)
     nr = float(np.sqrt(signal))

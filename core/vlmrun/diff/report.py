@@ -68,7 +68,9 @@ def format_table(result: DiffResult) -> str:
         + ("" if g.passed else "  FAIL " + ", ".join(c.describe() for c in g.failures))
     )
     div = gm.get("divergence") or {}
-    if gm.get("unexplained_divergence"):
+    if gm.get("unexplained_divergence") and div.get("why"):
+        lines.append(f"      {div['why']}: the answer was not made by the logits checked")
+    elif gm.get("unexplained_divergence"):
         judged = "the runtime's own" if div.get("judged_by") == "runtime_logits" else "the decoder's"
         lines.append(
             f"      the device's token {div.get('device_token')} at step {div.get('step')} is not what {judged}"
