@@ -225,6 +225,26 @@ def test_added_layout_reuses_the_reference(heldout, tiny_model, store, ref_pipe,
     assert run.report["layouts"][0]["computed"] == 0 and run.report["layouts"][1]["computed"] == 3
 
 
+def test_a_device_result_is_kept_per_reference(heldout, tiny_model, store, ref_pipe, tmp_path, counted_captures):
+    from vlmrun import eval as ev
+
+    data = small_set(heldout, tmp_path, 2)
+    other = "other=reference,decoder.context_length=600"
+    kw = dict(model=tiny_model, store=store, registry=ref_pipe.registry, max_new_tokens=45)
+    ev.evaluate([other], data, reference=other, **kw)  # `other` as the reference: answers, no diff
+    counted_captures.clear()
+    run = ev.evaluate([other], data, **kw)  # as a device against the reference: diffed, not the answers reused
+    dev = run.report["layouts"][1]
+    assert dev["label"] == "other" and dev["computed"] == 2 and dev["diff_pass_rate"] == 1.0
+    assert len(counted_captures) == 2 + 2  # the reference's items and the device's, teacher-forced on them
+    counted_captures.clear()
+    again = ev.evaluate([other], data, reference="third=reference,decoder.context_length=650", **kw)
+    assert again.report["layouts"][1]["computed"] == 2  # measured against another reference: measured again
+    counted_captures.clear()
+    rerun = ev.evaluate([other], data, **kw)
+    assert rerun.report["layouts"][1]["computed"] == 0 and counted_captures == []  # the same reference: cached
+
+
 # -- bad records --------------------------------------------------------------------------------------------------
 
 def bad_set(heldout: Path, tmp_path: Path) -> tuple[Path, list[int]]:

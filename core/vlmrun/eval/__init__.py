@@ -129,11 +129,15 @@ def evaluate(
     model_hash = fvlm.weights_hash(store)
     cache = ResultCache(store.root / "eval")
 
-    # one side per distinct layout (a --layout equal to the reference shares its results)
+    # one side per distinct layout (a --layout equal to the reference shares its results); a device layout's
+    # results are its diff against this reference: keyed by both, never another reference's nor a reference-only one
     sides: list[Side] = []
     labels: dict[str, list[str]] = {}
+    ref_key = layout_key(resolved[0][1], registry, model_hash, settings)
     for i, (spec, layout) in enumerate(resolved):
         key = layout_key(layout, registry, model_hash, settings)
+        if key != ref_key:
+            key = layout_key(layout, registry, model_hash, settings, reference=ref_key)
         labels.setdefault(key, []).append(spec.label)
         if any(s.key == key for s in sides):
             continue

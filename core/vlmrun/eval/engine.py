@@ -32,8 +32,9 @@ from ..stages import CONTRACTS, STAGES, check_tensor
 from .. import layouts
 from .dataset import Record, Skipped
 
-CACHE_VERSION = 3  # 2: the runtime boundary (runtime/runtime_logits) and the generation's divergence check; 3: a
-#                   bundle's key holds its files as they are on disk (`bundle_key`)
+CACHE_VERSION = 4  # 2: the runtime boundary (runtime/runtime_logits) and the generation's divergence check; 3: a
+#                   bundle's key holds its files as they are on disk (`bundle_key`); 4: a device layout's results
+#                   hold the reference they were measured against, and the diff's rule for missing rows and stops
 BATCH_STAGES = ("vision", "projector", "embed")
 
 
@@ -102,9 +103,10 @@ def bundle_key(folder: Path) -> dict:
     return {"manifest": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(), "files": on_disk}
 
 
-def layout_key(layout, registry, model_hash: str, settings) -> str:
+def layout_key(layout, registry, model_hash: str, settings, reference: str | None = None) -> str:
     """What a layout's per-item results depend on: the model, the backends and their options, the plugin
-    versions and the generation settings."""
+    versions and the generation settings; for a device layout (its results are its diff against a reference),
+    ``reference``: the reference layout's own key."""
     key = {
         "v": CACHE_VERSION,
         "model": model_hash,
@@ -115,6 +117,8 @@ def layout_key(layout, registry, model_hash: str, settings) -> str:
     }
     if layout.bundle:
         key["bundle"] = bundle_key(Path(layout.bundle))
+    if reference is not None:
+        key["reference"] = reference
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
