@@ -266,9 +266,10 @@ def bad_set(heldout: Path, tmp_path: Path) -> tuple[Path, list[int]]:
         json.dumps({"image": "b.png", "question": second["question"], "answer": second["answer"]}),  # 8 ok
         json.dumps({"image": "a.png", "question": "What shape is in the image?"}),  # 9 no answer
         json.dumps({"image": "a.png", "question": "word " * 3000, "answer": "A star."}),  # 10 prompt too long
+        json.dumps({"image": "a.png", "question": "What shape is in the image?", "answer": "..."}),  # 11 unscorable
     ]
     (d / "bad.jsonl").write_text("\n".join(lines) + "\n")
-    return d / "bad.jsonl", [2, 3, 4, 5, 6, 9, 10]
+    return d / "bad.jsonl", [2, 3, 4, 5, 6, 9, 11, 10]  # line 10 is read, then fails when it runs: the last named
 
 
 def eval_results(cache: Path) -> list[Path]:
@@ -289,7 +290,8 @@ def test_bad_records_are_skipped_counted_and_named(heldout, cache_dir, tmp_path)
     text = "\n".join(skipped_lines)
     for needle in ("bad.jsonl:2: not valid JSON", "bad.jsonl:3: the record has no question",
                    "bad.jsonl:4: image missing.png not found", "bad.jsonl:5: not a JSON object",
-                   "bad.jsonl:6:", "bad.jsonl:9: the record has no answer", "bad.jsonl:10: the prompt is"):
+                   "bad.jsonl:6:", "bad.jsonl:9: the record has no answer", "bad.jsonl:10: the prompt is",
+                   "bad.jsonl:11: the answer '...' is punctuation only"):
         assert needle in text, needle
     report = json.loads(res.stdout)
     assert report["items"] == 2 + 1 and report["skipped"] == len(bad_lines)  # line 10 is read, then fails
@@ -574,3 +576,25 @@ def test_cli_evaluates_the_generated_conversations(cache_dir, ref_pipe, tmp_path
     assert table.returncode == 0 and "accuracy per turn" in table.stdout and "0/4" in table.stdout
     both = run_cli(["eval", str(tmp_path / "x.jsonl"), "--conversations"], cache_dir, timeout=300)
     assert both.returncode == 2 and "not both" in both.stderr and "Traceback" not in both.stderr
+
+
+def test_a_number_keeps_its_sign_point_and_percent_when_answers_are_compared():
+    from vlmrun.eval.answers import is_correct, normalize_answer
+
+    assert normalize_answer(" A red  Circle. ") == "a red circle" and is_correct("Light-blue.", "light blue")
+    for a, b in (("-1", "1"), ("5%", "5"), ("1.5", "15"), ("+3", "3")):
+        assert not is_correct(a, b), (a, b)
+    assert is_correct("It is -1.5%.", "it is -1.5%") and is_correct("(-2)", "-2")
+
+
+def test_a_layout_that_ran_no_item_is_an_error_not_an_empty_report(heldout, tiny_model, store, ref_pipe, tmp_path):
+    from vlmrun import eval as ev
+    from vlmrun.errors import VlmrunError
+
+    first = json.loads(heldout.read_text().splitlines()[0])
+    shutil.copy(heldout.parent / first["image"], tmp_path / "a.png")
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"image": "a.png", "question": "word " * 3000, "answer": "A star."}) + "\n")
+    with pytest.raises(VlmrunError, match=r"layout 'reference' ran none of the 1 items: each one failed \(the first:"
+                                          r" .*long.jsonl:1: the prompt is"):
+        ev.evaluate(["reference"], data, model=tiny_model, store=store, registry=ref_pipe.registry)

@@ -68,3 +68,27 @@ def test_a_whole_conversation_renders_as_transformers_renders_it(tiny_model):
                      ([{"role": "tool", "content": "x"}], "role 'tool'")):
         with pytest.raises(InputError, match=why):
             render_messages(tiny_model.chat_template, bad)
+
+
+def test_a_16_bit_or_float_picture_is_rescaled_not_clipped_to_white(tmp_path):
+    """Pillow's convert("RGB") clips I;16, I and F pictures to 0..255: a mid-grey 16-bit PNG turned white and got a
+    confident answer about a white picture."""
+    import pytest
+
+    from vlmrun.errors import InputError
+    from vlmrun.preprocess import load_image
+
+    grey16 = tmp_path / "grey16.png"
+    Image.fromarray(np.full((4, 4), 32768, np.uint16)).save(grey16)
+    assert Image.open(grey16).mode == "I;16"
+    assert np.asarray(load_image(grey16)).tolist() == [[[128] * 3] * 4] * 4
+    half = tmp_path / "half.tiff"
+    Image.fromarray(np.full((4, 4), 0.25, np.float32)).save(half)
+    assert np.asarray(load_image(half))[0, 0].tolist() == [64, 64, 64]
+    wild = tmp_path / "wild.tiff"
+    Image.fromarray(np.full((4, 4), 1e6, np.float32)).save(wild)
+    with pytest.raises(InputError, match=r"is a F picture with values outside 0\.\.255"):
+        load_image(wild)
+    rgb = tmp_path / "rgb.png"  # an 8-bit picture is as it was
+    Image.fromarray(np.full((4, 4, 3), 200, np.uint8)).save(rgb)
+    assert np.asarray(load_image(rgb))[0, 0].tolist() == [200, 200, 200]

@@ -34,6 +34,8 @@ def load_image(path: str | os.PathLike):
     try:
         with Image.open(p) as im:
             im.load()
+            if im.mode.startswith("I") or im.mode == "F":  # Pillow clips these to 0..255: a 16-bit picture turns white
+                return _to_8bit(im, p).convert("RGB")
             return im.convert("RGB")
     except Image.DecompressionBombError as exc:
         raise UsageError(_bomb_message(p, exc, Image.MAX_IMAGE_PIXELS)) from None
@@ -43,6 +45,24 @@ def load_image(path: str | os.PathLike):
         raise InputError(f"cannot read image {p}: permission denied") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise InputError(f"image {p} is truncated or corrupt ({exc}); re-export or re-download it") from None
+
+
+def _to_8bit(im, p: Path):
+    """A 16-bit or 32-bit integer picture (PNG/TIFF ``I;16``, ``I``: 0..65535) or a float one (``F``: 0..1, or
+    0..255 when its values pass 1) as 8-bit grey, rescaled by its range instead of clipped; values outside that
+    range are one InputError."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(im, dtype=np.float64)
+    if im.mode == "F":
+        top = 1.0 if a.size and np.nanmax(a) <= 1.0 else 255.0
+    else:
+        top = 65535.0
+    if not np.isfinite(a).all() or a.min(initial=0) < 0 or a.max(initial=0) > top:
+        raise InputError(f"image {p} is a {im.mode} picture with values outside 0..{top:g}; save it as an 8-bit or"
+                         " 16-bit PNG or JPEG")
+    return Image.fromarray(np.rint(a * (255.0 / top)).astype(np.uint8))  # 2-D uint8: mode L
 
 
 def _bomb_message(p: Path, exc: Exception, max_pixels: int | None) -> str:

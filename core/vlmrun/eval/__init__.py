@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import attrs
 
-from ..errors import InputError, UsageError
+from ..errors import InputError, UsageError, VlmrunError
 from .answers import is_correct, normalize_answer
 from .dataset import (HELDOUT_CONVERSATIONS, HELDOUT_ITEMS, Record, Skipped, Turn, heldout_conversations,
                       heldout_dataset, read_dataset)
@@ -221,4 +221,9 @@ def evaluate(
         timing=timing, dataset=str(dataset), model=str(fvlm.source), settings={"max_new_tokens": max_new_tokens},
         workers=workers, batched=batched,
     )
+    for lay in report["layouts"]:  # every item failed there: no figure to report, not a report of nothing
+        if not lay["items"]:
+            why = f" (the first: {failures[0].message})" if failures else ""
+            raise VlmrunError(f"layout '{lay['label']}' ran none of the {len(records)} items: each one failed{why};"
+                              " nothing was measured")
     return EvalRun(report, records, [*skipped, *failures], results)

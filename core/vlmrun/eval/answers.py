@@ -5,11 +5,15 @@ from __future__ import annotations
 import re
 import unicodedata
 
-_PUNCT = re.compile(r"[^\w\s]|_", re.UNICODE)
+# punctuation, except what changes a number: a sign before a digit (-1 is not 1), a percent sign after one (5% is
+# not 5), a decimal point or comma between digits
+_NUMBER_MARK = r"(?<![\w.])[-+](?=\d)|(?<=\d)%|(?<=\d)[.,](?=\d)"
+_PUNCT = re.compile(rf"(?!{_NUMBER_MARK})(?:[^\w\s]|_)", re.UNICODE)
 
 
 def normalize_answer(text: str) -> str:
-    """Lower case, punctuation removed, whitespace collapsed: ``" A red  Circle. "`` -> ``"a red circle"``."""
+    """Lower case, punctuation removed, whitespace collapsed: ``" A red  Circle. "`` -> ``"a red circle"``; a
+    number keeps its sign, decimal point and percent sign (``"-1.5%"``)."""
     text = unicodedata.normalize("NFKC", str(text)).casefold()
     return " ".join(_PUNCT.sub(" ", text).split())
 

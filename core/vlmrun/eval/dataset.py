@@ -24,6 +24,7 @@ from .. import shapes
 from ..errors import InputError, UsageError, VlmrunError
 from ..preprocess import load_image
 from ..progress import no_progress
+from .answers import normalize_answer
 
 #: Items of the default held-out set (100 per question kind).
 HELDOUT_ITEMS = 400
@@ -91,6 +92,10 @@ def kind_of(record: dict) -> str:
     return by_question.get(str(record.get("question", "")).strip().casefold(), "other")
 
 
+#: an answer that normalises to nothing (punctuation only) would match every answer that does too
+_UNSCORABLE = "the answer {answer!r} is punctuation only: nothing is left to match once case and punctuation are set aside"
+
+
 def _field(record: dict, name: str) -> str | None:
     value = record.get(name)
     return value if isinstance(value, str) and value.strip() else None
@@ -130,6 +135,8 @@ def _check(path: Path, n: int, text: str, check_images: bool) -> Record | Skippe
     answer = _field(record, "answer")
     if answer is None:
         return Skipped(where, n, "the record has no answer (a non-empty string 'answer')")
+    if not normalize_answer(answer):
+        return Skipped(where, n, _UNSCORABLE.format(answer=answer))
     image = _field(record, "image")
     if image is None:
         return Skipped(where, n, "the record has no image (a path 'image', relative to the data set file)")
@@ -168,6 +175,8 @@ def _check_conversation(path: Path, n: int, record: dict, check_images: bool) ->
         answer = _field(turn, "answer")
         if answer is None:
             return Skipped(where, n, f"turn {i} has no answer (a non-empty string 'answer')")
+        if not normalize_answer(answer):
+            return Skipped(where, n, f"turn {i}: " + _UNSCORABLE.format(answer=answer))
         image = _field(turn, "image")
         if "image" in turn and image is None:
             return Skipped(where, n, f"turn {i} has an image that is not a path (a non-empty string 'image',"
