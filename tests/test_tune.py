@@ -136,6 +136,10 @@ def test_winner_toml_and_resume(first_tune, cache_dir, tmp_path):
     (["--max-accuracy-drop", "1.5"], "--max-accuracy-drop '1.5' is outside 0..1"),
     (["--min-answers-as-reference", "most"], "--min-answers-as-reference 'most' is not a number"),
     (["--min-logits-sqnr", "loud"], "--min-logits-sqnr 'loud' is not a number of dB"),
+    # a limit no build can miss would take every build
+    (["--max-accuracy-drop", "100%"], "--max-accuracy-drop '100%' takes every build"),
+    (["--min-answers-as-reference", "0"], "--min-answers-as-reference '0' takes every build"),
+    (["--min-logits-sqnr", "-100"], "--min-logits-sqnr '-100' dB is not a usable floor: give more than 0 dB"),
     (["--layers", "decoder.layer99"], "'decoder.layer99' is not a layer of stage 'decoder'; its layers are"
                                       " decoder.layer0, decoder.layer1, decoder.layer2, decoder.norm, decoder.lm_head"),
     (["--stages", "decoder", "--layers", "vision.stem"], "--layers vision.stem: its stage 'vision' is not tuned"),
@@ -205,3 +209,31 @@ def test_a_budget_without_limits_is_the_default_not_anything_goes():
     assert Budget().misses(point(0.25)) == ["answers as reference 25.0% < 100.0%"]
     assert Budget().misses(point(1.0)) == [] and Budget().describe() == "answers as reference >= 100.0%"
     assert Budget(min_logits_sqnr=5.0).misses(point(0.25)) == []  # a limit that is set is the only one checked
+
+
+def test_a_point_is_kept_per_items_and_reference_not_per_path(cache_dir, store, ref_pipe, tmp_path):
+    """A tuned point's figures depend on the items measured and the reference: the same data set path with other
+    expected answers, or another reference, measures the build again instead of reading back the old figures."""
+    from vlmrun.eval import heldout_dataset
+    from vlmrun.tune import tune
+
+    heldout = heldout_dataset(store)
+    lines = [json.loads(line) for line in heldout.read_text().splitlines()[:2]]
+    (tmp_path / "images").mkdir()
+    for rec in lines:
+        shutil.copy(heldout.parent / rec["image"], tmp_path / rec["image"])
+    data = tmp_path / "set.jsonl"
+
+    def write(answers):
+        data.write_text("".join(json.dumps({**rec, "answer": a}) + "\n" for rec, a in zip(lines, answers)))
+
+    kw = dict(store=store, registry=ref_pipe.registry, stages=["decoder"], layers=LAYERS.split(","), limit=2,
+              max_candidates=1)
+    write([rec["answer"] for rec in lines])
+    first = tune(None, data, **kw)
+    assert first.built == 1 and tune(None, data, **kw).built == 0  # the same items: read back
+    write(["no such answer", "nor this"])  # the same path, other expected answers
+    changed = tune(None, data, **kw)
+    assert changed.built == 1 and changed.points[0].accuracy == 0.0 < first.points[0].accuracy
+    other = tune(None, data, reference="ref2=reference,decoder.context_length=600", **kw)
+    assert other.built == 1  # compared with another reference: measured again

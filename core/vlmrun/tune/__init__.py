@@ -26,8 +26,8 @@ reference, the share of answers equal to the reference's, the median logits SQNR
 accuracy), the winner (the fewest bytes within the budget) as a layout TOML file for ``vlmrun``, ``vlmrun bundle``
 and ``vlmrun eval``; a table, JSON, and an HTML page with the plot.
 
-**Resume**: a measured point is kept in the store (``tune/``, keyed by the candidate's eval layout key, the data
-set and the item count) and the compiled binaries and eval results are cached there too: an interrupted tune
+**Resume**: a measured point is kept in the store (``tune/``, keyed by the candidate's eval layout key, the items
+measured (their content and expected answers, not the data set's path) and the reference) and the compiled binaries and eval results are cached there too: an interrupted tune
 resumes, and a finished one run again builds nothing.
 
 **Ray** (`.executors`, `vlmrun.cluster`): ``ray_address`` runs the candidates of a step as Ray tasks (each declares one CPU and

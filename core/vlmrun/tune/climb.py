@@ -23,7 +23,7 @@ from ..stages import LAYER_PRECISION, STAGES, layer_precision_text, parse_layer_
 
 TUNABLE = ("vision", "projector", "decoder")  # stages with layers (embed is a table lookup)
 LAYER_OPTION = LAYER_PRECISION
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: keyed by the items' content and the reference, not the data set's path and --limit
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -165,8 +165,10 @@ class PointCache:
     def __init__(self, root: Path):
         self.root = Path(root) / "tune"
 
-    def key(self, eval_key: str, dataset: str, limit: int | None) -> str:
-        text = json.dumps({"v": CACHE_VERSION, "eval": eval_key, "dataset": dataset, "limit": limit})
+    def key(self, eval_key: str, inputs: str) -> str:
+        """A point's key: its build's eval layout key and ``inputs`` (`Climb.inputs_key`: the items measured and
+        the reference), never a data set's path, whose content may change."""
+        text = json.dumps({"v": CACHE_VERSION, "eval": eval_key, "inputs": inputs})
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def get(self, key: str) -> dict | None:
@@ -343,7 +345,7 @@ class Climb:
         """`sensitivity` of the tuned stages on the current build (the base: layers are ranked before the first
         raise), measured on the device and cached with the build's point."""
         tuned = self.tuned
-        sens_key = "sens-" + self.cache.key(self.current_point.key, self.dataset, 1)
+        sens_key = "sens-" + self.cache.key(self.current_point.key, self.inputs_key(self.records[:1]))
         sens = self.cache.get(sens_key)
         if sens is None or set(sens) != set(tuned):
             with self.progress(f"ranking the layers of {', '.join(tuned)} by their own error on the device (--locate)"):
@@ -385,8 +387,15 @@ class Climb:
     def cache_key(self, spec) -> str:
         """What the point of the build ``spec`` is stored under: its eval layout key, the data set, the items."""
         layout = spec.resolve(self.registry)
-        return self.cache.key(layout_key(layout, self.registry, self.model_hash, self.settings), self.dataset,
-                              self.limit)
+        return self.cache.key(layout_key(layout, self.registry, self.model_hash, self.settings),
+                              self.inputs_key(self.records))
+
+    def inputs_key(self, records: Sequence) -> str:
+        """What a point's figures depend on besides its build: the items measured (each one's inputs and expected
+        answer) and the reference layout they are compared with (its eval layout key)."""
+        ref = layout_key(self.reference.resolve(self.registry), self.registry, self.model_hash, self.settings)
+        items = [[r.key, r.answer, r.kind] for r in records]
+        return hashlib.sha256(json.dumps({"reference": ref, "items": items}).encode()).hexdigest()
 
     def build_and_measure(self, jobs: Sequence[MeasureJob]) -> list[dict]:
         """Build and `measure` ``jobs`` (on Ray with a ``ray_address``), in their order."""

@@ -74,14 +74,22 @@ class Budget:
         """A checked budget (UsageError for values that cannot be one)."""
         drop = _fraction("--max-accuracy-drop", max_accuracy_drop)
         answers = _fraction("--min-answers-as-reference", min_answers_as_reference)
+        # a limit that no build can miss would take every build, whatever its answers: refused, not applied
+        if drop is not None and drop >= 1.0:
+            raise UsageError(f"--max-accuracy-drop {max_accuracy_drop!r} takes every build (no accuracy drops by more"
+                             " than all of it); give less than 1 (100%), e.g. 0.05")
+        if answers is not None and answers <= 0.0:
+            raise UsageError(f"--min-answers-as-reference {min_answers_as_reference!r} takes every build; give more"
+                             " than 0, e.g. 0.9 (90%)")
         sqnr = None
         if min_logits_sqnr is not None:
             try:
                 sqnr = float(min_logits_sqnr)
             except (TypeError, ValueError):
                 raise UsageError(f"--min-logits-sqnr {min_logits_sqnr!r} is not a number of dB") from None
-            if not math.isfinite(sqnr) or not -100 <= sqnr <= 200:
-                raise UsageError(f"--min-logits-sqnr {min_logits_sqnr!r} dB is not a usable SQNR (-100..200)")
+            if not math.isfinite(sqnr) or not 0 < sqnr <= 200:  # at 0 dB and below the noise is the logits' size
+                raise UsageError(f"--min-logits-sqnr {min_logits_sqnr!r} dB is not a usable floor: give more than 0"
+                                 " dB (below, the logits are mostly noise) and at most 200, e.g. 25")
         return cls(drop, answers, sqnr)
 
     def misses(self, point: "Point") -> list[str]:
