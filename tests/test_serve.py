@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import socket
 import threading
 import time
@@ -111,6 +112,11 @@ def test_the_openai_client_gets_the_reference_answer(ref_server, ref_pipe, pictu
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     r = c.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)), stop=[" on"])
     assert r.choices[0].message.content == "A red circle" and r.choices[0].finish_reason == "stop"
+    # streamed, the start of a stop string is held back until it is not one: never " on a" before " on a blue"
+    for stop, want_text in (([" on a blue"], "A red circle"), ([" on a green"], want.text)):
+        got = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)), stop=stop, stream=True) if ch.choices]
+        assert "".join(got) == want_text, (stop, got)
     models = c.models.list().data
     assert [m.id for m in models] == ["fastvlm-shapes-tiny"]
     assert models[0].model_extra["layout"]["stages"]["decoder"]["backend"] == "ort_reference"
@@ -277,6 +283,17 @@ def test_local_images_only_under_the_allowed_folder_and_no_existence_oracle(ref_
         (allowed / "notes.txt").write_text("not an image")
         r = post("notes.txt", s)
         assert r.status_code == 400 and one_line_error(r)["code"] == "bad_image"
+        def open_on_folders():
+            return [link for fd in os.listdir("/proc/self/fd")
+                    if (link := os.path.realpath(f"/proc/self/fd/{fd}")) in (str(allowed), str(allowed / "sub"))]
+
+        for url in ("sub", str(allowed), f"file://{allowed}/sub"):  # a folder: refused, not a 500, no descriptor left
+            r = post(url, s)
+            assert r.status_code == 400 and one_line_error(r)["code"] == "local_path_forbidden", (url, r.text)
+        assert open_on_folders() == []
+        r = s.client.chat.completions.create(model="fastvlm-shapes-tiny",  # RFC 8089's local host
+                                             messages=messages(f"file://localhost{allowed}/scene.png"))
+        assert r.choices[0].message.content == "A red circle on a blue background."
     finally:
         s.stop()
 

@@ -85,6 +85,8 @@ def read_local_image(url: str, allowed: Path | None) -> bytes:
     if allowed is None:
         raise _forbidden_path(url, None)
     raw = url[len("file://"):] if url.startswith("file://") else url
+    if url.startswith("file://localhost/"):  # RFC 8089: the local host named
+        raw = raw[len("localhost"):]
     try:
         real = (allowed / raw).resolve()  # an absolute raw replaces allowed; a symlink loop raises
     except (OSError, RuntimeError, ValueError):
@@ -97,13 +99,18 @@ def read_local_image(url: str, allowed: Path | None) -> bytes:
         raise RequestError(400, f"image {url} does not exist", "messages", "image_not_found") from None
     except OSError:
         raise _forbidden_path(url, allowed) from None
-    with os.fdopen(fd, "rb") as f:
+    try:  # checked before it becomes a file object (a folder cannot be one); the descriptor closed whatever happens
         st, proc = os.fstat(fd), Path(f"/proc/self/fd/{fd}")
         if not stat.S_ISREG(st.st_mode) or (proc.exists() and not Path(os.readlink(proc)).is_relative_to(allowed)):
             raise _forbidden_path(url, allowed)
         if st.st_size > MAX_IMAGE_BYTES:
             raise RequestError(413, f"the image is {st.st_size} bytes; the limit is {MAX_IMAGE_BYTES}", "messages")
-        return f.read(MAX_IMAGE_BYTES + 1)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_IMAGE_BYTES + 1)
+    except OSError:
+        raise _forbidden_path(url, allowed) from None
+    finally:
+        os.close(fd)
 
 
 def decode_image(url: str, allowed_media: Path | None = None):

@@ -82,7 +82,7 @@ class Run:
             settings = GenerationSettings(max_new_tokens=r.max_tokens, system=r.system,
                                           sampling=SamplingSettings(r.temperature, 0, r.top_p, r.seed))
             gen = self.pipe.generate_turn(r.plan, kept, settings)
-            text = ""
+            text, sent = "", 0  # what the model said; how much of it the client has
             for piece in gen:
                 if self.cancelled.is_set():
                     gen.stopped_by = "cancelled"
@@ -90,13 +90,18 @@ class Run:
                 text += piece
                 hit = min((text.find(s) for s in r.stop if s in text), default=-1)
                 if hit >= 0:  # a stop string: the text up to it, and no further tokens
-                    keep = hit - (len(text) - len(piece))
-                    if keep > 0:
-                        self._put(("text", piece[:keep]))
+                    if hit > sent:
+                        self._put(("text", text[sent:hit]))
                     gen.stopped_by = "stop"
                     gen.text = text[:hit]
                     break
-                self._put(("text", piece))
+                ready = len(text) - held_back(text, r.stop)  # a stop string's start is sent once it is not one
+                if ready > sent:
+                    self._put(("text", text[sent:ready]))
+                    sent = ready
+            else:
+                if len(text) > sent:  # the answer's end, held back as a possible stop string's start
+                    self._put(("text", text[sent:]))
             if gen.stopped_by in ("cancelled", "stop"):
                 final = gen.text
                 gen.close()  # the backend stops here (a runtime's worker process is ended)
@@ -108,6 +113,13 @@ class Run:
             if self.states is not None:
                 self.states.drop(kept)  # a state that failed mid-turn is released, never reused
             self._put(("error", exc))
+
+
+def held_back(text: str, stops) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string (not streamed yet: a client
+    must never see part of a stop string the answer is then cut at)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
 
 
 def _finish_reason(gen) -> str:
