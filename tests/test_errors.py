@@ -74,6 +74,16 @@ def test_usage_errors_exit_2(warm, image_path):
     assert res.returncode == 2 and "unknown layout 'fastest'" in res.stderr
 
 
+def test_sampling_values_out_of_range_and_a_typed_placeholder(warm, image_path):
+    for flag, value, why in (("--seed", "-1", "-1 is not in the range x>=0"),  # was an internal error
+                             ("--temperature", "nan", "'nan' is not a finite number"),  # was taken
+                             ("--top-p", "inf", "is not in the range")):
+        res = run_cli(["--image", str(image_path), "--prompt", "x", flag, value, *BASE], warm)
+        assert res.returncode == 2 and why in res.stderr and "Traceback" not in res.stderr, (flag, res.stderr)
+    line = one_error_line(run_cli(["--image", str(image_path), "--prompt", "What is <image>?", *BASE], warm))
+    assert "text holds <image>, the model's picture placeholder" in line  # it blamed the model's chat template
+
+
 def test_debug_shows_traceback(warm, tmp_path):
     res = run_cli(["--image", str(tmp_path / "nope.jpg"), "--prompt", "x", "--debug", *BASE], warm)
     assert res.returncode != 0 and "Traceback" in res.stderr

@@ -161,6 +161,12 @@ def test_bad_requests_are_4xx_with_a_json_body_and_harm_nothing(ref_server, pict
         ({"messages": good, "temperature": -1}, None, 400, None),
         ({"messages": messages("https://example.com/a.png")}, None, 400, None),
         ({"messages": messages(str(tmp_path / "bomb.png"))}, None, 400, "local_path_forbidden"),  # not allowed
+        ({"messages": good, "seed": -1}, None, 400, None),  # was a 500
+        ({"messages": good, "temperature": float("nan")}, None, 400, None),  # NaN passed every range check
+        ({"messages": good, "top_p": float("inf")}, None, 400, None),
+        ({"messages": good, "n": 2}, None, 400, None),  # one answer was made, silently
+        ({"messages": good, "stream": True, "stream_options": "x"}, None, 400, None),
+        ({"messages": messages(data_uri(picture), "What is <image> here?")}, None, 400, "image_placeholder_in_text"),
     ]
     for body, raw, status, code in cases:
         r = post(body, raw)

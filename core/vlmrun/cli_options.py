@@ -122,13 +122,26 @@ def pipeline_options(f):
     return _stage_options(f)
 
 
+class FiniteFloatRange(click.FloatRange):
+    """`click.FloatRange` that also refuses nan and inf (a range check lets nan through: every comparison is
+    false)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
 def generation_options(f):
     f = click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)(f)
-    f = click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+    f = click.option("--temperature", type=FiniteFloatRange(0), default=0.0, show_default=True,
                      help="0 = greedy.")(f)
     f = click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")(f)
-    f = click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)(f)
-    f = click.option("--seed", type=int, default=0, show_default=True)(f)
+    f = click.option("--top-p", type=FiniteFloatRange(0, 1), default=1.0, show_default=True)(f)
+    f = click.option("--seed", type=click.IntRange(0), default=0, show_default=True)(f)
     f = click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")(f)
     f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")(f)
     return f

@@ -158,9 +158,18 @@ def count_images(messages) -> int:
         if m.get("role") not in ROLES:
             raise InputError(f"message {i}: role {m.get('role')!r} is not one of {', '.join(ROLES)}")
         content = m.get("content")
+        texts = [content] if isinstance(content, str) else [p.get("text") or "" for p in content]
+        if any(IMAGE_PLACEHOLDER in t for t in texts):
+            raise InputError(placeholder_in_text(i))
         if not isinstance(content, str):
             images += sum(1 for part in content if part.get("type") == "image")
     return images
+
+
+def placeholder_in_text(i: int) -> str:
+    """The error for a message whose text holds the picture placeholder (it would be read as a picture)."""
+    return (f"message {i}'s text holds {IMAGE_PLACEHOLDER}, the model's picture placeholder: a picture is given as an"
+            " image, not typed into the text; write it otherwise (e.g. 'image')")
 
 
 def render_conversation(chat_template: str, messages) -> str:

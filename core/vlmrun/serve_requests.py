@@ -5,6 +5,7 @@ error (`RequestError`) every bad request gets before anything runs."""
 import base64
 import binascii
 import io
+import math
 import os
 import stat
 import warnings
@@ -13,6 +14,7 @@ from pathlib import Path
 import attrs
 
 from .errors import InputError, VlmrunError
+from .preprocess import IMAGE_PLACEHOLDER, placeholder_in_text
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # a request's image, decoded
 MAX_IMAGE_PIXELS = 40_000_000  # above this PIL's decompression-bomb check refuses the image
@@ -63,7 +65,7 @@ def _number(body: dict, key: str, kind, default, lo=None, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
         raise RequestError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}", key)
     value = kind(value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
         raise RequestError(400, f"'{key}' must be {rng}, got {value}", key)
     return value
@@ -179,6 +181,8 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
             if not isinstance(p, dict):
                 raise RequestError(400, f"messages[{i}].content has a part that is not an object", "messages")
             if p.get("type") == "text" and isinstance(p.get("text"), str):
+                if IMAGE_PLACEHOLDER in p["text"]:
+                    raise RequestError(400, placeholder_in_text(i), "messages", "image_placeholder_in_text")
                 turn.append({"type": "text", "text": p["text"]})
                 if role == "system":
                     system = p["text"]
@@ -212,13 +216,18 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
         raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
     opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise RequestError(400, "'stream_options' must be an object ({\"include_usage\": true})", "stream_options")
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):  # several answers per request are not made: refused, not silently one
+        raise RequestError(400, f"'n' must be 1 (this server makes one answer per request), got {body.get('n')!r}",
+                           "n")
     return ChatRequest(
         images=[decode_image(u, allowed_media) for u in images], prompt=prompt, system=system, messages=turns,
         max_tokens=_number(body, "max_tokens", int, _number(body, "max_completion_tokens", int, DEFAULT_MAX_TOKENS,
                                                             1), 1),
         temperature=_number(body, "temperature", float, 0.0, 0.0, 2.0),
         top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
-        seed=_number(body, "seed", int, 0),
+        seed=_number(body, "seed", int, 0, 0),
         stop=stop, stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
     )
