@@ -219,3 +219,26 @@ def test_a_full_disk_is_one_line_naming_the_file(monkeypatch, capsys):
     monkeypatch.setattr(cli.cli, "main", denied)
     assert cli.main(["plugins"]) == 1
     assert capsys.readouterr().err.startswith("vlmrun: internal error: PermissionError")
+
+
+def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_any_work(tmp_path, cache_dir):
+    """They were internal errors, some after the whole run (eval --report FILE, tune --out FILE/x.toml)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (["eval", "--report", str(a_file), "--limit", "1"], "'--report'", "is a file, not a folder"),
+        (["tune", "--out", str(a_file / "best.toml")], "'--out'", f"cannot be created: {a_file} is a file"),
+        (["tune", "--out", str(tmp_path)], "'--out'", "is a folder; give a file name"),
+        (["bundle", str(a_file)], "'OUT'", "is a file, not a folder"),
+        (["bundle", "/proc/vlmrun-bundle"], "'OUT'", "cannot be created in /proc"),
+        (["make-tiny", "/proc/vlmrun-tiny"], "'OUT_DIR'", "cannot be created in /proc"),
+        (["diff", "--save", str(a_file)], "'--save'", "is a file, not a folder"),
+        (["--cache-dir", "/proc/vlmrun-store", "--image", "x.png", "--prompt", "x"], "'--cache-dir'",
+         "cannot be created in /proc"),
+    ]
+    for args, option, why in cases:
+        res = run_cli(args, cache_dir, timeout=120)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr)
+        line = res.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"Error: Invalid value for {option}:") and why in line, (args, line)
+    assert a_file.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

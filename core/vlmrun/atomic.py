@@ -207,6 +207,29 @@ def discard(path: str | os.PathLike) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def destination_problem(path: str | os.PathLike, *, folder: bool) -> str | None:
+    """Why ``path`` cannot become a new folder (``folder``) or file, or None: checked before any work, so that a
+    long run does not end in an error writing its result. A file where a folder goes (or the converse), a parent
+    that is a file, or a place nothing can be created in (a read-only or virtual file system: tried, not guessed)."""
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        return None if folder else "is a folder; give a file name"
+    if p.exists():
+        return "is a file, not a folder" if folder else None
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is a file, not a folder"
+    try:
+        probe = tempfile.mkdtemp(prefix=TMP_PREFIX + "probe-", dir=parent)
+    except OSError as exc:
+        return f"cannot be created in {parent} ({exc.strerror or exc})"
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
+    return None
+
+
 def check_free_space(target: str | os.PathLike, need: int, label: str | None = None, margin: int = 64 << 20) -> None:
     """Refuse, in one line (`UsageError`), to start writing ``need`` bytes at ``target`` (a file or directory, made
     or to be made) when its disk has fewer than ``need + margin`` free. ``label`` says what needs the room (default:

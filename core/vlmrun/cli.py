@@ -15,7 +15,7 @@ import attrs
 import click
 
 from . import procs
-from .cli_options import (build_pipeline, generation_options, pipeline_options, settings_from, model_options,  # noqa: F401
+from .cli_options import (Destination, build_pipeline, generation_options, pipeline_options, settings_from, model_options,  # noqa: F401
                           registry)
 from .errors import UsageError, VlmrunError
 from .stages import STAGES
@@ -214,7 +214,7 @@ def _precisions(reg) -> dict:
 
 
 @cli.command("make-tiny")
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=Destination())
 @click.option("--size", default=None, metavar="SIZE",
               help="tiny (default; about 0.5M parameters), 0.5b, 1.5b or 7b: FastVLM-0.5B/1.5B/7B dimensions"
                    " (random weights; 1.25, 3.35 and 15.5 GB in bf16).")

@@ -10,12 +10,12 @@ from pathlib import Path
 import click
 
 from .bundle import VERIFY_ITEMS, verify, write
-from .cli_options import layout_overrides, model_options, registry, stage_option_flags
+from .cli_options import Destination, layout_overrides, model_options, registry, stage_option_flags
 from .stages import STAGES
 
 
 @click.command("bundle", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=Destination())
 @click.option("--layout", default="all-npu", show_default=True,
               help="Layout whose stages (all on one backend) the bundle is made from: a preset, with optional"
                    " inline overrides (all-npu,decoder.context_length=256).")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cli_options import model_options
+from .cli_options import Destination, model_options
 from .errors import VlmrunError
 from .stages import STAGES
 
@@ -42,9 +42,9 @@ def _device_options(f):
 @click.option("--from", "from_dirs", multiple=True, type=click.Path(path_type=Path), metavar="DIR",
               help="Use a saved capture instead of running a side: once = a --save DIR (both sides) or the"
                    " reference (the device runs live, teacher-forced on its tokens); twice = reference, device.")
-@click.option("--save", "save_dir", type=click.Path(path_type=Path), metavar="DIR",
+@click.option("--save", "save_dir", type=Destination(), metavar="DIR",
               help="Save both captures (npz) to DIR/reference and DIR/device, and DIR/metrics.json.")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), metavar="DIR",
+@click.option("--report", "report_dir", type=Destination(), metavar="DIR",
               help="Write DIR/index.html (plots embedded) and DIR/metrics.json.")
 @click.option("--locate", "locate", is_flag=False, flag_value="auto", default=None, metavar="[auto|STAGE]",
               help="Look inside a stage layer by layer (probe variants on both sides, the same inputs) and name the"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .cli_options import model_options
+from .cli_options import Destination, model_options
 
 
 def progress_bar(total: int, initial: int, desc: str):
@@ -37,7 +37,7 @@ def progress_bar(total: int, initial: int, desc: str):
 @click.option("--strict", is_flag=True, help="Stop at the first bad record instead of skipping it.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=48, show_default=True,
               help="Budget per answer (the generated set's longest answer is 40 tokens with <|im_end|>).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), metavar="DIR",
+@click.option("--report", "report_dir", type=Destination(), metavar="DIR",
               help="Write DIR/index.html (plots embedded) and DIR/eval.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of tables.")
 @click.option("--ray", "ray_address", metavar="ADDRESS",

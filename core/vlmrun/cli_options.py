@@ -11,9 +11,27 @@ from .errors import UsageError
 from .stages import STAGES
 
 
+class Destination(click.Path):
+    """A path a command writes its result to (a folder, or a file with ``folder=False``): what cannot be one is a
+    usage error before any work (`vlmrun.atomic.destination_problem`), not an internal error after it."""
+
+    def __init__(self, folder: bool = True):
+        super().__init__(path_type=Path)
+        self.folder = folder
+
+    def convert(self, value, param, ctx):
+        from .atomic import destination_problem
+
+        path = super().convert(value, param, ctx)
+        problem = destination_problem(path, folder=self.folder)
+        if problem:
+            self.fail(f"{str(value)!r} {problem}.", param, ctx)
+        return path
+
+
 def model_options(f):
     """``--model``, ``--image-size`` and ``--cache-dir``: which checkpoint, and where artifacts live."""
-    f = click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
+    f = click.option("--cache-dir", type=Destination(), envvar="VLMRUN_CACHE_DIR",
                      help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")(f)
     f = click.option("--image-size", type=int, default=None,
                      help="Image size of the default model (ignored with --model). [default: its own, 256; other"

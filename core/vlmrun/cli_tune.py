@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .cli_eval import progress_bar
-from .cli_options import model_options
+from .cli_options import Destination, model_options
 
 
 @click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,9 +36,9 @@ from .cli_options import model_options
 @click.option("--beam", type=click.IntRange(1), default=1, show_default=True,
               help="Per step, how many of the most sensitive layers are tried (in parallel on Ray).")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=48, show_default=True)
-@click.option("--out", "out", type=click.Path(path_type=Path), metavar="BEST.toml",
+@click.option("--out", "out", type=Destination(folder=False), metavar="BEST.toml",
               help="Write the winning layout here (a layout file for vlmrun, vlmrun bundle, vlmrun eval).")
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), metavar="DIR",
+@click.option("--report", "report_dir", type=Destination(), metavar="DIR",
               help="Write DIR/index.html (the front plotted) and DIR/tune.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object instead of the table.")
 @click.option("--ray", "ray_address", metavar="ADDRESS",
