@@ -242,3 +242,21 @@ def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_any_work(
         line = res.stderr.strip().splitlines()[-1]
         assert line.startswith(f"Error: Invalid value for {option}:") and why in line, (args, line)
     assert a_file.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_layout_file_or_prompt_that_cannot_be_read_is_one_line(warm, tmp_path, image_path):
+    cases = [(b'vision = "qnn_htp"\n', "vision = 'qnn_htp' is not a table; write it as [vision]"),
+             (b'[vision]\nbackend = "\xff"\n', "is not UTF-8 text"),
+             (b"[decoder]\nbackend = 3\n", "[decoder] backend must be a plugin's name")]
+    for text, why in cases:
+        f = tmp_path / "layout.toml"
+        f.write_bytes(text)
+        res = run_cli(["--layout-file", str(f), "--image", str(image_path), "--prompt", "x", *BASE], warm)
+        assert why in one_error_line(res, 2), res.stderr
+    bad = "What is this \udcff?"  # a byte the shell could not decode: a lone surrogate
+    from vlmrun.errors import InputError
+    from vlmrun.preprocess import tokenize_conversation, tokenize_prompt
+
+    for tokenize in (tokenize_prompt, tokenize_conversation):
+        with pytest.raises(InputError, match="the prompt is not valid UTF-8 text"):
+            tokenize(None, bad, 1, 4)

@@ -60,6 +60,8 @@ def read_toml(path: str | Path, what: str) -> dict:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{what} {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
 
 
 def resolve(
@@ -96,6 +98,15 @@ def resolve(
         unknown = [k for k, v in table.items() if isinstance(v, dict) and k not in STAGES]
         if unknown:
             raise UsageError(f"layout file {file} names unknown stage(s) {unknown}; stages are {list(STAGES)}")
+        for stage in STAGES:
+            if stage in table and not isinstance(table[stage], dict):
+                raise UsageError(f"layout file {file}: {stage} = {table[stage]!r} is not a table; write it as"
+                                 f" [{stage}] with backend = \"...\" and the stage's options under it")
+            if not isinstance(table.get(stage, {}).get("backend", ""), str):
+                raise UsageError(f"layout file {file}: [{stage}] backend must be a plugin's name (a string)")
+        for key in ("base", "name"):
+            if key in table and not isinstance(table[key], str):
+                raise UsageError(f"layout file {file}: {key} must be a string, not {table[key]!r}")
     base = name or table.get("base") or REFERENCE
     preset = _preset(base, presets if presets is not None else plugins.default().presets)
     stages: dict[str, StageAssignment] = {}

@@ -199,10 +199,21 @@ def _compiled_template(chat_template: str):
     return env.from_string(chat_template)
 
 
+def check_utf8(text: str) -> None:
+    """One InputError for text that is not UTF-8 (a byte a shell or a file could not decode, kept by Python as a
+    lone surrogate; JSON's \\ud800 too): the tokenizer would fail with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"the prompt is not valid UTF-8 text (character {exc.start} of its rendered form); give"
+                         " it as UTF-8") from None
+
+
 def tokenize_conversation(tokenizer, text: str, image_token_id: int, image_tokens: int) -> tuple[np.ndarray, list[int]]:
     """Token ids [1, T] int64 with every ``<image>`` placeholder expanded to ``image_tokens`` copies, and where
     each picture's positions start (in order). The text between placeholders is tokenized piece by piece, as
     `tokenize_prompt` does for one picture."""
+    check_utf8(text)
     pieces = text.split(IMAGE_PLACEHOLDER)
     ids: list[int] = []
     starts: list[int] = []
@@ -216,6 +227,7 @@ def tokenize_conversation(tokenizer, text: str, image_token_id: int, image_token
 
 def tokenize_prompt(tokenizer, text: str, image_token_id: int, image_tokens: int) -> tuple[np.ndarray, int]:
     """Token ids [1, T] int64 with the placeholder expanded to ``image_tokens`` copies, and where it starts."""
+    check_utf8(text)
     before, _, after = text.partition(IMAGE_PLACEHOLDER)
     if IMAGE_PLACEHOLDER in after:
         raise InputError("the prompt holds more than one <image> placeholder; vlmrun takes one image")
