@@ -214,7 +214,34 @@ def _changed(b: Path):
         f.write(b"\0")
 
 
+def _extra_file(b: Path):
+    (b / "notes.bin").write_bytes(b"pushed with the bundle, hashed by nothing")
+
+
+def _lut_outside(b: Path):  # the generator reads a table the manifest does not hash
+    shutil.copy(b / "embedding_weights.raw", b.parent / "other.raw")
+    edit_json(b, "text-generator.json", lambda d: d["text-generator"]["embedding"].update({"lut-path": "../other.raw"}))
+
+
+def _config_unlisted(b: Path):
+    mf = b / "vlmrun-bundle.json"
+    m = json.loads(mf.read_text())
+    m["files"].pop("metadata.json")
+    mf.write_text(json.dumps(m))
+
+
+def _failed_verification(b: Path):  # the figures `vlmrun bundle` recorded: the diff failed on half its items
+    mf = b / "vlmrun-bundle.json"
+    m = json.loads(mf.read_text())
+    m["verified"].update(diff_pass_rate=0.5, same_answer_as_reference=0.5)
+    mf.write_text(json.dumps(m))
+
+
 @pytest.mark.parametrize("spoil, message", [
+    (_extra_file, "notes.bin is not in its manifest"),
+    (_lut_outside, "the generator's LUT ../other.raw is not a file of its manifest"),
+    (_config_unlisted, "metadata.json is not in its manifest"),
+    (_failed_verification, "failed its verification when it was written: vlmrun diff failed on 2 of 4 held-out"),
     (_float_input, "input pixel_values is float32, not uint8/uint16: Genie drops a float image"),
     (_no_lut, "text-generator.json has no embedding LUT block"),
     (_missing, "part1_of_1_token.bin is missing"),
@@ -277,6 +304,15 @@ def test_bad_bundle_requests_are_one_line_and_write_nothing(tmp_path, cache_dir,
     r = run_cli(["--bundle", str(bundle_dir), "--vision", "ort_reference", "--image", "x.png", "--prompt", "p"],
                 cache_dir, timeout=120)
     assert r.returncode == 2 and "a bundle runs as it was written" in r.stderr
+    from vlmrun.layouts import bundle_manifest
+
+    for manifest in ({"backend": "qnn_htp"}, {"backend": "qnn_htp", "files": "x"},  # an AttributeError, a wrong story
+                     {"backend": "qnn_htp", "files": {"a.bin": {"sha256": "0"}}}):
+        edited = tmp_path / "edited"
+        edited.mkdir(exist_ok=True)
+        (edited / "vlmrun-bundle.json").write_text(json.dumps(manifest))
+        with pytest.raises(UsageError, match="has no record of its files"):
+            bundle_manifest(edited)
     with pytest.raises(UsageError, match="exists and is not empty"):
         from vlmrun import layouts
         from vlmrun.cli_bundle import write
@@ -479,3 +515,30 @@ def test_the_embeds_input_option_is_checked():
     enc = parse_embeds_input("uint16:-2:6")
     assert enc["dtype"] == "uint16" and enc["zero_point"] == 16384 and abs(enc["scale"] * 65535 - 8) < 1e-12
     assert parse_embeds_input("float") is None
+
+
+def test_a_bundle_that_fails_its_verification_is_not_handed_out(tiny_model, store, tmp_path, monkeypatch):
+    """`vlmrun bundle` runs the new bundle through its own runtime against the reference: a generator config with
+    a wrong rope-theta (100) answers garbage there, so the bundle is kept to look into, with ``passed`` false, but
+    the write is an error (exit 1) and ``--verify`` refuses it."""
+    import vlmrun_qnn_htp.bundle as qnn_bundle
+    from vlmrun import layouts
+    from vlmrun.bundle import verify, write
+
+    right = qnn_bundle.text_generator_config
+
+    def wrong_rope(*args, **kwargs):
+        cfg = right(*args, **kwargs)
+        cfg["text-generator"]["engine"]["model"]["positional-encoding"]["rope-theta"] = 100.0
+        return cfg
+
+    monkeypatch.setattr(qnn_bundle, "text_generator_config", wrong_rope)
+    out = tmp_path / "bad"
+    with pytest.raises(BackendError, match=r"is written but failed its verification: vlmrun diff failed on [12] of 2"
+                                           r" held-out items .*vlmrun diff --device bundle:") as err:
+        write(layouts.resolve("all-npu"), out, model=tiny_model, store=store, verify_items=2)
+    assert "\n" not in str(err.value)
+    figures = json.loads((out / "vlmrun-bundle.json").read_text())["verified"]
+    assert figures["passed"] is False and figures["items"] == 2 and figures["diff_pass_rate"] < 1
+    with pytest.raises(BackendError, match="failed its verification when it was written"):
+        verify(out)

@@ -70,9 +70,32 @@ def write(layout, out: Path, *, model=None, store=None, target: str = "local", i
         if manifest is None:
             raise BackendError(f"backend '{backend}' does not write bundles (no installed plugin implements"
                                " write_bundle for it)")
-        manifest["verified"] = verified(tmp, fvlm, store, reg, target, verify_items, progress)
+        figures = manifest["verified"] = verified(tmp, fvlm, store, reg, target, verify_items, progress)
+        failures = verification_failures(figures)
+        if figures.get("items"):
+            figures["passed"] = not failures
         (tmp / layouts_mod.BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if failures:  # written whole (to look into), but never handed out as good: exit 1, and --verify fails on it
+        raise BackendError(f"bundle {out} is written but failed its verification: {'; '.join(failures)}; do not"
+                           f" ship it: vlmrun diff --device bundle:{out} names where it departs from the reference")
     return manifest
+
+
+def verification_failures(figures: dict) -> list[str]:
+    """What the figures a bundle was verified with (its manifest's ``verified``) show wrong: the diff of an item
+    failed (its answer or its logits left the reference beyond the precision's thresholds). [] when nothing was
+    run here (a phone's bundle, ``verify_items = 0``)."""
+    items = figures.get("items") or 0
+    if not items:
+        return []
+    rate = figures.get("diff_pass_rate")
+    if rate is None:
+        return [f"no item of the {items} run was diffed against the reference"]
+    if rate < 1:
+        failed = round(items * (1 - rate))
+        return [f"vlmrun diff failed on {failed} of {items} held-out items (same answer as the reference"
+                f" {figures.get('same_answer_as_reference', 0):.0%})"]
+    return []
 
 
 def verified(folder: Path, model, store, reg, target: str, items: int, progress) -> dict:
@@ -103,4 +126,13 @@ def verify(folder: Path, options: dict | None = None, reg=None) -> list[str]:
     checked = reg.hook.verify_bundle(backend=m["backend"], path=Path(folder), options=dict(options or {}))
     if checked is None:
         raise BackendError(f"no installed plugin verifies bundles of backend '{m['backend']}'")
+    figures = m.get("verified") or {}
+    failures = verification_failures(figures)
+    if failures:
+        raise BackendError(f"bundle {folder} failed its verification when it was written: {'; '.join(failures)};"
+                           f" write it again (vlmrun diff --device bundle:{folder} names where it departs)")
+    if figures.get("items"):
+        checked.append(f"verified when written: vlmrun diff passed on all {figures['items']} held-out items")
+    else:
+        checked.append(f"not verified when written: {figures.get('why') or 'no figures recorded'}")
     return checked

@@ -195,6 +195,12 @@ def bundle_manifest(folder: str | Path) -> dict:
         raise UsageError(f"{mf} cannot be read ({exc}); write the bundle again") from None
     if not isinstance(m, dict) or not m.get("backend"):
         raise UsageError(f"{mf} names no backend; write the bundle again")
+    files = m.get("files")  # every bundle's record of its files (name -> sha256 and bytes): what is checked and run
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
+            for v in files.values()):
+        raise UsageError(f"{mf} has no record of its files (files: name -> sha256 and bytes); it was not written by"
+                         " vlmrun bundle, or was edited: write the bundle again")
     return m
 
 

@@ -316,7 +316,16 @@ def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None =
         if f.stat().st_size != info["bytes"] or sha256(f) != info["sha256"]:
             raise BackendError(f"bundle {path}: {name} does not match its sha256 in {MANIFEST} (changed or"
                                " truncated); write the bundle again")
-    checked.append(f"{len(m['files'])} files present, sha256 as recorded")
+    for f in sorted(path.rglob("*")):  # a file the manifest does not hash would be pushed and read unchecked
+        rel = f.relative_to(path).as_posix()
+        if f.is_file() and rel != MANIFEST and rel not in m["files"]:
+            raise BackendError(f"bundle {path}: {rel} is not in its manifest ({MANIFEST}), so nothing checks it;"
+                               " remove it, or write the bundle again")
+    for name in [*NODES.values(), "metadata.json"]:  # what the runtime and these checks read: hashed, present
+        if name not in m["files"]:
+            raise BackendError(f"bundle {path}: {name} is not a file of its manifest ({MANIFEST}); write the bundle"
+                               " again")
+    checked.append(f"{len(m['files'])} files present, sha256 as recorded, no file besides them")
     cfgs = {}
     for node, name in NODES.items():
         try:
@@ -339,8 +348,9 @@ def verify_bundle(path: Path, soc_name: str | None = None, sdk_qnn: str | None =
     if emb.get("type") != "lut" or not emb.get("lut-path"):
         raise BackendError(f"bundle {path}: text-generator.json has no embedding LUT block (type lut, lut-path):"
                            " Genie would stop after one token; write the bundle again")
-    if not (path / emb["lut-path"]).is_file():
-        raise BackendError(f"bundle {path}: the generator's LUT {emb['lut-path']} is missing")
+    if emb["lut-path"] not in m["files"]:  # a table read from elsewhere (../x) would be read unchecked
+        raise BackendError(f"bundle {path}: the generator's LUT {emb['lut-path']} is not a file of its manifest;"
+                           " write the bundle again")
     lut = m.get("lut") or {}
     if lut.get("dtype") == "uint16":
         want = {"scale": lut["scale"], "offset": -int(lut["zero_point"])}
