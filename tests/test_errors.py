@@ -72,6 +72,8 @@ def test_usage_errors_exit_2(warm, image_path):
     assert res.returncode == 2 and "give both --image and --prompt" in res.stderr
     res = run_cli(["--image", str(image_path), "--prompt", "x", "--layout", "fastest"], warm)
     assert res.returncode == 2 and "unknown layout 'fastest'" in res.stderr
+    res = run_cli(["--image", str(image_path), "--prompt", " "], warm)  # was answered, as if asked something
+    assert res.returncode == 2 and "--prompt is empty" in res.stderr
 
 
 def test_sampling_values_out_of_range_and_a_typed_placeholder(warm, image_path):
@@ -233,6 +235,8 @@ def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_any_work(
         (["bundle", "/proc/vlmrun-bundle"], "'OUT'", "cannot be created in /proc"),
         (["make-tiny", "/proc/vlmrun-tiny"], "'OUT_DIR'", "cannot be created in /proc"),
         (["diff", "--save", str(a_file)], "'--save'", "is a file, not a folder"),
+        (["store", "list", "--cache-dir", str(a_file)], "'--cache-dir'", "is a file"),  # said the store was ok
+        (["store", "verify", "--cache-dir", str(a_file)], "'--cache-dir'", "is a file"),
         (["--cache-dir", "/proc/vlmrun-store", "--image", "x.png", "--prompt", "x"], "'--cache-dir'",
          "cannot be created in /proc"),
     ]

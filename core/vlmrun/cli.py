@@ -116,6 +116,8 @@ def cli(ctx, image, prompt, **opts):
             click.echo(ctx.get_help())
             ctx.exit(0)
         raise click.UsageError("give both --image and --prompt (or use a subcommand such as `vlmrun demo`)")
+    if not prompt.strip():
+        raise click.UsageError("--prompt is empty; ask a question about the image (e.g. \"Describe the image.\")")
     pipe = build_pipeline(opts, requests=[(image, prompt)])
     _generate(pipe, image, prompt, opts)
 

@@ -43,7 +43,7 @@ def _store(cache_dir):
 
 
 def _cache_dir_option(f):
-    return click.option("--cache-dir", type=click.Path(path_type=Path), envvar="VLMRUN_CACHE_DIR",
+    return click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), envvar="VLMRUN_CACHE_DIR",
                         help="Artifact store location. [env: VLMRUN_CACHE_DIR; default ~/.cache/vlmrun]")(f)
 
 

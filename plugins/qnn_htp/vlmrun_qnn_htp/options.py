@@ -49,7 +49,8 @@ def declarations() -> tuple[Option, ...]:
     """qnn_htp's per-stage options, with their defaults and help (what ``register_options`` registers)."""
     return (
         Option(NAME, "precision", str, choices=PRECISIONS, default="fp16", flag="--precision",
-               help="numeric precision: fp16, int8 (a8w8, 16-bit Softmax) or a16w8"),
+               help="numeric precision: fp16, int8 (a8w8, 16-bit Softmax) or a16w8; the decoder's parts form also"
+                    " w8a16 or w4a16 (16-bit activations, 8- or 4-bit weights)"),
         Option(NAME, "soc", str, choices=tuple(socs.SOCS), default=socs.DEFAULT_SOC, flag="--soc",
                help="target Snapdragon SoC"),
         Option(NAME, "calibration_images", Path, flag="--calibration-images",
