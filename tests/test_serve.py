@@ -545,3 +545,17 @@ def test_a_conversation_continues_from_its_kept_state_and_never_shares_it(ref_pi
             s0.stop()
     finally:
         s.stop()
+
+
+def test_a_port_in_use_is_one_line_and_nothing_says_serving(cache_dir, ref_pipe):
+    from conftest import run_cli
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        r = run_cli(["serve", "--port", str(port)], cache_dir, timeout=300)
+    finally:
+        taken.close()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "serving" not in r.stderr  # it said "serving ... on" before it tried to listen

@@ -342,8 +342,9 @@ def serve(host, port, model_id, concurrency, max_queue, request_timeout, api_key
     except ImportError:
         raise UsageError("vlmrun serve needs FastAPI and uvicorn: pip install 'vlmrun[serve]'") from None
     pipe = build_pipeline(opts)
-    click.echo(f"serving {pipe.layout.name} [{pipe.layout.describe()}] on http://{host}:{port}/v1", err=True)
-    run_server(pipe, host=host, port=port, model_id=model_id, concurrency=concurrency, max_queue=max_queue,
+    run_server(pipe, host=host, port=port,
+               announce=f"serving {pipe.layout.name} [{pipe.layout.describe()}] on http://{host}:{port}/v1",
+               model_id=model_id, concurrency=concurrency, max_queue=max_queue,
                request_timeout=request_timeout, api_key=api_key or None,
                allowed_local_media_path=allowed_local_media_path, max_request_bytes=max_request_bytes,
                max_conversations=max_conversations, conversation_cache_mb=conversation_cache_mb)

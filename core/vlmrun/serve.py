@@ -158,12 +158,25 @@ def _concurrency(pipe, asked: int | None) -> int:
     return concurrency
 
 
-def serve(pipe, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
-    """Run the server until interrupted (the CLI's ``vlmrun serve``)."""
+def serve(pipe, host: str = "127.0.0.1", port: int = 8000, announce: str | None = None, **kwargs) -> None:
+    """Run the server until interrupted (the CLI's ``vlmrun serve``). The port is bound first: ``announce`` (a
+    "serving on" line) is printed only once it listens; a port in use or a host not of this machine is one
+    UsageError line."""
+    import socket
+
     import uvicorn
 
     app = create_app(pipe, **kwargs)
+    try:
+        family = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host.strip("[]"), port), family=family)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port or --host")
     warning = exposure_warning(host, kwargs.get("api_key"))
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    if announce:
+        print(announce, file=sys.stderr, flush=True)
+    with sock:
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
