@@ -542,3 +542,21 @@ def test_a_bundle_that_fails_its_verification_is_not_handed_out(tiny_model, stor
     assert figures["passed"] is False and figures["items"] == 2 and figures["diff_pass_rate"] < 1
     with pytest.raises(BackendError, match="failed its verification when it was written"):
         verify(out)
+
+
+def test_a_node_genie_cannot_create_points_at_bundle_verify(bundle_dir, tiny_model, store, tmp_path, image_path):
+    """A config naming a binary the folder does not hold (its own sha256 recorded, so the run's file check passes):
+    Genie's node create fails with its own words; the line adds the check that names the fault."""
+    bad = tmp_path / "b"
+    shutil.copytree(bundle_dir, bad)
+    edit_json(bad, "img-enc-htp.json", lambda d: d["image-encoder"]["engine"]["model"]["binary"].update(
+        {"ctx-bins": ["no-such-encoder.bin"]}))
+    pipe = Pipeline.build(tiny_model, f"bundle:{bad}", store=store)
+    with pytest.raises(BackendError, match=rf"GenieNode_create .*; check the bundle's files and configs: vlmrun"
+                                           rf" bundle --verify {bad}") as err:
+        pipe.generate(image_path, "Describe the image.", GenerationSettings(max_new_tokens=4)).run()
+    assert "\n" not in str(err.value)
+    from vlmrun.cli_bundle import verify
+
+    with pytest.raises(VlmrunError, match="a config names no-such-encoder.bin, which the bundle does not hold"):
+        verify(bad)

@@ -332,9 +332,13 @@ class BundleConversation(RequestState):
         if not extends:
             self.reset()
             nodes = rt.request("", Path("unused"), "", req.sampling, req.max_new_tokens, req.stop_ids, Path("unused"))
-            self.session = PipelineSession(rt.lib, {"nodes": {**nodes["nodes"], "textGenerator": json.dumps(config)},
-                                                    "connections": nodes["connections"]},
-                                           cwd=rt.path, timeout=rt.timeout)
+            try:
+                self.session = PipelineSession(rt.lib, {"nodes": {**nodes["nodes"],
+                                                                  "textGenerator": json.dumps(config)},
+                                                        "connections": nodes["connections"]},
+                                               cwd=rt.path, timeout=rt.timeout)
+            except BackendError as exc:
+                raise node_failure(rt, exc) from None
             self.config_key = key
         new = text[len(self.held):]
         total = int(req.input_ids.shape[1])
@@ -406,6 +410,16 @@ def _in_context(rt: BundleRuntime, req, pieces: Iterator[str]) -> Iterator[str]:
         yield from pieces
     except ContextLimitError:
         raise rt._out_of_context(req) from None
+    except BackendError as exc:
+        raise node_failure(rt, exc) from None
+
+
+def node_failure(rt: BundleRuntime, exc: BackendError) -> BackendError:
+    """A node Genie could not create (a config or a file it names) with the check that says which:
+    ``vlmrun bundle --verify``."""
+    if "GenieNode_create" not in str(exc):
+        return exc
+    return BackendError(f"{exc}; check the bundle's files and configs: vlmrun bundle --verify {rt.path}")
 
 
 def request_state(handles: dict) -> RequestState | None:
