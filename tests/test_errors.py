@@ -264,3 +264,11 @@ def test_a_layout_file_or_prompt_that_cannot_be_read_is_one_line(warm, tmp_path,
     for tokenize in (tokenize_prompt, tokenize_conversation):
         with pytest.raises(InputError, match="the prompt is not valid UTF-8 text"):
             tokenize(None, bad, 1, 4)
+
+
+def test_layout_and_a_layout_files_other_base_disagree_in_one_line(warm, tmp_path, image_path):
+    f = tmp_path / "on-reference.toml"
+    f.write_text('base = "reference"\n\n[decoder]\ncontext_length = 512\n')
+    res = run_cli(["--layout", "all-npu", "--layout-file", str(f), "--image", str(image_path), "--prompt", "x", *BASE],
+                  warm)  # --layout won, silently
+    assert f"--layout all-npu and the layout file {f}'s base = \"reference\" disagree" in one_error_line(res, 2)

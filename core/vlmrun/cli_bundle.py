@@ -16,9 +16,10 @@ from .stages import STAGES
 
 @click.command("bundle", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("out", type=Destination())
-@click.option("--layout", default="all-npu", show_default=True,
+@click.option("--layout", default=None,
               help="Layout whose stages (all on one backend) the bundle is made from: a preset, with optional"
-                   " inline overrides (all-npu,decoder.context_length=256).")
+                   " inline overrides (all-npu,decoder.context_length=256). [default: all-npu, or the base of"
+                   " --layout-file]")
 @click.option("--layout-file", type=click.Path(path_type=Path), help="TOML file with a layout.")
 @click.option("--verify-items", type=click.IntRange(0), default=VERIFY_ITEMS, show_default=True,
               help="Held-out items the new bundle is run on (vlmrun eval) before it is handed out; 0: none.")
@@ -71,6 +72,8 @@ def bundle_command(out, layout, layout_file, verify_items, verify_only, ray_addr
                 click.echo(f"ok  {line}")
             click.echo(f"bundle {out}: verified", err=True)
         return
+    if layout is None and not (layout_file and "base" in layouts_mod.read_toml(layout_file, "layout file")):
+        layout = "all-npu"  # the default base, unless the layout file names its own
     opts = {**flag_opts, "layout": layout, "layout_file": layout_file}
     base = layouts_mod.resolve(layout, layout_file)
     lay = layouts_mod.resolve(layout, layout_file, None, layout_overrides(opts, base, STAGES))

@@ -107,6 +107,9 @@ def resolve(
         for key in ("base", "name"):
             if key in table and not isinstance(table[key], str):
                 raise UsageError(f"layout file {file}: {key} must be a string, not {table[key]!r}")
+    if name and table.get("base") and name != table["base"]:  # one would silently win over the other
+        raise UsageError(f"--layout {name} and the layout file {file}'s base = \"{table['base']}\" disagree; give"
+                         " one of them")
     base = name or table.get("base") or REFERENCE
     preset = _preset(base, presets if presets is not None else plugins.default().presets)
     stages: dict[str, StageAssignment] = {}
