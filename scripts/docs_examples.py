@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FENCE = re.compile(r"^```(\w*)\s*(.*)$")
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(\w*)\s*(.*)$")  # indented (in a list, an admonition) and ~~~ fences too
 NEEDS = re.compile(r"^<!--\s*needs:\s*(.+?)\s*-->$")
 SERVE = re.compile(r"^<!--\s*serve:\s*(.*?)\s*-->$")
 TOLERANCE = re.compile(r"^<!--\s*numbers within\s+(\d+(?:\.\d+)?)%\s*-->$")
@@ -83,7 +83,7 @@ def blocks(page: Path) -> list[Block]:
         if not m:
             i += 1
             continue
-        lang, info = m.group(1), m.group(2)
+        indent, fence, lang, info = m.group(1), m.group(2), m.group(3), m.group(4)
         title = re.search(r'title="([^"]+)"', info)
         marks = []  # the comment lines right above the block
         for k in range(i - 1, -1, -1):
@@ -91,13 +91,14 @@ def blocks(page: Path) -> list[Block]:
                 marks.append(lines[k].strip())
             elif lines[k].strip():
                 break
-        j = i + 1
-        while j < len(lines) and not lines[j].startswith("```"):
+        j = i + 1  # closed by the same fence (at least as long) at any indent: CommonMark's rule
+        while j < len(lines) and not re.match(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[j]):
             j += 1
+        body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1:j]]
         needs = next((m.group(1) for m in map(NEEDS.match, marks) if m), None)
         serve = next((m.group(1) for m in map(SERVE.match, marks) if m), None)
         tolerance = next((float(m.group(1)) / 100 for m in map(TOLERANCE.match, marks) if m), 0.0)
-        out.append(Block(page, i + 1, lang, title.group(1) if title else None, "\n".join(lines[i + 1:j]),
+        out.append(Block(page, i + 1, lang, title.group(1) if title else None, "\n".join(body),
                          needs, serve, tolerance))
         i = j + 1
     return out
@@ -271,7 +272,20 @@ def run_command(cmd: Command, cwd: Path, env: dict, timeout: float, tolerance: f
     if res.returncode != cmd.exit_code:
         tail = " | ".join((res.stderr.strip() or res.stdout.strip()).splitlines()[-3:])
         return f"exit {res.returncode} (expected {cmd.exit_code}): {tail}"
-    return check_output(cmd.expected, printed, tolerance)
+    return failure_shown(cmd, printed) or check_output(cmd.expected, printed, tolerance)
+
+
+def failure_shown(cmd: Command, printed: str) -> str | None:
+    """An example may fail on purpose (``# exit N``), but as vlmrun promises: never an internal error or a
+    traceback, and with a line saying why (``vlmrun: ...``, or a diff's ``FAIL`` verdict). None when so."""
+    lines = [ln.strip() for ln in printed.splitlines()]
+    bad = next((ln for ln in lines if ln.startswith("Traceback (most recent call last)") or "internal error" in ln),
+               None)
+    if bad:
+        return f"printed {bad!r}: a bug, not the failure the page shows"
+    if cmd.exit_code and not any(ln.startswith(("vlmrun: ", "FAIL")) for ln in lines):
+        return f"exit {cmd.exit_code} as expected, but no line says why (vlmrun: ... or FAIL ...)"
+    return None
 
 
 def install_example(path: str, cwd: Path, env: dict) -> str | None:

@@ -9,6 +9,7 @@ import functools
 import html
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -255,3 +256,32 @@ def test_a_block_marked_numbers_within_lets_its_decimals_differ_by_that_much_and
                            "$ vlmrun --version\n```\n\n```console\n$ vlmrun --version\n```\n")
     marked, plain = docs_examples.blocks(page)
     assert (marked.tolerance, marked.needs, plain.tolerance, plain.needs) == (0.10, "a phone", 0.0, None)
+
+
+def test_indented_and_tilde_fences_are_examples_too(tmp_path):
+    """A block inside a list or an admonition (indented) or fenced with ~~~ is an example the checker runs."""
+    page = _page(tmp_path, "# p\n\n1. first:\n\n    ```console\n    $ vlmrun --version\n    ```\n\n"
+                           "~~~console\n$ vlmrun --nosuch\n~~~\n\n!!! note\n    ````python\n    print(1)\n    ````\n")
+    found = docs_examples.blocks(page)
+    assert [(b.lang, b.text) for b in found] == [("console", "$ vlmrun --version"), ("console", "$ vlmrun --nosuch"),
+                                                ("python", "print(1)")]
+    errors = docs_examples.check_page(page, tmp_path / "w", None, parse_only=True)
+    assert len(errors) == 1 and "vlmrun --nosuch" in errors[0], errors
+
+
+@pytest.mark.parametrize("code, want", [
+    ("import sys; print('vlmrun: internal error: KeyError: x'); sys.exit(1)", "a bug, not the failure the page shows"),
+    ("import sys; sys.stderr.write('Traceback (most recent call last):\\n'); sys.exit(1)", "a bug, not the failure"),
+    ("raise SystemExit(1)", "exit 1 as expected, but no line says why"),
+    ("import sys; print('vlmrun: error: image not found: x.jpg'); sys.exit(1)", None),
+    ("import sys; print('FAIL: likely culprit: decoder'); sys.exit(1)", None),
+])
+def test_an_expected_failure_must_be_the_one_shown_not_any(tmp_path, code, want):
+    """``# exit 1`` after a command whose expected output is only ``...`` passed any failure, an internal error
+    included: the failure must be a one-line error or a verdict, never a traceback."""
+    page = _page(tmp_path, f"# p\n\n```console\n$ python -c {shlex.quote(code)}\n...\n# exit 1\n```\n")
+    errors = docs_examples.check_page(page, tmp_path / "w", None)
+    if want is None:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and want in errors[0], errors
