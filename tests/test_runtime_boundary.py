@@ -232,6 +232,21 @@ def test_a_device_short_of_logits_rows_fails_whatever_its_tokens():
                f" {rows[1]} of the 4 teacher-forced logits rows due)" in table
 
 
+def test_a_reference_short_of_logits_rows_fails_instead_of_shrinking_the_check():
+    """A reference capture with only its first row kept: the rows compared were min(reference rows, tokens), so a
+    device three tokens of four wrong, its own rows agreeing with its answer, passed."""
+    ref, dev = _caps((5, 9, 9, 2), None)
+    rows = np.full((1, 4, 10), -4.0, np.float32)
+    for k, t in enumerate((5, 9, 9, 2)):
+        rows[0, k, t] = 4.0
+    dev.tensors["logits"] = rows
+    ref.tensors["logits"] = ref.tensors["logits"][:, :1].copy()
+    for precision in diff.PRECISIONS:
+        result = diff.compare(ref, dev, precision=precision)
+        dec = result.entry("decoder", "logits")
+        assert dec.note == "the reference gave 1 of the 4 teacher-forced logits rows due" and not result.passed
+
+
 def test_an_empty_tensor_scores_nothing():
     m = diff.tensor_metrics(np.zeros((1, 0, 10)), np.zeros((1, 0, 10)))
     assert all(np.isnan(v) for v in m.values()), m
@@ -240,14 +255,16 @@ def test_an_empty_tensor_scores_nothing():
 @pytest.mark.parametrize("tokens,budget,unexplained", [
     ((), None, 1),  # no answer at all
     ((5, 6, 7), None, 1),  # cut off without its stop token where the reference went on
-    ((5, 6, 7), 3, 0),  # its own budget of 3 tokens used up: what the budget asked for
+    ((5, 6, 7), 3, 0),  # the budget of 3 tokens both sides had, used up: what the budget asked for
+    ((5, 6, 7), -3, 1),  # a budget of 3 on the device only (captures made apart): cut short all the same
     ((5, 6, 7, 2, 8), None, 1),  # on past the reference's stop token
 ])
 def test_an_answer_cut_short_or_run_on_is_an_unexplained_divergence(tokens, budget, unexplained):
     ref, dev = _caps(tokens, None)
     dev.tensors["logits"] = ref.tensors["logits"].copy()
     if budget is not None:
-        dev.meta["max_new_tokens"] = budget
+        dev.meta["max_new_tokens"] = abs(budget)
+        ref.meta["max_new_tokens"] = budget if budget > 0 else 8
     for precision in diff.PRECISIONS:
         result = diff.compare(ref, dev, precision=precision)
         assert result.entry("decoder").passed

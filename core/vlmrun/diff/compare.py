@@ -188,9 +188,11 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
             r, d = r[:, :rows], d[:, :rows]
             if note:
                 notes.append(note)
-            if d.ndim == 3 and d.shape[1] < rows:  # rows the device never gave have shown nothing: not a pass
-                entries.append(_missing_rows(Entry(stage, name, r.shape, d.shape, {}),
-                                             rows, "the device"))
+            short = [(side, got) for side, got in (("the reference", r), ("the device", d))
+                     if got.ndim == 3 and got.shape[1] < rows]
+            if short:  # rows a side never gave have shown nothing: not a pass on fewer
+                side, got = short[0]
+                entries.append(_missing_rows(Entry(stage, name, r.shape, d.shape, {}), rows, side, got.shape))
                 continue
         if r.shape != d.shape:
             m = {"mismatches": int(max(r.size, d.size))} if name == "input_ids" else {}
@@ -242,9 +244,10 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
     r = np.asarray(ref.tensors["logits"])[:, :rows]
     d = np.asarray(dev.tensors["runtime_logits"])[:, :rows]
     e = np.asarray(dev.tensors["logits"])[:, :rows]
-    for got, side in ((d, "the runtime"), (e, "the engine")):
-        if got.ndim == 3 and got.shape[1] < rows:  # a runtime (or engine) that gave fewer rows: not a pass on fewer
-            return _missing_rows(Entry("runtime", "runtime_logits", r.shape, got.shape, {}), rows, side), {}
+    for got, side in ((r, "the reference"), (d, "the runtime"), (e, "the engine")):
+        if got.ndim == 3 and got.shape[1] < rows:  # a side that gave fewer rows: not a pass on fewer
+            return _missing_rows(Entry("runtime", "runtime_logits", r.shape, d.shape, {}), rows, side,
+                                 got.shape), {}
     if r.shape != d.shape:
         entry = Entry("runtime", "runtime_logits", r.shape, d.shape, {}, note=f"shape {fmt_shape(r.shape)} vs"
                       f" {fmt_shape(d.shape)}")
@@ -276,9 +279,10 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
                    "runtime_engine_top1": [float(x) for x in eng_top1], "runtime_argmax": st["dev_argmax"]}
 
 
-def _missing_rows(entry: Entry, want: int, side: str) -> Entry:
-    """A failed checkpoint for teacher-forced logits rows a side did not give (``want`` of them were due)."""
-    got = entry.shape_dev[1] if len(entry.shape_dev) == 3 else 0
+def _missing_rows(entry: Entry, want: int, side: str, shape: tuple) -> Entry:
+    """A failed checkpoint for teacher-forced logits rows a side did not give (``want`` of them were due; the side's
+    logits have ``shape``)."""
+    got = shape[1] if len(shape) == 3 else 0
     entry.note = f"{side} gave {got} of the {want} teacher-forced logits rows due"
     entry.checks.append(Check(f"{entry.tensor}_steps", ">=", float(want), float(got), False))
     return entry
@@ -297,10 +301,10 @@ def _divergence(ref: Capture, dev: Capture) -> dict:
     if p >= len(rt) or p >= len(dt):  # one side stopped where the other went on, with no stop token of its own
         # (a side's answer ends with its stop token; one that stops without one was cut off, or runs past a stop):
         # the logits checked never predicted that, unless the shorter side only used up its token budget
-        short, long_ = (dev, rt) if p >= len(dt) else (ref, dt)
+        short, other = (dev, ref) if p >= len(dt) else (ref, dev)
         budget = short.meta.get("max_new_tokens")
-        if budget is not None and p >= int(budget):
-            return {"unexplained_divergence": 0}
+        if budget is not None and p >= int(budget) and other.meta.get("max_new_tokens") == budget:
+            return {"unexplained_divergence": 0}  # both sides had this budget; the shorter one used it up
         who = "the device stopped" if short is dev else "the device went on"
         return {"unexplained_divergence": 1,
                 "divergence": {"step": p, "device_token": dt[p] if p < len(dt) else None,
@@ -324,8 +328,7 @@ def _comparable_rows(ref: Capture, dev: Capture) -> tuple[int, str]:
     """Logits rows due on both sides, predicting the same context: k where forced tokens agree before k (the rows
     of the reference's; a device that gave fewer fails on them)."""
     fr, fd = ref.forced_tokens, dev.forced_tokens
-    n = max(len(fr), 1)
-    rows = min(np.shape(ref.tensors["logits"])[1], n)
+    rows = max(len(fr), 1)  # one row per token the reference was forced on: a side with fewer fails on them
     prefix = common_prefix(fr, fd)
     if prefix < min(len(fr), len(fd)) or len(fr) != len(fd):
         keep = min(rows, prefix + 1)
