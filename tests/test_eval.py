@@ -598,3 +598,27 @@ def test_a_layout_that_ran_no_item_is_an_error_not_an_empty_report(heldout, tiny
     with pytest.raises(VlmrunError, match=r"layout 'reference' ran none of the 1 items: each one failed \(the first:"
                                           r" .*long.jsonl:1: the prompt is"):
         ev.evaluate(["reference"], data, model=tiny_model, store=store, registry=ref_pipe.registry)
+
+
+def test_an_item_a_layout_cannot_run_is_scored_wrong_not_left_out(heldout, tiny_model, store, ref_pipe, tmp_path):
+    """A layout whose context is too short for one item: the item was left out of its score (accuracy and diff
+    pass rate over the items it could run; a bundle's verification said "passed on all N" of fewer than asked)."""
+    from vlmrun import eval as ev
+    from vlmrun.bundle import verification_failures
+
+    data = small_set(heldout, tmp_path, 2)
+    lines = data.read_text().splitlines()
+    long = json.loads(lines[1])
+    long["question"] = "Look closely at the picture, " * 12 + long["question"]
+    data.write_text(lines[0] + "\n" + json.dumps(long) + "\n")
+    run = ev.evaluate(["short=reference,decoder.context_length=110"], data, model=tiny_model, store=store,
+                      registry=ref_pipe.registry, max_new_tokens=44)
+    ref, short = run.report["layouts"]
+    assert ref["items"] == 2 and short["items"] == 1 and short["not_run"] == 1
+    assert short["diff_pass_rate"] == 0.5 and short["culprits"] == {"not run": 1}
+    assert short["accuracy"]["all"]["n"] == 2 and short["accuracy"]["all"]["correct"] <= 1
+    assert [s.line for s in run.skipped] == [2] and "but the context holds 110" in run.skipped[0].message
+    # a bundle's verification with such an item: not passed
+    assert verification_failures({"items": 1, "asked": 2, "not_run": 1, "diff_pass_rate": 0.5}) == [
+        "the bundle ran 1 of the 2 held-out items asked (the others failed)",
+        "vlmrun diff failed on 1 of 2 held-out items (same answer as the reference 0%)"]

@@ -82,20 +82,24 @@ def write(layout, out: Path, *, model=None, store=None, target: str = "local", i
 
 
 def verification_failures(figures: dict) -> list[str]:
-    """What the figures a bundle was verified with (its manifest's ``verified``) show wrong: the diff of an item
-    failed (its answer or its logits left the reference beyond the precision's thresholds). [] when nothing was
-    run here (a phone's bundle, ``verify_items = 0``)."""
+    """What the figures a bundle was verified with (its manifest's ``verified``) show wrong: an item asked that it
+    could not run, an item whose diff failed (its answer or its logits left the reference beyond the precision's
+    thresholds). [] when nothing was run here (a phone's bundle, ``verify_items = 0``)."""
     items = figures.get("items") or 0
     if not items:
         return []
+    out = []
+    asked = int(figures.get("asked") or items)
+    if items < asked:  # an item the bundle could not run is no item it passed
+        out.append(f"the bundle ran {items} of the {asked} held-out items asked (the others failed)")
     rate = figures.get("diff_pass_rate")
+    diffed = items + int(figures.get("not_run") or 0)
     if rate is None:
-        return [f"no item of the {items} run was diffed against the reference"]
-    if rate < 1:
-        failed = round(items * (1 - rate))
-        return [f"vlmrun diff failed on {failed} of {items} held-out items (same answer as the reference"
-                f" {figures.get('same_answer_as_reference', 0):.0%})"]
-    return []
+        out.append(f"no item of the {items} run was diffed against the reference")
+    elif rate < 1:
+        out.append(f"vlmrun diff failed on {round(diffed * (1 - rate))} of {diffed} held-out items (same answer as"
+                   f" the reference {figures.get('same_answer_as_reference') or 0:.0%})")
+    return out
 
 
 def verified(folder: Path, model, store, reg, target: str, items: int, progress) -> dict:
@@ -111,7 +115,8 @@ def verified(folder: Path, model, store, reg, target: str, items: int, progress)
         run = ev.evaluate([f"bundle:{folder}"], model=model, store=store, registry=reg, limit=items)
     lay = next(x for x in run.report["layouts"] if not x["is_reference"])
     logits = lay.get("drift", {}).get("decoder/logits", {})
-    return {"items": lay["items"], "dataset": "held-out generated shapes (vlmrun eval's default)",
+    return {"items": lay["items"], "asked": len(run.records), "not_run": lay.get("not_run", 0),
+            "dataset": "held-out generated shapes (vlmrun eval's default)",
             "accuracy": lay["accuracy"]["all"]["accuracy"],
             "reference_accuracy": run.report["layouts"][0]["accuracy"]["all"]["accuracy"],
             "same_answer_as_reference": lay["same_answer_as_reference"], "diff_pass_rate": lay["diff_pass_rate"],

@@ -273,8 +273,13 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
         if s.is_reference:
             continue
         t = time.perf_counter()
-        dev_cap = capture_pipeline(s.pipe, record.image, record.question, settings, ref_cap.tokens,
-                                   image_desc=str(record.image))
+        try:
+            dev_cap = capture_pipeline(s.pipe, record.image, record.question, settings, ref_cap.tokens,
+                                       image_desc=str(record.image))
+        except VlmrunError:  # the reference's answer stands: the layout that could not answer is scored by it
+            for side, result, cap in new[:1] if new and new[0][0] is ref else ():
+                cache.put(side.key, record.key, result, capture=cap)
+            raise
         seconds = time.perf_counter() - t
         options = layout_options(s.pipe)
         precision = infer_precision(options, s.pipe.registry)

@@ -26,12 +26,14 @@ WORST_ITEMS = 5
 
 
 def distribution(values: Sequence[float]) -> dict:
-    """median, 5th percentile (numpy's linear interpolation), min, max and mean of ``values`` (finite ones; NaN
-    counts as missing)."""
+    """median, 5th percentile (numpy's linear interpolation), min, max and mean of ``values`` (None: not measured).
+    A NaN or infinite value (a device that gave non-finite outputs) is no figure to leave out: the statistics are
+    then None (``non_finite`` counts them), so that no median or budget is met without it."""
     v = np.asarray([x for x in values if x is not None], dtype=np.float64)
-    v = v[np.isfinite(v)]
-    if v.size == 0:
-        return {"n": 0, "median": None, "p5": None, "min": None, "max": None, "mean": None}
+    bad = int((~np.isfinite(v)).sum())
+    if v.size == 0 or bad:
+        return {"n": int(v.size), "median": None, "p5": None, "min": None, "max": None, "mean": None,
+                **({"non_finite": bad} if bad else {})}
     return {"n": int(v.size), "median": float(np.median(v)), "p5": float(np.percentile(v, 5)),
             "min": float(v.min()), "max": float(v.max()), "mean": float(v.mean())}
 
@@ -81,9 +83,18 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
         rows, same, worst, scored = [], [], [], []
         by_turn: dict[int, list[bool]] = {}
         drift: dict[str, dict[str, list]] = {}
-        passed, culprits = [], {}
+        passed, culprits, not_run = [], {}, 0
         for r in records:
             item = res.get(r.key)
+            if item is None and side is not ref and ref_results.get(r.key) is not None:
+                # the reference answered it and this layout could not (a failed run, a context too short): a wrong
+                # answer and a failed diff, never an item left out of its score
+                not_run += 1
+                rows.append((r.kind, False))
+                same.append(False)
+                passed.append(False)
+                culprits["not run"] = culprits.get("not run", 0) + 1
+                continue
             if item is None:
                 continue
             turns = _turns(r, item, ref_results.get(r.key) or {})
@@ -119,6 +130,7 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
                         if side.pipe.layout.stages[s].options},
             "batched_stages": list((batched or {}).get(side.key, [])),
             "items": len(scored),
+            "not_run": not_run,  # items the reference answered and this layout could not: scored wrong
             "device_bytes": device_bytes(side.pipe.handles),
             "accuracy": _accuracy(rows),
             "same_answer_as_reference": (sum(same) / len(same)) if same else None,
