@@ -147,6 +147,8 @@ def test_winner_toml_and_resume(first_tune, cache_dir, tmp_path):
                                                      " precision to tune"),
     (["--layout", "reference"], "has no stage with a quantized precision to tune"),
     (["--stages", "splice"], "unknown stage 'splice' in --stages"),
+    # compared with itself, the reference would be a point of 0 bytes and every answer the reference's: the winner
+    (["--layers", "decoder.layer0", "--anchor", "reference"], "reference is the reference layout itself"),
 ])
 def test_bad_arguments_one_line_before_work(cache_dir, ref_pipe, args, message):
     before = artifact_dirs(cache_dir)
@@ -238,3 +240,22 @@ def test_a_point_is_kept_per_items_and_reference_not_per_path(cache_dir, store, 
     assert changed.built == 1 and changed.points[0].accuracy == 0.0 < first.points[0].accuracy
     other = tune(None, data, reference="ref2=reference,decoder.context_length=600", **kw)
     assert other.built == 1  # compared with another reference: measured again
+
+
+def test_a_nan_figure_misses_every_limit_it_is_held_to():
+    """A device whose logits went non-finite has NaN figures: every comparison with NaN is false, so "x < floor"
+    never fired and a NaN SQNR met --min-logits-sqnr; and eval's medians left NaN items out."""
+    import attrs
+
+    from vlmrun.eval.report import distribution
+    from vlmrun.tune.climb import Point
+    from vlmrun.tune.search import Budget
+
+    p = Point("p", {}, {}, 1, 0.5, 0.5, 1.0, 10.0, 0.0, 4, "k")
+    nan = float("nan")
+    assert Budget(min_logits_sqnr=5.0).misses(attrs.evolve(p, logits_sqnr_db=nan)) == ["logits SQNR nan dB < 5.0 dB"]
+    assert Budget(min_answers_as_reference=0.5).misses(attrs.evolve(p, answers_as_reference=nan))
+    assert Budget(max_accuracy_drop=0.1).misses(attrs.evolve(p, accuracy=nan))
+    assert distribution([40.0, nan, 30.0]) == {"n": 3, "median": None, "p5": None, "min": None, "max": None,
+                                               "mean": None, "non_finite": 1}
+    assert distribution([40.0, None, 30.0])["median"] == 35.0  # not measured (None) is not a figure

@@ -16,6 +16,7 @@ import attrs
 from ..atomic import write_text_atomic
 from ..diff.capture import capture_pipeline
 from ..diff.locate import locate
+from ..errors import UsageError
 from ..eval import LayoutSpec, evaluate
 from ..eval.engine import layout_key
 from ..pipeline import GenerationSettings, Pipeline
@@ -71,7 +72,8 @@ class Point:
     def accuracy_drop(self) -> float | None:
         if self.accuracy is None or self.reference_accuracy is None:
             return None
-        return max(0.0, self.reference_accuracy - self.accuracy)
+        drop = self.reference_accuracy - self.accuracy
+        return drop if not drop < 0.0 else 0.0  # NaN stays NaN (max(0, nan) is 0: a NaN accuracy met any limit)
 
     def to_json(self) -> dict:
         out = attrs.asdict(self)
@@ -145,7 +147,9 @@ def measure(job: MeasureJob, bar: Callable | None = None) -> dict:
     run = evaluate([job.spec], job.dataset, reference=job.reference, model=job.model, store=job.store,
                    limit=job.limit, max_new_tokens=job.max_new_tokens, bar=bar)
     ref = run.report["layouts"][0]
-    dev = next((e for e in run.report["layouts"] if not e["is_reference"]), ref)
+    dev = next((e for e in run.report["layouts"] if not e["is_reference"]), None)
+    if dev is None:  # the build is the reference layout itself: its figures would be the reference's own
+        raise UsageError(f"{job.label} ({job.spec}) is the reference layout itself: nothing to compare it with")
     logits = ((dev.get("drift") or {}).get("decoder/logits") or {}).get("sqnr_db") or {}
     return Point(
         label=job.label, layers=dict(job.layers), anchor=job.anchor,
@@ -153,7 +157,7 @@ def measure(job: MeasureJob, bar: Callable | None = None) -> dict:
                 for s in STAGES},
         bytes=int(dev.get("device_bytes") or 0),
         accuracy=dev["accuracy"]["all"]["accuracy"], reference_accuracy=ref["accuracy"]["all"]["accuracy"],
-        answers_as_reference=dev.get("same_answer_as_reference", 1.0 if dev is ref else None),
+        answers_as_reference=dev.get("same_answer_as_reference"),
         logits_sqnr_db=logits.get("median"), diff_pass_rate=dev.get("diff_pass_rate"), items=int(dev["items"]),
         key=dev["key"], seconds=round(time.perf_counter() - t0, 2), built=True,
     ).to_json()

@@ -14,6 +14,7 @@ from .. import plugins as plugins_mod
 from ..diff.locate import load_probe
 from ..errors import UsageError
 from ..eval import DEFAULT_MAX_NEW_TOKENS, LayoutSpec, heldout_dataset, read_dataset
+from ..eval.engine import layout_key
 from ..model import open_model
 from ..pipeline import GenerationSettings, Pipeline
 from ..progress import no_progress
@@ -95,16 +96,17 @@ class Budget:
     def misses(self, point: "Point") -> list[str]:
         """What ``point`` misses, one phrase each (empty: within the budget)."""
         out = []
+        # written as "not within": a missing (None) or NaN figure misses, never meets, a limit
         if self.max_accuracy_drop is not None and (point.accuracy_drop is None
-                                                   or point.accuracy_drop > self.max_accuracy_drop + 1e-9):
+                                                   or not point.accuracy_drop <= self.max_accuracy_drop + 1e-9):
             out.append(f"accuracy drop {_pct(point.accuracy_drop)} > {_pct(self.max_accuracy_drop)}")
         if self.min_answers_as_reference is not None and (
                 point.answers_as_reference is None
-                or point.answers_as_reference < self.min_answers_as_reference - 1e-9):
+                or not point.answers_as_reference >= self.min_answers_as_reference - 1e-9):
             out.append(f"answers as reference {_pct(point.answers_as_reference)} <"
                        f" {_pct(self.min_answers_as_reference)}")
         if self.min_logits_sqnr is not None and (point.logits_sqnr_db is None
-                                                 or point.logits_sqnr_db < self.min_logits_sqnr):
+                                                 or not point.logits_sqnr_db >= self.min_logits_sqnr):
             out.append(f"logits SQNR {point.logits_sqnr_db if point.logits_sqnr_db is None else round(point.logits_sqnr_db, 2)}"
                        f" dB < {self.min_logits_sqnr} dB")
         return out
@@ -295,10 +297,16 @@ def tune(
     if not records:
         raise UsageError(f"data set {dataset} has no usable record")
     settings = GenerationSettings(max_new_tokens=max_new_tokens)
+    model_hash = fvlm.weights_hash(store)
+    ref_key = layout_key(ref_layout, registry, model_hash, settings)
+    for spec, text in [(base, base_text), *zip(anchor_specs, anchors)]:  # compared with itself, it would win
+        if layout_key(spec.resolve(registry), registry, model_hash, settings) == ref_key:
+            raise UsageError(f"{text} is the reference layout itself: it would be compared with itself (every answer"
+                             " the reference's); give a device build, or another --reference")
     climb = Climb(
         base=base, base_layout=base_layout, reference=ref_spec, ref_pipe=ref_pipe, fvlm=fvlm, store=store,
         registry=registry, records=records, dataset=str(dataset), limit=limit, settings=settings,
-        model_hash=fvlm.weights_hash(store), cache=PointCache(store.root),
+        model_hash=model_hash, cache=PointCache(store.root),
         executor=executor_for(ray_address, store.root, fvlm), ray_address=ray_address,
         budget=budget, ladders=ladders, allowed=allowed, beam=beam, max_candidates=max_candidates,
         progress=progress, bar=bar, on_point=on_point)
