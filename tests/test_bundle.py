@@ -313,6 +313,11 @@ def test_bad_bundle_requests_are_one_line_and_write_nothing(tmp_path, cache_dir,
         (edited / "vlmrun-bundle.json").write_text(json.dumps(manifest))
         with pytest.raises(UsageError, match="has no record of its files"):
             bundle_manifest(edited)
+    for name in ("../shared/part1_of_1.bin", "/tmp/lut.raw"):  # verify said ok; the pushed folder lacked them
+        (edited / "vlmrun-bundle.json").write_text(json.dumps(
+            {"backend": "qnn_htp", "files": {name: {"sha256": "0" * 64, "bytes": 1}}}))
+        with pytest.raises(UsageError, match=f"lists {name}, outside the bundle's folder"):
+            bundle_manifest(edited)
     with pytest.raises(UsageError, match="exists and is not empty"):
         from vlmrun import layouts
         from vlmrun.cli_bundle import write

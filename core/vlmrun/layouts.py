@@ -204,6 +204,11 @@ def bundle_manifest(folder: str | Path) -> dict:
             for v in files.values()):
         raise UsageError(f"{mf} has no record of its files (files: name -> sha256 and bytes); it was not written by"
                          " vlmrun bundle, or was edited: write the bundle again")
+    root = path.resolve()
+    outside = [n for n in files if Path(n).is_absolute() or not (root / n).resolve().is_relative_to(root)]
+    if outside:  # what is pushed is the folder: a file outside it would be missing on the device
+        raise UsageError(f"{mf} lists {outside[0]}, outside the bundle's folder; a bundle holds its files itself:"
+                         " write the bundle again")
     return m
 
 
