@@ -143,7 +143,7 @@ def evaluate(
             continue
         pipe = Pipeline.build(fvlm, layout, store=store, registry=registry, progress=progress)
         sides.append(Side(spec.label, key, pipe, is_reference=(i == 0)))
-        cache.describe_layout(key, {"label": spec.label, "layout": engine.layout_options(pipe),
+        cache.describe_layout(key, {"label": spec.label, "layout": pipe.layout_options(),
                                     "backends": {s: layout.backend(s) for s in layout.stages},
                                     "model": str(fvlm.source), "max_new_tokens": max_new_tokens})
     ref = sides[0]

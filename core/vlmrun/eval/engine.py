@@ -122,11 +122,6 @@ def layout_key(layout, registry, model_hash: str, settings, reference: str | Non
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def layout_options(pipe) -> dict:
-    """Each stage's options with its precision, as the diff records them (`Pipeline.layout_options`)."""
-    return pipe.layout_options()
-
-
 # --------------------------------------------------------------------------------------------------------------
 # the cache
 
@@ -281,7 +276,7 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
                 cache.put(side.key, record.key, result, capture=cap)
             raise
         seconds = time.perf_counter() - t
-        options = layout_options(s.pipe)
+        options = s.pipe.layout_options()
         precision = infer_precision(options, s.pipe.registry)
         diff = compare(ref_cap, dev_cap, thresholds_for(precision, registry=s.pipe.registry), precision)
         result = {"item": record.key, "text": dev_cap.meta.get("text") or "", "tokens": dev_cap.tokens,
