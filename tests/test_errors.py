@@ -272,3 +272,18 @@ def test_layout_and_a_layout_files_other_base_disagree_in_one_line(warm, tmp_pat
     res = run_cli(["--layout", "all-npu", "--layout-file", str(f), "--image", str(image_path), "--prompt", "x", *BASE],
                   warm)  # --layout won, silently
     assert f"--layout all-npu and the layout file {f}'s base = \"reference\" disagree" in one_error_line(res, 2)
+
+
+def test_non_finite_logits_are_an_error_not_a_token():
+    """A decoder whose numbers overflowed: greedy picked the NaN's id, sampling drew index 0 whatever the seed."""
+    import numpy as np
+
+    from vlmrun.errors import BackendError
+    from vlmrun.sampling import Sampler, SamplingSettings
+
+    logits = np.linspace(-1.0, 1.0, 64)
+    logits[50] = np.nan
+    for settings in (SamplingSettings(), SamplingSettings(0.8, 0, 0.9, 3)):
+        with pytest.raises(BackendError, match="the decoder gave 1 non-finite logits"):
+            Sampler(settings)(logits)
+    assert Sampler()(np.nan_to_num(logits)) == 63  # finite: as before

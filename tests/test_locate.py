@@ -321,6 +321,9 @@ def test_parts_form_boundaries_then_the_layers_inside_the_worst_part(model, stor
     assert found.parts[0]["passed"] and found.parts[0]["sqnr_db"] == diff.SQNR_CAP_DB
     assert found.parts[1]["passed"] is False
     assert found.probed_part == 2 and "crosses the thresholds" in found.probed_why
+    # part 1's output, its layer not probed one by one: the part's error, never a layer's own or largest drop
+    assert found.points[0].part_output == 1 and found.points[0].own is None
+    assert [p.part_output for p in found.points[1:]] == [None] * (len(found.points) - 1)
     names = [p.name for p in found.points]
     assert names == ["decoder.layer0", *[f"decoder.layer{i}" for i in range(1, L)], "decoder.norm", "decoder.lm_head"]
     assert found.located == target, lr.format_location(found)
@@ -746,3 +749,15 @@ def test_qnn_htp_parts_form_per_layer_precision_and_what_if(model, store, clean)
         parts_on_htp(keep_fp="/Add_5")
     with pytest.raises(UsageError, match="its layers are"):
         parts_on_htp(keep_a16w16=f"decoder.layer{L + 3}")
+
+
+def test_a_part_output_is_never_the_largest_drop_nor_a_what_if_target():
+    """Two parts, part 2 probed inside: part 1's output (decoder.layer3) carries the whole part's noise (its four
+    layers' 2.5e-5 each), more than any one layer of part 2 (3e-5 each); it was named the largest drop, and
+    --what-if kept that one layer in float."""
+    pts = [loc.LayerPoint("decoder.layer3", (1,), {"sqnr_db": 40.4}, noise_added=1e-4, part_output=1)]
+    pts += [loc.LayerPoint(f"decoder.layer{i}", (1,), {"sqnr_db": 40.0 - i}, noise_added=3e-5 + i * 1e-7)
+            for i in range(4, 8)]
+    found = loc.Location("decoder", "ort_reference", "perturb", pts, {}, 8, [], probed_part=2)
+    assert found.largest_drop.name == "decoder.layer7"
+    assert found.to_json()["layers"][0]["part_output"] == 1

@@ -130,6 +130,19 @@ def test_seeded_sampling_through_the_server_is_the_python_apis(ref_server, ref_p
     r = ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", messages=messages(data_uri(picture)),
                                                   max_tokens=20, temperature=1.2, top_p=0.95, seed=7)
     assert r.choices[0].message.content == want.text
+    # without a seed, each request draws its own (OpenAI's meaning): every unseeded request was seed 0, the same
+    # "random" answer for all; here the drawn seed is made 7, and the answer is seed 7's
+    import vlmrun.serve_runs as runs
+
+    drawn = []
+    real = runs.secrets.randbits
+    runs.secrets.randbits = lambda bits: drawn.append(bits) or 7
+    try:
+        r = ref_server.client.chat.completions.create(model="fastvlm-shapes-tiny", max_tokens=20, temperature=1.2,
+                                                      top_p=0.95, messages=messages(data_uri(picture)))
+    finally:
+        runs.secrets.randbits = real
+    assert drawn == [31] and r.choices[0].message.content == want.text
 
 
 def _bomb(tmp_path) -> str:
@@ -162,6 +175,7 @@ def test_bad_requests_are_4xx_with_a_json_body_and_harm_nothing(ref_server, pict
         ({"messages": messages("https://example.com/a.png")}, None, 400, None),
         ({"messages": messages(str(tmp_path / "bomb.png"))}, None, 400, "local_path_forbidden"),  # not allowed
         ({"messages": good, "seed": -1}, None, 400, None),  # was a 500
+        ({"messages": good, "seed": 2**31}, None, 400, None),  # past what Genie's sampler takes: a 500 there
         ({"messages": good, "temperature": float("nan")}, None, 400, None),  # NaN passed every range check
         ({"messages": good, "top_p": float("inf")}, None, 400, None),
         ({"messages": good, "n": 2}, None, 400, None),  # one answer was made, silently

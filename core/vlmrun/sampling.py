@@ -12,6 +12,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from .errors import BackendError
+
 
 @attrs.frozen
 class SamplingSettings:
@@ -23,6 +25,11 @@ class SamplingSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+#: the largest seed: what Genie's sampler takes (its node create refuses 2**31 and above: measured, libGenie of
+#: onnxruntime-qnn), so that a seed means the same on every backend
+SEED_MAX = 2**31 - 1
 
 
 class Sampler:
@@ -44,6 +51,10 @@ class Sampler:
         logits = np.asarray(logits).reshape(-1)
         if self.vocab_limit is not None:
             logits = logits[: self.vocab_limit]  # a view: the masked rows are simply not candidates
+        if not np.isfinite(logits).all():  # argmax picks a NaN's id; sampling draws index 0: garbage either way
+            bad = int((~np.isfinite(logits)).sum())
+            raise BackendError(f"the decoder gave {bad} non-finite logits (NaN or inf) for the next token: its"
+                               " numbers overflowed; find where with vlmrun diff --locate")
         if s.greedy:
             return int(np.argmax(logits))
         return sample(logits, s, self._rng)

@@ -15,6 +15,7 @@ import attrs
 
 from .errors import InputError, VlmrunError
 from .preprocess import IMAGE_PLACEHOLDER, placeholder_in_text
+from .sampling import SEED_MAX
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # a request's image, decoded
 MAX_IMAGE_PIXELS = 40_000_000  # above this PIL's decompression-bomb check refuses the image
@@ -45,7 +46,7 @@ class ChatRequest:
     max_tokens: int
     temperature: float
     top_p: float
-    seed: int
+    seed: int | None
     stop: list[str]
     stream: bool
     include_usage: bool
@@ -227,7 +228,8 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
                                                             1), 1),
         temperature=_number(body, "temperature", float, 0.0, 0.0, 2.0),
         top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
-        seed=_number(body, "seed", int, 0, 0),
+        # none given: a fresh one per request (OpenAI's meaning); at most SEED_MAX, what Genie's sampler takes
+        seed=_number(body, "seed", int, None, 0, SEED_MAX),
         stop=stop, stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
     )

@@ -4,6 +4,7 @@ server-sent ``chat.completion.chunk`` events; the slot freed only when the worke
 
 import asyncio
 import json
+import secrets
 import threading
 import time
 from typing import Callable, Iterator
@@ -79,8 +80,11 @@ class Run:
         gen = kept = None
         try:
             kept = self.states.take(r.plan.keys) if self.states is not None else None
+            seed = r.seed  # none asked for: a fresh one when sampling (greedy needs none: 0 keeps a runtime's
+            if seed is None:  # config, and so its kept conversation, the same from turn to turn)
+                seed = secrets.randbits(31) if r.temperature > 0 else 0
             settings = GenerationSettings(max_new_tokens=r.max_tokens, system=r.system,
-                                          sampling=SamplingSettings(r.temperature, 0, r.top_p, r.seed))
+                                          sampling=SamplingSettings(r.temperature, 0, r.top_p, seed))
             gen = self.pipe.generate_turn(r.plan, kept, settings)
             text, sent = "", 0  # what the model said; how much of it the client has
             for piece in gen:

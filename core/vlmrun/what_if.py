@@ -106,7 +106,12 @@ def what_if(run, location: Location, layers: Sequence[str] | None = None, progre
     stage = location.stage
     layers = list(layers or [])
     if not layers:
-        target = location.first_failing or location.largest_drop
+        first = location.first_failing
+        if first is not None and first.part_output is not None:  # a whole part crossed, its layers not probed
+            raise UsageError(f"--what-if: {stage} part {first.part_output} crosses the thresholds at its output"
+                             f" ({first.name}) but its layers were not probed one by one; name the layers"
+                             " (--what-if LAYER ...)")
+        target = first or location.largest_drop
         if target is None:
             raise UsageError(f"--what-if: no layer of {stage} was located (every layer is within its thresholds)")
         layers = [target.name]

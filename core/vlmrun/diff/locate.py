@@ -73,6 +73,8 @@ class LayerPoint:
     note: str = ""
     own: dict | None = None  # the layer's own error: device layer vs reference layer on the device's input
     impact: dict | None = None  # the stage output with only this layer's own error (reference elsewhere)
+    part_output: int | None = None  # a decoder part's output whose layers were not probed one by one: its error
+    #                                 is the whole part's, never one layer's (no largest drop, no own error)
 
     @property
     def passed(self) -> bool:
@@ -84,6 +86,7 @@ class LayerPoint:
                 "own_sqnr_db": None if self.own is None else self.own.get("sqnr_db"),
                 "own_cosine": None if self.own is None else self.own.get("cosine"),
                 "impact_sqnr_db": None if self.impact is None else self.impact.get("sqnr_db"),
+                "part_output": self.part_output,
                 "checks": [attrs.asdict(c) for c in self.checks]}
 
 
@@ -108,16 +111,18 @@ class Location:
     @property
     def isolated(self) -> bool:
         """Whether every layer's own error is known (the reference side took injections)."""
-        return bool(self.points) and all(p.own is not None for p in self.points if not p.note)
+        return bool(self.points) and all(p.own is not None for p in self.points
+                                         if not p.note and p.part_output is None)
 
     @property
     def largest_drop(self) -> LayerPoint | None:
         """The layer whose own error alone costs the stage output most (else: the one adding the most relative
         noise power)."""
+        layers = [p for p in self.points if p.part_output is None]  # a part's output is no layer
         if self.isolated:
-            cands = [(p, noise_power((p.impact or p.own).get("sqnr_db"))) for p in self.points if p.own is not None]
+            cands = [(p, noise_power((p.impact or p.own).get("sqnr_db"))) for p in layers if p.own is not None]
         else:
-            cands = [(p, p.noise_added) for p in self.points]
+            cands = [(p, p.noise_added) for p in layers]
         best = max(cands, key=lambda c: c[1], default=None)
         return best[0] if best is not None and best[1] > NOISE_FLOOR else None
 
@@ -279,6 +284,11 @@ def locate(ref_pipe, dev_pipe, stage: str, ref_capture, thresholds: Mapping[str,
                 inner = handles["device"].inside(probed)
                 outs["device"] = {**outs["device"], **run_probe(dev_pipe, stage, inner, inputs)}
             points, notes = compare_points(stage, outs["reference"], outs["device"], limits)
+        for part in parts:  # the outputs of the parts not probed inside stand for their whole part
+            if part["part"] != probed:
+                for p in points:
+                    if p.name == part["boundary"]:
+                        p.part_output = part["part"]
     with progress(f"isolating each layer's own error ({len(points) - 1} reference runs)"):
         isolate(ref_pipe, stage, handles["reference"], inputs, outs["reference"], outs["device"], points, notes)
     rows = inputs["inputs_embeds"].shape[1] if stage == "decoder" else None
@@ -320,7 +330,7 @@ def isolate(ref_pipe, stage: str, handle, inputs, ref: Mapping[str, np.ndarray],
     (the device's previous layer output, injected into the reference probe as ``inject:<previous layer>``)."""
     pick = ("sqnr_db", "cosine", "rel_l2")
     for k, p in enumerate(points):
-        if p.note:
+        if p.note or p.part_output is not None:  # a part's output: its error is the part's, not its own
             continue
         prev = points[k - 1] if k else None
         if prev is None:  # the stage's inputs are the same on both sides: the first layer's error is its own
