@@ -77,7 +77,7 @@ def test_usage_errors_exit_2(warm, image_path):
 
 
 def test_sampling_values_out_of_range_and_a_typed_placeholder(warm, image_path):
-    for flag, value, why in (("--seed", "-1", "-1 is not in the range x>=0"),  # was an internal error
+    for flag, value, why in (("--seed", "-1", "-1 is not in the range 0<=x<=2147483647"),  # was an internal error
                              ("--temperature", "nan", "'nan' is not a finite number"),  # was taken
                              ("--top-p", "inf", "is not in the range")):
         res = run_cli(["--image", str(image_path), "--prompt", "x", flag, value, *BASE], warm)
