@@ -160,7 +160,7 @@ def generation_options(f):
     f = click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")(f)
     f = click.option("--top-p", type=FiniteFloatRange(0, 1), default=1.0, show_default=True)(f)
     f = click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
-                     help="Sampling seed (0 to 2^31-1, what Genie's sampler takes).")(f)
+                     help="Sampling seed (0 to 2^31-1: a signed 32-bit one, as runtimes take it).")(f)
     f = click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")(f)
     f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")(f)
     return f

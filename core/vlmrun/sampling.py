@@ -27,8 +27,8 @@ class SamplingSettings:
         return self.temperature <= 0.0
 
 
-#: the largest seed: what Genie's sampler takes (its node create refuses 2**31 and above: measured, libGenie of
-#: onnxruntime-qnn), so that a seed means the same on every backend
+#: the largest seed: a signed 32-bit one, the most a vendor runtime's sampler config takes (one refuses 2**31 and
+#: above: measured), so that a seed means the same on every backend
 SEED_MAX = 2**31 - 1
 
 

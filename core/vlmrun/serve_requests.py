@@ -228,7 +228,7 @@ def parse_chat(body, model_id: str, allowed_media: Path | None = None) -> ChatRe
                                                             1), 1),
         temperature=_number(body, "temperature", float, 0.0, 0.0, 2.0),
         top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
-        # none given: a fresh one per request (OpenAI's meaning); at most SEED_MAX, what Genie's sampler takes
+        # none given: a fresh one per request (OpenAI's meaning); at most SEED_MAX, what every runtime takes
         seed=_number(body, "seed", int, None, 0, SEED_MAX),
         stop=stop, stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),

@@ -34,6 +34,8 @@ def format_location(loc: Location) -> str:
             mark.append("<- first to cross")
         if p is drop:
             mark.append("<- largest drop")
+        if p.part_output is not None:  # its error is the whole part's: no own error, never the largest drop
+            mark.append(f"<- part {p.part_output}'s output (its layers not probed)")
         cos = m.get("cosine")
         own = None if p.own is None else p.own.get("sqnr_db")
         out = None if p.impact is None else p.impact.get("sqnr_db")
