@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
 
 from . import plugins
+from .atomic import destination_problem
 from .errors import UsageError
 from .stages import STAGES
 
@@ -20,8 +22,6 @@ class Destination(click.Path):
         self.folder = folder
 
     def convert(self, value, param, ctx):
-        from .atomic import destination_problem
-
         path = super().convert(value, param, ctx)
         problem = destination_problem(path, folder=self.folder)
         if problem:
@@ -145,8 +145,6 @@ class FiniteFloatRange(click.FloatRange):
     false)."""
 
     def convert(self, value, param, ctx):
-        import math
-
         rv = super().convert(value, param, ctx)
         if not math.isfinite(rv):
             self.fail(f"{value!r} is not a finite number.", param, ctx)

@@ -34,6 +34,7 @@ past the context, an unknown model or field value) get a JSON error body (``{"er
 
 import asyncio
 import json
+import socket
 import sys
 import time
 import uuid
@@ -162,8 +163,6 @@ def serve(pipe, host: str = "127.0.0.1", port: int = 8000, announce: str | None 
     """Run the server until interrupted (the CLI's ``vlmrun serve``). The port is bound first: ``announce`` (a
     "serving on" line) is printed only once it listens; a port in use or a host not of this machine is one
     UsageError line."""
-    import socket
-
     import uvicorn
 
     app = create_app(pipe, **kwargs)

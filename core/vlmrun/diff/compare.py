@@ -188,11 +188,9 @@ def compare(ref: Capture, dev: Capture, thresholds: Mapping[str, Mapping[str, fl
             r, d = r[:, :rows], d[:, :rows]
             if note:
                 notes.append(note)
-            short = [(side, got) for side, got in (("the reference", r), ("the device", d))
-                     if got.ndim == 3 and got.shape[1] < rows]
+            short = _short_side(rows, ("the reference", r), ("the device", d))
             if short:  # rows a side never gave have shown nothing: not a pass on fewer
-                side, got = short[0]
-                entries.append(_missing_rows(Entry(stage, name, r.shape, d.shape, {}), rows, side, got.shape))
+                entries.append(_missing_rows(Entry(stage, name, r.shape, d.shape, {}), rows, *short))
                 continue
         if r.shape != d.shape:
             m = {"mismatches": int(max(r.size, d.size))} if name == "input_ids" else {}
@@ -244,10 +242,9 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
     r = np.asarray(ref.tensors["logits"])[:, :rows]
     d = np.asarray(dev.tensors["runtime_logits"])[:, :rows]
     e = np.asarray(dev.tensors["logits"])[:, :rows]
-    for got, side in ((r, "the reference"), (d, "the runtime"), (e, "the engine")):
-        if got.ndim == 3 and got.shape[1] < rows:  # a side that gave fewer rows: not a pass on fewer
-            return _missing_rows(Entry("runtime", "runtime_logits", r.shape, d.shape, {}), rows, side,
-                                 got.shape), {}
+    short = _short_side(rows, ("the reference", r), ("the runtime", d), ("the engine", e))
+    if short:  # a side that gave fewer rows: not a pass on fewer
+        return _missing_rows(Entry("runtime", "runtime_logits", r.shape, d.shape, {}), rows, *short), {}
     if r.shape != d.shape:
         entry = Entry("runtime", "runtime_logits", r.shape, d.shape, {}, note=f"shape {fmt_shape(r.shape)} vs"
                       f" {fmt_shape(d.shape)}")
@@ -277,6 +274,11 @@ def _runtime_entry(ref: Capture, dev: Capture, thresholds) -> tuple[Entry, dict]
     entry = _apply(Entry("runtime", "runtime_logits", r.shape, d.shape, m), thresholds)
     return entry, {"runtime_top1": st["top1"], "runtime_kl": st["kl"], "runtime_engine_sqnr": step_sqnr,
                    "runtime_engine_top1": [float(x) for x in eng_top1], "runtime_argmax": st["dev_argmax"]}
+
+
+def _short_side(rows: int, *sides: tuple[str, np.ndarray]) -> tuple[str, tuple] | None:
+    """The first of ``sides`` (name, [1, K, V] logits) with fewer than ``rows`` rows: (name, its shape)."""
+    return next(((side, got.shape) for side, got in sides if got.ndim == 3 and got.shape[1] < rows), None)
 
 
 def _missing_rows(entry: Entry, want: int, side: str, shape: tuple) -> Entry:

@@ -133,10 +133,12 @@ def evaluate(
     # results are its diff against this reference: keyed by both, never another reference's nor a reference-only one
     sides: list[Side] = []
     labels: dict[str, list[str]] = {}
-    ref_key = layout_key(resolved[0][1], registry, model_hash, settings)
+    ref_key = None
     for i, (spec, layout) in enumerate(resolved):
         key = layout_key(layout, registry, model_hash, settings)
-        if key != ref_key:
+        if i == 0:
+            ref_key = key
+        elif key != ref_key:
             key = layout_key(layout, registry, model_hash, settings, reference=ref_key)
         labels.setdefault(key, []).append(spec.label)
         if any(s.key == key for s in sides):

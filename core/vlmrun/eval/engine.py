@@ -272,8 +272,8 @@ def run_item(record: Record, ref: Side, sides: Sequence[Side], cache: ResultCach
             dev_cap = capture_pipeline(s.pipe, record.image, record.question, settings, ref_cap.tokens,
                                        image_desc=str(record.image))
         except VlmrunError:  # the reference's answer stands: the layout that could not answer is scored by it
-            for side, result, cap in new[:1] if new and new[0][0] is ref else ():
-                cache.put(side.key, record.key, result, capture=cap)
+            if new and new[0][0] is ref:
+                cache.put(ref.key, record.key, new[0][1], capture=new[0][2])
             raise
         seconds = time.perf_counter() - t
         options = s.pipe.layout_options()

@@ -90,8 +90,10 @@ def aggregate(*, records, skipped, sides, results, labels, timing, dataset, mode
                 # the reference answered it and this layout could not (a failed run, a context too short): a wrong
                 # answer and a failed diff, never an item left out of its score
                 not_run += 1
-                rows.append((r.kind, False))
-                same.append(False)
+                for i in range(1, len(r.asked) + 1):  # every turn it was to answer: wrong
+                    rows.append((r.kind, False))
+                    same.append(False)
+                    by_turn.setdefault(i, []).append(False)
                 passed.append(False)
                 culprits["not run"] = culprits.get("not run", 0) + 1
                 continue
