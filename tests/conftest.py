@@ -152,6 +152,16 @@ def bundle_dir(tiny_model, store, tmp_path_factory) -> Path:
     return out
 
 
+def pytest_configure(config):
+    """Each pytest-xdist worker (and every process it starts) on a core of its own, when there are as many workers as
+    cores: the HTP emulator runs eleven threads a process that spin on ``sched_yield`` between ops, which took the
+    other worker's core as much as their own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cpus = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) == len(cpus) > 1:
+        os.sched_setaffinity(0, {cpus[int(worker[2:])]})
+
+
 #: The groups that take longest (measured on a 2-core machine, longest first): started first, so that under
 #: pytest-xdist the two workers finish together instead of one running a long module alone at the end. A stale
 #: list only costs balance; every other group keeps its collection order after these.
