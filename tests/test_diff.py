@@ -91,7 +91,7 @@ def run_diff(args, cache_dir, env_extra=None):
 
 @pytest.fixture(scope="module")
 def ref_vs_ref(ref_pipe, tiny_model, store, image_path):
-    return diff.run("reference", "reference", image=image_path, prompt=PROMPT, model=tiny_model, store=store,
+    return diff.run(ref_pipe, ref_pipe, image=image_path, prompt=PROMPT, model=tiny_model, store=store,
                     registry=ref_pipe.registry, max_new_tokens=N, ignore_eos=True)
 
 
@@ -257,6 +257,12 @@ def test_cli_perturbed_report_and_exit_1(tiny_model, ref_pipe, cache_dir, image_
 def test_cli_reference_exit_0_save_and_from(tiny_model, ref_pipe, cache_dir, image_path, tmp_path):
     saved = tmp_path / "saved"
     args = ["--image", str(image_path), "--prompt", PROMPT, "--max-new-tokens", "4", "--ignore-eos"]
+    # the reference against itself is refused (it passes whatever it answers); torch eager is another side
+    proc = run_diff(args, cache_dir)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "vlmrun: error: the device side (reference) is the reference side (reference): the diff would compare it"
+        " with itself; name the layout under test, e.g. --device all-npu, --device L.toml or --device-STAGE PLUGIN")
+    args = ["--reference", "torch", *args]
     proc = run_diff([*args, "--save", str(saved)], cache_dir)
     assert proc.returncode == 0, proc.stderr
     assert "PASS" in proc.stdout and "likely culprit" not in proc.stdout
@@ -266,6 +272,9 @@ def test_cli_reference_exit_0_save_and_from(tiny_model, ref_pipe, cache_dir, ima
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["passed"] and data["checkpoints"][-1]["metrics"]["matching_tokens"] == 4
+    # one capture named twice would pass against itself
+    proc = run_diff(["--from", str(saved / "device"), "--from", str(saved / "device" / ".")], cache_dir)
+    assert proc.returncode == 2 and "both --from name the same capture" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -126,6 +126,19 @@ def _build_pipeline(side, model, store, registry, progress):
                           registry=registry, progress=progress)
 
 
+def _check_two_sides(ref_side, ref_pipe, dev_side, dev_pipe) -> None:
+    """Two sides named (not passed as built pipelines) that resolve to the same stages, backends and options would
+    pass against each other whatever they answer: a usage error, not a PASS."""
+    if not (isinstance(ref_side, Side) and isinstance(dev_side, Side)):
+        return
+    same = (ref_pipe is None and dev_pipe is None if ref_side.is_torch or dev_side.is_torch
+            else ref_pipe.layout.stages == dev_pipe.layout.stages and ref_pipe.layout.bundle == dev_pipe.layout.bundle)
+    if same:
+        raise UsageError(f"the device side ({dev_side.describe()}) is the reference side ({ref_side.describe()}):"
+                         " the diff would compare it with itself; name the layout under test, e.g. --device all-npu,"
+                         " --device L.toml or --device-STAGE PLUGIN")
+
+
 def run(
     reference: "str | Side | Pipeline" = "reference",
     device: "str | Side | Pipeline" = "reference",
@@ -205,6 +218,7 @@ def run(
         if ref_cap is None:
             ref_pipe = _build_pipeline(ref_side, fvlm, store, registry, progress)
             pipelines["reference"] = ref_pipe
+            _check_two_sides(ref_side, ref_pipe, dev_side, dev_pipe)
             t = time.perf_counter()
             with progress(f"capturing the reference side ({_describe(ref_side)})"):
                 if ref_pipe is None:

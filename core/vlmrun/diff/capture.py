@@ -102,6 +102,9 @@ def load_from(paths: Sequence[str | os.PathLike]) -> tuple[Capture | None, Captu
     for p, side in zip(paths, sides):
         if not (side / "capture.npz").exists() and (p / "reference").is_dir():
             raise UsageError(f"{p} holds no device capture; name one: {p / 'reference'}")
+    if sides[0].resolve() == sides[1].resolve():
+        raise UsageError(f"both --from name the same capture ({sides[0]}): it would pass against itself; give the"
+                         " reference's capture, then the device's")
     return Capture.load(sides[0]), Capture.load(sides[1])
 
 
