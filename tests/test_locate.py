@@ -250,7 +250,11 @@ def registry_with(*modules):
 
 @pytest.fixture(scope="module")
 def clean(model, store):
-    return _run(model, store, "reference")
+    from vlmrun import Pipeline
+
+    # two pipelines of the reference layout, passed as built (named twice, the sides would be refused as the same)
+    ref, dev = (Pipeline.build(model, "reference", store=store) for _ in range(2))
+    return diff.run(ref, dev, prompt=PROMPT, model=model, store=store, max_new_tokens=N, ignore_eos=True)
 
 
 @pytest.mark.parametrize("stage", ["vision", "projector", "decoder"])
