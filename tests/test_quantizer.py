@@ -290,6 +290,40 @@ def test_a_big_graph_is_quantized_in_a_child_with_the_same_bytes(lpbq, store, tm
         assert (here / "q.onnx").read_bytes() == (there / "q.onnx").read_bytes(), engine
 
 
+def test_the_quantizers_renames_in_c_give_the_same_bytes(lpbq, store, tmp_path, monkeypatch):
+    """onnxruntime's per-tensor renames over every node (quadratic, in Python) are done through a C membership test
+    while vlmrun quantizes (`vlmrun_qnn_htp.quantizer_edits`): the QDQ model is byte-identical to onnxruntime's own
+    renames' for a part's prompt and token graphs, and onnxruntime's methods are back after."""
+    import contextlib
+
+    import onnx
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    from vlmrun_qnn_htp import quantizer
+    from vlmrun_qnn_htp.recipe import Recipe
+
+    own = ONNXModel.replace_input_of_all_nodes, ONNXModel.replace_output_of_all_nodes
+    art = lpbq.handles["decoder"].artifact
+    src_dir = source_dir(store, art)
+    desc = json.loads((src_dir / "parts.json").read_text())
+    rng = np.random.default_rng(0)
+    for kind in ("prompt", "token"):
+        src = src_dir / desc["parts"][0]["graphs"][kind]["file"]
+        g = onnx.load(str(src), load_external_data=False).graph
+        dims = {i.name: [d.dim_value or 1 for d in i.type.tensor_type.shape.dim] for i in g.input}
+        feeds = [{n: (rng.standard_normal(s).astype(np.float32) if n != "attention_mask" else np.zeros(s, np.float32))
+                  for n, s in dims.items()} for _ in range(2)]
+        recipe = Recipe(precision="w4a16", quantizer="onnxruntime")
+        fast, slow = tmp_path / f"{kind}-fast", tmp_path / f"{kind}-slow"
+        fast.mkdir(), slow.mkdir()
+        quantizer.quantize(src, fast / "q.onnx", feeds, recipe, fast)
+        assert (ONNXModel.replace_input_of_all_nodes, ONNXModel.replace_output_of_all_nodes) == own
+        monkeypatch.setattr(quantizer, "graph_edits_in_c", contextlib.nullcontext)
+        quantizer.quantize(src, slow / "q.onnx", feeds, recipe, slow)
+        monkeypatch.undo()
+        assert (fast / "q.onnx").read_bytes() == (slow / "q.onnx").read_bytes(), kind
+
+
 def test_aimets_default_plan_keeps_each_part_graph_quantizable():
     """With AIMET and parts = 0 the full-size decoder goes in two parts (its simulation of the whole 2 GB graph was
     killed at 21.7 GB; 17 + 7 layers peaked at 12.9 GB); onnxruntime's min-max keeps the one part the size limit

@@ -34,6 +34,7 @@ from vlmrun.onnx_files import graph_files
 
 from .memory import in_child, peak_rss_mb, release_memory
 from .qdq_facts import stored_dtypes
+from .quantizer_edits import graph_edits_in_c
 from .quantizer_opset import at_quantizer_opset
 from .recipe import Recipe
 
@@ -210,7 +211,7 @@ def _onnxruntime(model_in: Path, proto, dst: Path, feeds: list[dict], recipe: Re
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime.quantization warns through the root logger ("consider pre-processing")
     try:
-        with at_quantizer_opset(model_in, proto, config, work) as (graph, graph_proto):
+        with at_quantizer_opset(model_in, proto, config, work) as (graph, graph_proto), graph_edits_in_c():
             batched = calibrate_in_batches(graph, feeds, config, big, work, proto=graph_proto)
             if batched is None:
                 ort_quantize(str(graph), str(dst), config)
