@@ -302,7 +302,9 @@ def test_the_quantizers_renames_in_c_give_the_same_bytes(lpbq, store, tmp_path, 
     from vlmrun_qnn_htp import quantizer
     from vlmrun_qnn_htp.recipe import Recipe
 
-    own = ONNXModel.replace_input_of_all_nodes, ONNXModel.replace_output_of_all_nodes
+    from onnxruntime.quantization.calibrate import MinMaxCalibrater
+
+    own = ONNXModel.replace_input_of_all_nodes, ONNXModel.replace_output_of_all_nodes, MinMaxCalibrater.augment_graph
     art = lpbq.handles["decoder"].artifact
     src_dir = source_dir(store, art)
     desc = json.loads((src_dir / "parts.json").read_text())
@@ -317,11 +319,43 @@ def test_the_quantizers_renames_in_c_give_the_same_bytes(lpbq, store, tmp_path, 
         fast, slow = tmp_path / f"{kind}-fast", tmp_path / f"{kind}-slow"
         fast.mkdir(), slow.mkdir()
         quantizer.quantize(src, fast / "q.onnx", feeds, recipe, fast)
-        assert (ONNXModel.replace_input_of_all_nodes, ONNXModel.replace_output_of_all_nodes) == own
+        assert (ONNXModel.replace_input_of_all_nodes, ONNXModel.replace_output_of_all_nodes,
+                MinMaxCalibrater.augment_graph) == own
         monkeypatch.setattr(quantizer, "graph_edits_in_c", contextlib.nullcontext)
         quantizer.quantize(src, slow / "q.onnx", feeds, recipe, slow)
         monkeypatch.undo()
         assert (fast / "q.onnx").read_bytes() == (slow / "q.onnx").read_bytes(), kind
+
+
+def test_the_calibrators_graph_is_onnxruntimes_node_for_node(lpbq, store, tmp_path):
+    """`quantizer_edits._augment_graph` (onnxruntime's min-max augmentation from one pass over the nodes) makes
+    onnxruntime's augmented graph: the same nodes in the same order, the same outputs and initializers, up to the
+    uuid names onnxruntime draws anew each run; per channel (the reduce axes as inputs) too."""
+    import re
+
+    import onnx
+    from onnxruntime.quantization.calibrate import MinMaxCalibrater
+
+    from vlmrun_qnn_htp.quantizer_edits import _augment_graph
+
+    uuid = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+    def canonical(path):
+        model = onnx.load(str(path), load_external_data=False)
+        names: dict[str, str] = {}
+        text = str(model.graph)  # the graph as text, in order: nodes, initializers, inputs, outputs
+        return uuid.sub(lambda m: names.setdefault(m.group(0), f"uuid{len(names)}"), text)
+
+    desc = json.loads((source_dir(store, lpbq.handles["decoder"].artifact) / "parts.json").read_text())
+    src = source_dir(store, lpbq.handles["decoder"].artifact) / desc["parts"][0]["graphs"]["prompt"]["file"]
+    for per_channel in (False, True):
+        made = []
+        for augment in (MinMaxCalibrater.augment_graph, _augment_graph):
+            out = tmp_path / f"augmented-{per_channel}-{len(made)}.onnx"
+            cal = MinMaxCalibrater(str(src), augmented_model_path=str(out), per_channel=per_channel)
+            augment(cal)
+            made.append(canonical(out))
+        assert made[0].count("ReduceMin") > 100 and made[0] == made[1], per_channel
 
 
 def test_aimets_default_plan_keeps_each_part_graph_quantizable():
