@@ -63,7 +63,8 @@ class WorkerSession:
                 self._lines.put(None)
 
         threading.Thread(target=pump, args=(self.proc.stdout, self._lines.put, True), daemon=True).start()
-        threading.Thread(target=pump, args=(self.proc.stderr, self._err.append, False), daemon=True).start()
+        self._err_pump = threading.Thread(target=pump, args=(self.proc.stderr, self._err.append, False), daemon=True)
+        self._err_pump.start()
         for _ in self.events("READY"):
             pass
 
@@ -89,6 +90,8 @@ class WorkerSession:
                 line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.001))
             except queue.Empty:
                 procs.ask_for_stacks(self.proc, STACKS_SIGNAL)
+                procs.kill_group(self.proc)  # hung: not closed gracefully (that waited 5 s more for it to exit)
+                self._err_pump.join(5)  # its stderr, with the stacks, read to the end
                 self.close()
                 detail = hung_worker_stacks("".join(self._err), self.what)
                 raise BackendError(f"{self.what} timed out after {self.timeout:g} s (worker killed); raise --option"
