@@ -39,6 +39,10 @@ def _replace_output_of_all_nodes(self, old_output_name, new_output_name):
             ONNXModel.replace_node_output(node, old_output_name, new_output_name)
 
 
+#: the onnxruntime release whose ``MinMaxCalibrater.augment_graph`` `_augment_graph` follows step for step
+AUGMENT_OF = "1.32."
+
+
 class _Inserted:
     """How many nodes were inserted before each original node (by original index): a Fenwick tree."""
 
@@ -151,6 +155,7 @@ def _augment_graph(self):
 def graph_edits_in_c():
     """onnxruntime's ``ONNXModel`` renames done through a C membership test, and its min-max calibrator's graph
     made from one pass over the nodes (`_augment_graph`), while the block runs."""
+    import onnxruntime
     from onnxruntime.quantization.calibrate import MinMaxCalibrater
     from onnxruntime.quantization.onnx_model import ONNXModel
 
@@ -158,7 +163,8 @@ def graph_edits_in_c():
              MinMaxCalibrater.augment_graph)
     ONNXModel.replace_input_of_all_nodes = _replace_input_of_all_nodes
     ONNXModel.replace_output_of_all_nodes = _replace_output_of_all_nodes
-    MinMaxCalibrater.augment_graph = _augment_graph
+    if onnxruntime.__version__.startswith(AUGMENT_OF):  # another onnxruntime's calibrator is left as it is
+        MinMaxCalibrater.augment_graph = _augment_graph
     try:
         yield
     finally:
