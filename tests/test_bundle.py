@@ -271,7 +271,7 @@ def test_verify_refuses_another_soc_and_a_newer_qnn_than_the_phones_sdk(bundle_d
     r = run_cli(["bundle", "--verify", str(bundle_dir), "--soc", "SM8650"], cache_dir, timeout=120)
     assert r.returncode == 1 and "was compiled for SM8750 (v79), not SM8650" in r.stderr, r.stderr
     r = run_cli(["bundle", "--verify", str(bundle_dir), "--json"], cache_dir, timeout=120)
-    assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True and json.loads(r.stdout)["answers_checked"] is True
 
 
 def test_silent_failures_of_the_pipeline_are_errors(bundle_pipe, store, monkeypatch):
@@ -395,6 +395,19 @@ def phone_bundle(tiny_model, store, tmp_path_factory) -> Path:
     gen = json.loads((out / "text-generator.json").read_text())["text-generator"]
     assert gen["engine"]["backend"]["extensions"] == "htp_backend_ext_config.json"
     return out
+
+
+def test_verify_of_a_bundle_never_run_says_its_answers_were_not_checked(phone_bundle, cache_dir):
+    """A bundle not run when it was written (a phone's) passes --verify on its files and configs, and says that its
+    answers were not checked: never a bare "verified"."""
+    r = run_cli(["bundle", "--verify", str(phone_bundle)], cache_dir, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--  not verified when written: " in r.stdout and r.stdout.count("ok  ") >= 3, r.stdout
+    last = [ln for ln in r.stderr.splitlines() if ln.startswith("bundle ")][-1]
+    assert last == f"bundle {phone_bundle}: files and configs verified; its answers were not checked when it was written"
+    r = run_cli(["bundle", "--verify", str(phone_bundle), "--json"], cache_dir, timeout=120)
+    data = json.loads(r.stdout)
+    assert r.returncode == 0 and data["ok"] is True and data["answers_checked"] is False
 
 
 def test_a_big_models_vision_side_is_made_in_a_child_with_the_same_bytes(phone_bundle, tiny_model, store, tmp_path,
