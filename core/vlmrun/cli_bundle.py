@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .bundle import VERIFY_ITEMS, verify, write
+from .bundle import VERIFY_ITEMS, answers_checked, verify, write
 from .cli_options import Destination, layout_overrides, model_options, registry, stage_option_flags
 from .stages import STAGES
 
@@ -66,8 +66,8 @@ def bundle_command(out, layout, layout_file, verify_items, verify_only, ray_addr
             settings[key] = value
         checks = verify(out, settings, reg=registry())
         # a bundle never run when written (a phone's, --verify-items 0) has its files and configs checked, not
-        # its answers: said so, not "verified" alone
-        ran = bool((layouts_mod.bundle_manifest(out).get("verified") or {}).get("items"))
+        # its answers (verify's last line says so): said so, not "verified" alone
+        ran = answers_checked(layouts_mod.bundle_manifest(out))
         if as_json:
             click.echo(json.dumps({"bundle": str(out), "ok": True, "answers_checked": ran, "checked": checks}))
         else:

@@ -10,6 +10,7 @@ import click
 from . import plugins
 from .atomic import destination_problem
 from .errors import UsageError
+from .sampling import SEED_MAX
 from .stages import STAGES
 
 
@@ -157,7 +158,7 @@ def generation_options(f):
                      help="0 = greedy.")(f)
     f = click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")(f)
     f = click.option("--top-p", type=FiniteFloatRange(0, 1), default=1.0, show_default=True)(f)
-    f = click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
+    f = click.option("--seed", type=click.IntRange(0, SEED_MAX), default=0, show_default=True,
                      help="Sampling seed (0 to 2^31-1: a signed 32-bit one, as runtimes take it).")(f)
     f = click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")(f)
     f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")(f)

@@ -131,8 +131,10 @@ def _check_two_sides(ref_side, ref_pipe, dev_side, dev_pipe) -> None:
     pass against each other whatever they answer: a usage error, not a PASS."""
     if not (isinstance(ref_side, Side) and isinstance(dev_side, Side)):
         return
-    same = (ref_pipe is None and dev_pipe is None if ref_side.is_torch or dev_side.is_torch
-            else ref_pipe.layout.stages == dev_pipe.layout.stages and ref_pipe.layout.bundle == dev_pipe.layout.bundle)
+    if ref_side.is_torch or dev_side.is_torch:
+        same = ref_side.is_torch and dev_side.is_torch
+    else:
+        same = ref_pipe.layout.stages == dev_pipe.layout.stages and ref_pipe.layout.bundle == dev_pipe.layout.bundle
     if same:
         raise UsageError(f"the device side ({dev_side.describe()}) is the reference side ({ref_side.describe()}):"
                          " the diff would compare it with itself; name the layout under test, e.g. --device all-npu,"

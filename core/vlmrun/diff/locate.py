@@ -284,11 +284,10 @@ def locate(ref_pipe, dev_pipe, stage: str, ref_capture, thresholds: Mapping[str,
                 inner = handles["device"].inside(probed)
                 outs["device"] = {**outs["device"], **run_probe(dev_pipe, stage, inner, inputs)}
             points, notes = compare_points(stage, outs["reference"], outs["device"], limits)
-        for part in parts:  # the outputs of the parts not probed inside stand for their whole part
-            if part["part"] != probed:
-                for p in points:
-                    if p.name == part["boundary"]:
-                        p.part_output = part["part"]
+        # the outputs of the parts not probed inside stand for their whole part
+        unprobed = {part["boundary"]: part["part"] for part in parts if part["part"] != probed}
+        for p in points:
+            p.part_output = unprobed.get(p.name)
     with progress(f"isolating each layer's own error ({len(points) - 1} reference runs)"):
         isolate(ref_pipe, stage, handles["reference"], inputs, outs["reference"], outs["device"], points, notes)
     rows = inputs["inputs_embeds"].shape[1] if stage == "decoder" else None
