@@ -203,6 +203,38 @@ def test_auto_calibrates_in_sequence_when_the_float_decoder_does_not_fit_the_bud
     assert calibration.calibration_order("whole", sets) == "whole"  # given: as given
 
 
+def test_a_float_graph_packs_its_weights_in_parallel_when_a_second_copy_fits_a_quarter_of_the_budget(
+        whole, monkeypatch):
+    """Calibration's CPU sessions pack their weights in parallel (onnxruntime's session.prepack.enable_parallel)
+    only while the open's second copy of the weights fits a quarter of the memory allowed; either way a part's
+    outputs are the same to the bit."""
+    from vlmrun_qnn_htp import calibration
+
+    src, desc = calibration_inputs(whole)
+    path = src / desc["parts"][0]["graphs"]["prompt"]["file"]
+    size = calibration.graph_set_bytes([path])
+
+    def opened(budget_bytes):
+        monkeypatch.setenv("VLMRUN_MEMORY_BUDGET_GB", str(budget_bytes / 1e9))
+        graph = calibration.CpuGraph(path)
+        options = graph.sess.get_session_options()
+        try:
+            return graph, options.get_session_config_entry("session.prepack.enable_parallel")
+        except RuntimeError:  # onnxruntime: "SessionOptions does not have configuration with key"
+            return graph, None
+
+    parallel, flag = opened(4 * size * 1.01)
+    assert flag == "1"
+    serial, flag = opened(4 * size * 0.99)
+    assert flag is None
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(np.float32)
+             for i in serial.sess.get_inputs()}
+    feeds["attention_mask"] = np.zeros_like(feeds["attention_mask"])
+    a, b = parallel.run(feeds), serial.run(feeds)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 FACTS = SimpleNamespace(layers=4, kv_heads=1, head_dim=2, hidden=4, rope_theta=10000.0, vocab=5)
 SPLIT = [(0, 2), (2, 3), (3, 4)]  # the layers of 3 fake parts
 TABLE = np.random.default_rng(0).standard_normal((FACTS.vocab, FACTS.hidden)).astype(np.float32)  # token embeddings

@@ -33,9 +33,16 @@ def cpu_threads() -> int | None:
     return int(value)
 
 
-def onnxruntime_options():
+def onnxruntime_options(parallel_prepack: bool = False):
     """onnxruntime ``SessionOptions`` for a CPU session: quiet (errors only), `cpu_threads` intra-op threads when
-    ``VLMRUN_CPU_THREADS`` is set, else onnxruntime's default."""
+    ``VLMRUN_CPU_THREADS`` is set, else onnxruntime's default.
+
+    ``parallel_prepack``: onnxruntime packs a graph's constant MatMul weights into its kernels' layout when the
+    session opens, one weight after another; with this set (``session.prepack.enable_parallel``) its intra-op
+    threads pack them together. The outputs are the same to the bit and the open takes about half the time on 2
+    cores (a FastVLM-1.5B part of 11 layers, 1.87 GB of float32: 1.42 -> 0.78 s), but every weight is held packed
+    and unpacked at once, so the open peaks at about twice the weights instead of once: for a caller that opens the
+    same large graphs again and again and has that memory to spare."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -43,6 +50,8 @@ def onnxruntime_options():
     threads = cpu_threads()
     if threads:
         so.intra_op_num_threads = threads
+    if parallel_prepack:
+        so.add_session_config_entry("session.prepack.enable_parallel", "1")
     return so
 
 
