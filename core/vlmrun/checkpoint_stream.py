@@ -211,6 +211,18 @@ def memory_budget() -> int | None:
     return int(gb * 1e9)
 
 
+def physical_memory() -> int:
+    """This machine's memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_allowed() -> int:
+    """The memory one step may take, in bytes: the budget (`MEMORY_BUDGET_ENV`), else half of this machine's (the
+    reference's parts, a parts decoder's calibration)."""
+    budget = memory_budget()
+    return budget if budget is not None else physical_memory() // 2
+
+
 def check_budget(what: str, needed: int, smallest: int | None = None) -> None:
     """`UsageError` (exit 2) when ``needed`` bytes are above the memory budget; ``smallest``: the need of the
     smallest unit it can be split into (one decoder layer), named too."""

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from vlmrun.checkpoint_stream import (EXPORT_BASE_BYTES, EXPORT_WEIGHT_COPIES, MEMORY_BUDGET_ENV, export_peak_bytes,
-                                      memory_budget)
+                                      memory_allowed, memory_budget, physical_memory)
 from vlmrun.errors import InputError, UsageError
 from vlmrun.handles import DecoderHandle
 from vlmrun.stages import ExportForm
@@ -53,17 +52,6 @@ def layer_bytes(model) -> int:
 def head_bytes(model) -> int:
     """Bytes of the final norm and the lm_head in float32 (the last part holds them, tied or not)."""
     return 4 * (model.vocab_size * model.hidden_size + model.hidden_size)
-
-
-def physical_memory() -> int:
-    """This machine's memory in bytes."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def memory_allowed() -> int:
-    """The memory one part may take: the budget (``VLMRUN_MEMORY_BUDGET_GB``), else half of this machine's."""
-    budget = memory_budget()
-    return budget if budget is not None else physical_memory() // 2
 
 
 def plan_layers(model, parts: int) -> list[int]:

@@ -18,7 +18,6 @@ feeds on disk until that graph is quantized.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun.atomic import check_free_space
-from vlmrun.checkpoint_stream import memory_budget
+from vlmrun.checkpoint_stream import memory_allowed
 from vlmrun.cpu import onnxruntime_options
 from vlmrun.errors import UsageError
 from vlmrun.onnx_files import graph_files
@@ -117,13 +116,6 @@ def require_context(context):
         raise UsageError("calibrating this stage needs reference activations: compile it through a pipeline"
                          " (vlmrun compile), which gives the compiler its context")
     return context
-
-
-def memory_allowed() -> int:
-    """The memory calibration may take, in bytes: the budget (``VLMRUN_MEMORY_BUDGET_GB``), else half of this
-    machine's."""
-    budget = memory_budget()
-    return budget if budget is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def packs_in_parallel(path) -> bool:
