@@ -166,3 +166,35 @@ def test_the_opset_is_raised_without_the_weights_and_the_qdq_graph_is_onnxruntim
     converted.clear()
     quantizer._quantize(src, ours / "int8.onnx", feeds, Recipe("int8"), ours, None)
     assert not [c for c in converted if c[2]] and get_opset_version(onnx.load(str(ours / "int8.onnx"))) == 17
+
+
+def _nested(a: int, b: int):
+    from vlmrun_qnn_htp.memory import in_child
+
+    return in_child(divmod, a, b, what="the inner step")  # e.g. the image encoder's child quantizing its graph
+
+
+def _sleep():
+    import time
+
+    time.sleep(120)
+
+
+def test_steps_in_children_nest_and_an_interrupt_ends_the_child():
+    """A step in a child may run its own step in a child (at 7B the bundle's image-encoder child quantizes a big
+    graph in one: a daemonic child could not, "daemonic processes are not allowed to have children"); a Ctrl-C
+    while a child works ends that child, and comes back as itself."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from vlmrun_qnn_htp.memory import in_child
+
+    assert in_child(_nested, 7, 2, what="the outer step") == (3, 1)
+    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        in_child(_sleep, what="a long step")
+    assert time.monotonic() - t0 < 60 and multiprocessing.active_children() == []

@@ -49,13 +49,16 @@ def in_child(fn, *args, what: str):
     child, all of it goes back to the OS when the step ends, before the next step (the QNN compile) starts. An
     error the step raises comes back as itself; a child that dies is one line naming ``what`` and how it ended
     (`child_death`): the kernel's SIGKILL (most likely its out-of-memory killer), another signal (a crash in a
-    native library), or an exit code. The child's own peak memory counts in `peak_rss_mb` from then on."""
+    native library), or an exit code. The child's own peak memory counts in `peak_rss_mb` from then on.
+
+    Steps nest (the image encoder made in a child quantizes its big graph in a child of its own), so the child is
+    not a daemon (a daemon may have no children); an interrupt or error here ends it instead."""
     global _children_peak_kb
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run_in_child, args=(send, fn, args), daemon=True, name=f"vlmrun: {what}"[:60])
+    proc = ctx.Process(target=_run_in_child, args=(send, fn, args), daemon=False, name=f"vlmrun: {what}"[:60])
     proc.start()
     send.close()  # the child holds the only sending end: a dead child is EOF here
     try:
@@ -63,6 +66,10 @@ def in_child(fn, *args, what: str):
     except EOFError:
         proc.join()
         raise BackendError(f"{what}: {child_death(proc.exitcode)}") from None
+    except BaseException:  # Ctrl-C, or this process told to stop: the child's work is not wanted any more
+        proc.terminate()
+        proc.join()
+        raise
     finally:
         receive.close()
     proc.join()
