@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -694,6 +695,48 @@ def test_sharded_apple_checkpoint_converts(apple_dir, roundtrip_dir, tmp_path):
     assert sorted(set(index["weight_map"].values())) == names and not (out / "model.safetensors").exists()
     conv, ref = load_tensors(out), load_file(str(roundtrip_dir / "model.safetensors"))
     assert set(conv) == set(ref) and all(torch.equal(conv[k], ref[k]) for k in ref)
+
+
+def test_store_reads_a_sharded_apple_checkpoint_where_it_is(apple_dir, tmp_path):
+    """Opened into the store, a sharded Apple checkpoint is not copied: the store holds the grown vocabulary
+    weights and a map, every weight reads back equal to the copying conversion's, the whole model loads, and the
+    checkpoint moved elsewhere is read from there (same store entry, same weights hash); a missing shard is one
+    line naming it."""
+    from vlmrun.checkpoint_formats import SOURCE_WEIGHTS_FILE, VOCAB_FILE, load_tensors
+    from vlmrun.checkpoint_stream import ShardedWeights
+    from vlmrun.model import FastVLMModel
+    from vlmrun.store import ArtifactStore
+
+    src = tmp_path / "apple"
+    shutil.copytree(apple_dir, src)
+    names = _shard(src, 3)
+    copied = load_tensors(checkpoints.convert_apple_to_native(src, tmp_path / "copy"))
+    store = ArtifactStore(tmp_path / "store")
+    model = FastVLMModel.open(src, store)
+    written = sorted(p.name for p in model.path.glob("*.safetensors"))
+    assert written == [VOCAB_FILE] and (model.path / SOURCE_WEIGHTS_FILE).is_file() and model.streams
+    assert sorted(load_file(str(model.path / VOCAB_FILE))) == ["model.language_model.embed_tokens.weight"]
+    weights = ShardedWeights(model.path)
+    assert {Path(f).name for f in weights.files.values()} == {*names, VOCAB_FILE}
+    assert set(weights.files) == set(copied)
+    assert all(torch.equal(weights.read(k), copied[k]) for k in copied)
+    whole = model.load_torch().state_dict()
+    assert all(torch.equal(whole[k], copied[k].float()) for k in copied)
+    assert model.weight_file_bytes == sum((src / n).stat().st_size for n in names)
+    digest = model.weights_hash(store)
+
+    moved = tmp_path / "moved"
+    shutil.move(src, moved)
+    again = FastVLMModel.open(moved, store)
+    assert again.path == model.path and again.weights_hash(store) == digest
+    assert all(torch.equal(ShardedWeights(again.path).read(k), copied[k]) for k in copied)
+    os.remove(moved / names[0])
+    key = next(k for k, f in ShardedWeights(again.path).files.items() if Path(f).name == names[0])
+    with pytest.raises(InputError) as err:
+        ShardedWeights(again.path).read(key)
+    assert str(err.value) == (f"shard {moved / names[0]} is missing; the converted model {again.path} reads {key}"
+                              " from the checkpoint it was converted from: put it back, or open the model from"
+                              " where it is now")
 
 
 def test_missing_shard_is_named(apple_dir, tmp_path, image_path):

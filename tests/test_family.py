@@ -417,7 +417,10 @@ def apple_tiny(tmp_path_factory):
 
 
 def _shards(path: Path) -> dict[str, str]:
-    return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    """Native weight name -> the name of the shard it is read from (the source's, for a converted checkpoint)."""
+    from vlmrun.checkpoint_stream import ShardedWeights
+
+    return {k: Path(f).name for k, f in ShardedWeights(path).files.items()}
 
 
 def _part_files(path: Path, lo: int, hi: int, last: bool) -> set[str]:
@@ -438,7 +441,11 @@ def test_streamed_parts_answer_like_the_whole_model_export(apple_tiny, tmp_path,
     form = ExportForm.of("decoder", "decoder/parts", **PARTS)
     for name in ("whole", "streamed"):
         (tmp_path / name).mkdir()
-    whole = FastVLMModel(apple_tiny.path, apple_tiny.source, apple_tiny.source_layout, stream=False)
+    # the whole model from transformers' from_pretrained: the conversion that copies the weights
+    from vlmrun.checkpoints import convert_apple_to_native
+
+    copied = convert_apple_to_native(apple_tiny.source, tmp_path / "copied")
+    whole = FastVLMModel(copied, apple_tiny.source, apple_tiny.source_layout, stream=False)
     export_parts(whole, form, tmp_path / "whole")
     loaded = []
     monkeypatch.setattr(FastVLMModel, "load_torch", lambda self: loaded.append(self) or None)
@@ -494,13 +501,18 @@ def test_a_part_reads_only_its_shards(apple_tiny, tmp_path):
     for name in ("all", "two", "one", "again"):
         (tmp_path / name).mkdir()
     export_parts(apple_tiny, form, tmp_path / "all")
-    ckpt = Path(shutil.copytree(apple_tiny.path, tmp_path / "ckpt"))
+    # the converted checkpoint (a copy of the store's) reads its weights from a copy of the Apple source
+    from vlmrun.checkpoints import point_at_source
+
+    ckpt = Path(shutil.copytree(apple_tiny.path, tmp_path / "converted"))
+    src = Path(shutil.copytree(apple_tiny.source, tmp_path / "apple"))
+    point_at_source(ckpt, src)
     needed = _part_files(ckpt, 1, 2, True)
-    others = set(_shards(ckpt).values()) - needed
+    others = set(_shards(ckpt).values()) - needed - {"vlmrun_vocab.safetensors"}
     assert needed and len(others) > len(needed)
     for name in others:
-        (ckpt / name).write_bytes(b"not a safetensors file")
-    model = FastVLMModel(ckpt, ckpt, "fast_vlm")
+        (src / name).write_bytes(b"not a safetensors file")
+    model = FastVLMModel(ckpt, src, "llava_qwen2")
     manifest = export_parts(model, form, tmp_path / "two", only=2)
     assert manifest["files"] == ["part2_of_2_prompt.onnx", "part2_of_2_token.onnx", "parts.json"]
     for name in manifest["files"][:2]:
@@ -508,11 +520,11 @@ def test_a_part_reads_only_its_shards(apple_tiny, tmp_path):
     with pytest.raises(InputError, match=r"^cannot read shard .*model-\d{5}-of-\d{5}\.safetensors \(") as err:
         export_parts(model, form, tmp_path / "one", only=1)
     assert "\n" not in str(err.value) and Path(str(err.value).split()[3]).name in others
-    gone = sorted(needed)[0]
-    (ckpt / gone).unlink()
-    with pytest.raises(InputError, match=f"^shard {ckpt / gone} is missing; it holds ") as err:
+    gone = sorted(needed - {"vlmrun_vocab.safetensors"})[0]
+    (src / gone).unlink()
+    with pytest.raises(InputError, match=f"^shard {src / gone} is missing; the converted model {ckpt} reads ") as err:
         export_parts(model, form, tmp_path / "again", only=2)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "put it back, or open the model from where it is now" in str(err.value)
 
 
 def test_memory_budget_below_one_layer_stops_before_writing(apple_tiny, tmp_path, monkeypatch):

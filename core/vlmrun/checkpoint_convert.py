@@ -39,7 +39,7 @@ from .checkpoint_formats import (
     weight_files,
     write_checkpoint_dir,
 )
-from .checkpoint_formats import SAFETENSORS_INDEX
+from .checkpoint_formats import SAFETENSORS_INDEX, SOURCE_WEIGHTS_FILE, VOCAB_FILE
 from .checkpoint_keys import (
     APPLE_EMBED,
     APPLE_HEAD_PROJ,
@@ -50,7 +50,7 @@ from .checkpoint_keys import (
     apple_key_to_native,
 )
 from .checkpoint_shards import TensorSpec, torch_dtype, write_shard_groups, write_single
-from .checkpoint_stream import ShardedWeights
+from .checkpoint_stream import ShardedWeights, read_source_weights
 from .errors import InputError
 from .fastvlm_files import (
     CHAT_TEMPLATE,
@@ -60,7 +60,7 @@ from .fastvlm_files import (
     fastvlm_processor,
 )
 
-__all__ = ["CONVERSION_FILE", "convert_apple_to_native"]
+__all__ = ["CONVERSION_FILE", "convert_apple_to_native", "point_at_source"]
 
 #: Written by `convert_apple_to_native` beside the converted checkpoint: what the source model was
 #: (``source_vocab_size``: the rows Apple's model has; the rows past it exist only for ``<image>`` and padding).
@@ -79,11 +79,19 @@ _MCI3_DEFAULTS = {
 }
 
 
-def convert_apple_to_native(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> pathlib.Path:
+def convert_apple_to_native(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                            weights_in_source: str | None = None) -> pathlib.Path:
     """Convert Apple's ``llava_qwen2`` FastVLM checkpoint into a transformers-native ``fast_vlm`` one at ``out_dir``.
 
     Follows transformers' ``convert_fastvlm_weights_to_hf.py`` (see the module docstring). Tensors keep their
     stored dtype. ``out_dir`` must not exist or be empty; it appears complete or not at all.
+
+    ``weights_in_source`` (the source's digest, `vlmrun.checkpoint_digest.conversion_digest`), for a sharded
+    source: the weights are not copied. ``out_dir`` gets `SOURCE_WEIGHTS_FILE` (each native weight's shard and
+    stored name in the source) and `VOCAB_FILE` (the embedding and an untied lm_head, grown by the new rows), read
+    by `vlmrun.checkpoint_stream.ShardedWeights`: at 7B 2.2 GB written instead of 15.5. Such a checkpoint is read
+    through vlmrun only (transformers' ``from_pretrained`` finds no weights in it) and needs its source where it
+    was (`point_at_source` follows a move).
     """
     src, cfg = read_config(src_dir)
     fmt = detect_format(src)
@@ -92,10 +100,28 @@ def convert_apple_to_native(src_dir: str | os.PathLike, out_dir: str | os.PathLi
     if pathlib.Path(out_dir).expanduser().absolute() == src.absolute():
         raise InputError(f"output directory {out_dir} is the source directory; choose another one")
 
+    if weights_in_source is not None and not (src / SAFETENSORS_INDEX).is_file():
+        raise InputError(f"{src} is not sharded ({SAFETENSORS_INDEX} is missing): its weights are converted into"
+                         " a copy")
+
     def build(tmp: pathlib.Path) -> None:
-        _convert_apple(src, cfg, tmp)
+        _convert_apple(src, cfg, tmp, weights_in_source)
 
     return write_checkpoint_dir(out_dir, build)
+
+
+def point_at_source(converted: str | os.PathLike, src: str | os.PathLike) -> None:
+    """Make a checkpoint converted with ``weights_in_source`` read its weights from ``src`` (the same checkpoint,
+    by its digest, opened from another place); nothing to do when it already does or holds its weights."""
+    converted = pathlib.Path(converted)
+    data = read_source_weights(converted)
+    where = str(pathlib.Path(src).resolve())
+    if data is None or data["source"] == where:
+        return
+    data["source"] = where
+    tmp = converted / f".{SOURCE_WEIGHTS_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, converted / SOURCE_WEIGHTS_FILE)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -135,7 +161,7 @@ def _infer_tower(shapes: dict) -> dict:
     return {"layers": layers, "embed_dims": dims, "mlp_ratios": ratios, "hidden_size": int(conv_exp[0])}
 
 
-def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
+def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path, weights_in_source: str | None) -> None:
     import torch
     from tokenizers import AddedToken
     from transformers import (
@@ -266,7 +292,10 @@ def _convert_apple(src: pathlib.Path, cfg: dict, tmp: pathlib.Path) -> None:
 
     # -- write
     config.save_pretrained(str(tmp))
-    _write_native(weights, headers, renamed, extra, tmp)
+    if weights_in_source is None:
+        _write_native(weights, headers, renamed, extra, tmp)
+    else:
+        _write_vocab_and_map(weights, headers, renamed, extra, tmp, weights_in_source)
     gen = {}
     if (src / "generation_config.json").is_file():
         gen = read_json(src / "generation_config.json", "a generation config")
@@ -324,6 +353,25 @@ def _write_native(weights: ShardedWeights, headers: dict, renamed: dict, extra: 
         write_shard_groups(out, shards)
     else:
         write_single(out / "model.safetensors", sorted((s for g in shards for s in g), key=lambda s: s.name))
+
+
+def _write_vocab_and_map(weights: ShardedWeights, headers: dict, renamed: dict, extra: dict, out: pathlib.Path,
+                         inputs: str) -> None:
+    """The grown weights into `VOCAB_FILE`, and `SOURCE_WEIGHTS_FILE` mapping every other native weight to its
+    shard and Apple name in the source (``convert_apple_to_native(weights_in_source=...)``)."""
+    grown, weight_map = [], {}
+    for key, (dtype_name, shape) in headers.items():
+        which = {APPLE_EMBED: "embed", APPLE_LM_HEAD: "lm_head"}.get(key)
+        if which:
+            shape = (shape[0] + int(extra[which].shape[0]), shape[1])
+            grown.append(TensorSpec(renamed[key], tuple(shape), torch_dtype(dtype_name),
+                                    _grown_maker(weights, key, extra[which])))
+            weight_map[renamed[key]] = [VOCAB_FILE, renamed[key]]
+        else:
+            weight_map[renamed[key]] = [weights.files[key], key]
+    write_single(out / VOCAB_FILE, sorted(grown, key=lambda s: s.name))
+    data = {"source": str(weights.path.resolve()), "inputs": inputs, "weight_map": dict(sorted(weight_map.items()))}
+    (out / SOURCE_WEIGHTS_FILE).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
 def _grown_maker(weights: ShardedWeights, key: str, rows):

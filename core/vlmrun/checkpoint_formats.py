@@ -32,6 +32,8 @@ __all__ = [
     "APPLE_QWEN2_CONFIG_KEYS",
     "EXTRA_ROWS_FILE",
     "SAFETENSORS_INDEX",
+    "SOURCE_WEIGHTS_FILE",
+    "VOCAB_FILE",
     "detect_format",
     "check_shards",
     "read_json",
@@ -61,6 +63,13 @@ APPLE_IMAGE_TOKEN_INDEX = -200
 EXTRA_ROWS_FILE = "vlmrun_extra_vocab_rows.safetensors"
 #: A sharded checkpoint's map of weight name -> shard file (transformers' name).
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: In a checkpoint converted without copying its weights (the store's conversion of a sharded Apple checkpoint,
+#: `vlmrun.checkpoint_convert`): where each native weight is read, ``{"source": DIR, "inputs": DIGEST,
+#: "weight_map": {native name: [file, stored name]}}``, a file name under ``source`` or, for `VOCAB_FILE`, beside it.
+SOURCE_WEIGHTS_FILE = "vlmrun_source_weights.json"
+#: Beside `SOURCE_WEIGHTS_FILE`: the weights the conversion changes (the embedding and an untied lm_head, grown
+#: by the vocabulary rows the native model adds), stored whole under their native names.
+VOCAB_FILE = "vlmrun_vocab.safetensors"
 
 #: Qwen2 keys that Apple's llava_qwen2 config.json holds at its top level.
 APPLE_QWEN2_CONFIG_KEYS = (

@@ -23,7 +23,7 @@ import os
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
 
-from .checkpoint_formats import EXTRA_ROWS_FILE, SAFETENSORS_INDEX, read_json
+from .checkpoint_formats import EXTRA_ROWS_FILE, SAFETENSORS_INDEX, SOURCE_WEIGHTS_FILE, VOCAB_FILE, read_json
 from .checkpoint_keys import NATIVE_EMBED, NATIVE_LM_HEAD
 from .errors import InputError, UsageError
 
@@ -34,6 +34,7 @@ __all__ = [
     "ShardedWeights",
     "decoder_weights",
     "is_sharded",
+    "read_source_weights",
     "load_part",
     "meta_model",
     "part_bytes",
@@ -74,18 +75,49 @@ def decoder_weights(lo: int, hi: int, last: bool, embed: bool = False) -> tuple[
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether the checkpoint directory has a `SAFETENSORS_INDEX` (its export streams, part by part)."""
-    return (pathlib.Path(path) / SAFETENSORS_INDEX).is_file()
+    """Whether the checkpoint directory has a `SAFETENSORS_INDEX`, or reads its weights from its source's shards
+    (`SOURCE_WEIGHTS_FILE`): its export streams, part by part."""
+    path = pathlib.Path(path)
+    return (path / SAFETENSORS_INDEX).is_file() or (path / SOURCE_WEIGHTS_FILE).is_file()
+
+
+def read_source_weights(path: str | os.PathLike) -> dict | None:
+    """`SOURCE_WEIGHTS_FILE` of the checkpoint at ``path``, checked (``None``: the checkpoint holds its weights)."""
+    file = pathlib.Path(path) / SOURCE_WEIGHTS_FILE
+    if not file.is_file():
+        return None
+    data = read_json(file, "a map of the converted weights to their source")
+    weight_map = data.get("weight_map")
+    ok = isinstance(data.get("source"), str) and isinstance(weight_map, dict) and all(
+        isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v) for v in weight_map.values())
+    if not ok or any(pathlib.PurePath(f).name != f or f in (".", "..") for f, _ in weight_map.values()):
+        raise InputError(f"{file} is not a map of weight name -> [shard file, stored name]; convert the model again"
+                         " (vlmrun store rm, or --rebuild)")
+    return data
 
 
 class ShardedWeights:
-    """The tensors of a safetensors checkpoint directory by name, each read from its shard only when asked."""
+    """The tensors of a safetensors checkpoint directory by name, each read from its shard only when asked.
+
+    A checkpoint converted without copying its weights (`SOURCE_WEIGHTS_FILE`) reads each from its source's shard
+    under its stored name (Apple's), the grown vocabulary weights from its own `VOCAB_FILE`."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
+        self.source: pathlib.Path | None = None  #: where a converted checkpoint's weights are read
+        self.stored: dict[str, str] = {}  #: weight name -> its name in the file, where they differ
         self.files = self._file_map()  #: weight name -> shard file name
 
     def _file_map(self) -> dict[str, str]:
+        linked = read_source_weights(self.path)
+        if linked is not None:
+            self.source = pathlib.Path(linked["source"])
+            files = {}
+            for key, (name, stored) in linked["weight_map"].items():
+                files[key] = name if name == VOCAB_FILE else str(self.source / name)
+                if stored != key:
+                    self.stored[key] = stored
+            return files
         index = self.path / SAFETENSORS_INDEX
         if index.is_file():
             weight_map = read_json(index, "a safetensors index with a weight_map").get("weight_map")
@@ -116,6 +148,10 @@ class ShardedWeights:
 
         file = self.path / name
         if not file.is_file():
+            if self.source is not None and file.parent == self.source:
+                raise InputError(f"shard {file} is missing; the converted model {self.path} reads {wanted} from"
+                                 f" the checkpoint it was converted from: put it back, or open the model from"
+                                 " where it is now")
             raise InputError(f"shard {file} is missing; it holds {wanted}: copy it back or convert the model again")
         try:
             return safe_open(str(file), framework="pt", device="cpu")
@@ -128,7 +164,7 @@ class ShardedWeights:
         """The stored dtype (safetensors' name, e.g. ``BF16``) and shape of ``key`` (the shard's header only)."""
         self.shard_of(key)
         with self._open(self.files[key], key) as f:
-            part = f.get_slice(key)
+            part = f.get_slice(self.stored.get(key, key))
             return part.get_dtype(), tuple(part.get_shape())
 
     def headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -141,12 +177,12 @@ class ShardedWeights:
         for name, keys in sorted(by_file.items()):
             with self._open(name, f"{len(keys)} weights") as f:
                 present = set(f.keys())
-                absent = sorted(k for k in keys if k not in present)
+                absent = sorted(k for k in keys if self.stored.get(k, k) not in present)
                 if absent:
                     raise InputError(f"{self.path}: {SAFETENSORS_INDEX} puts {absent[:3]} in {name}, which does not"
                                      " hold them; expected the shards the index was written for")
                 for key in keys:
-                    part = f.get_slice(key)
+                    part = f.get_slice(self.stored.get(key, key))
                     out[key] = (part.get_dtype(), tuple(part.get_shape()))
         return out
 
@@ -155,7 +191,7 @@ class ShardedWeights:
         self.shard_of(key)
         with self._open(self.files[key], key) as f:
             try:
-                tensor = f.get_tensor(key)
+                tensor = f.get_tensor(self.stored.get(key, key))
             except Exception as exc:
                 raise InputError(f"cannot read {key} from {self.shard_of(key)} ({exc}); convert the model again") from None
         return tensor if dtype is None else tensor.to(dtype)
@@ -261,7 +297,7 @@ def load_part(path: str | os.PathLike, prefixes: Sequence[str], what: str,
             on_tensor(key)
     fvlm.load_state_dict(tensors, strict=False, assign=True)
     _retie(fvlm, keys)
-    if any(p.startswith(_TEXT) for p in prefixes):
+    if any(p.startswith(_TEXT) or _TEXT.startswith(p) for p in prefixes):  # some or all of the language model
         _real_rotary(fvlm)
     return fvlm.eval()
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import attrs
 
+from .checkpoint_formats import SAFETENSORS_INDEX, SOURCE_WEIGHTS_FILE
 from .checkpoint_stream import (ShardedWeights, check_budget, export_peak_bytes, is_sharded, load_part, memory_budget,
-                                meta_model, part_bytes)
+                                meta_model, part_bytes, read_source_weights)
 from .errors import BackendError, InputError
 from .store import ArtifactStore, sha256_file
 
@@ -57,14 +58,20 @@ class FastVLMModel:
         store = store or ArtifactStore()
         # keyed by every file that shapes the conversion (weights, configs, tokenizer files, templates)
         digest = checkpoints.conversion_digest(src, store.root)
+        # a sharded checkpoint's weights are read from its shards where they are (only the grown vocabulary
+        # weights are written: 2.2 GB at 7B instead of a 15.5 GB copy); a one-file checkpoint is copied
+        in_source = (src / SAFETENSORS_INDEX).is_file()
+
         def convert(tmp: Path) -> dict:
-            checkpoints.convert_apple_to_native(src, tmp / "model")
+            checkpoints.convert_apple_to_native(src, tmp / "model", weights_in_source=digest if in_source else None)
             _flatten(tmp / "model", tmp)
             return {"files": ["config.json"], "converted_from": str(src)}
 
-        # v3: written tensor by tensor, one shard per source shard (v2: one file, converted in memory)
-        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 3}
+        # v3: written tensor by tensor, one shard per source shard (v2: one file, converted in memory); v4: a
+        # sharded source's weights stay in it
+        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 4 if in_source else 3}
         art = store.get_or_build(key, convert, rebuild=rebuild)
+        checkpoints.point_at_source(art.path, src)
         return cls(art.path, src, fmt)
 
     # -- configuration -------------------------------------------------------------------------------
@@ -209,9 +216,14 @@ class FastVLMModel:
     @property
     def weight_file_bytes(self) -> int:
         """The bytes of the checkpoint's weight files (``*.safetensors``, ``*.bin``) as stored (bf16 for an Apple
-        checkpoint): what sizes the memory of a build before anything is read."""
-        return sum(p.stat().st_size for p in self.path.iterdir()
-                   if p.is_file() and p.suffix in (".safetensors", ".bin"))
+        checkpoint): what sizes the memory of a build before anything is read. Weights read from the source
+        checkpoint: its shards (the grown vocabulary copy beside them not counted twice)."""
+        linked = read_source_weights(self.path)
+        if linked is not None:
+            source = Path(linked["source"])
+            return sum((source / name).stat().st_size for name in {f for f, _ in linked["weight_map"].values()}
+                       if (source / name).is_file())
+        return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
 
     # -- torch (export only) -------------------------------------------------------------------------
     @property
@@ -226,6 +238,10 @@ class FastVLMModel:
         if cached is not None:
             return cached
         torch, FastVlmForConditionalGeneration = _torch_classes()
+        if read_source_weights(self.path) is not None:  # weights in the source: every one read through the map
+            model = load_part(self.path, ("",), "loading the whole model")
+            self.__dict__["_torch_model"] = model
+            return model
         if memory_budget() is not None:
             check_budget("loading the whole model", export_peak_bytes(part_bytes(meta_model(self.path), ("",))))
         from transformers.utils import logging as hf_logging
@@ -297,6 +313,12 @@ def weights_hash(model_dir: Path, store: ArtifactStore | None = None) -> str:
 
     h = hashlib.sha256()
     for p in files:
+        if p.name == SOURCE_WEIGHTS_FILE:  # weights read from the source: its digest and the map, not its place
+            linked = read_source_weights(model_dir)
+            h.update(p.name.encode())
+            h.update(json.dumps({"inputs": linked.get("inputs"), "weight_map": linked["weight_map"]},
+                                sort_keys=True).encode())
+            continue
         if p.suffix == ".json" and p.name not in {"config.json"}:
             continue
         h.update(p.name.encode())

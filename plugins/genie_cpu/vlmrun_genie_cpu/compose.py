@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrun import procs
+from vlmrun.checkpoint_stream import ShardedWeights
 from vlmrun.errors import BackendError, UsageError
 
 from vlmrun_qualcomm.sdk import Sdk
@@ -44,7 +45,6 @@ def quantize_option(value) -> str:
 def write_qwen2_dir(model, out: Path) -> tuple[Path, list[str]]:
     """The FastVLM checkpoint's language model as a plain Qwen2 checkpoint (what the composer reads), and the
     names of the tensors written."""
-    from safetensors import safe_open
     from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -55,22 +55,12 @@ def write_qwen2_dir(model, out: Path) -> tuple[Path, list[str]]:
             cfg[key] = model.config[key]
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     tensors: dict[str, np.ndarray] = {}
-    for f in sorted(model.path.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="numpy") as st:
-                for key in st.keys():
-                    if key.startswith(PREFIX):
-                        tensors["model." + key[len(PREFIX):]] = st.get_tensor(key)
-                    elif key == "lm_head.weight":
-                        tensors[key] = st.get_tensor(key)
-        except TypeError:  # bf16: numpy cannot hold it, go through torch
-            from safetensors.torch import load_file
-
-            for key, t in load_file(str(f)).items():
-                if key.startswith(PREFIX):
-                    tensors["model." + key[len(PREFIX):]] = t.float().numpy()
-                elif key == "lm_head.weight":
-                    tensors[key] = t.float().numpy()
+    weights = ShardedWeights(model.path)  # shards, or a converted checkpoint's source shards, one tensor at a time
+    for key in sorted(weights.files):
+        if key.startswith(PREFIX):
+            tensors["model." + key[len(PREFIX):]] = _as_float32(weights.read(key))
+        elif key == "lm_head.weight":
+            tensors[key] = _as_float32(weights.read(key))
     if "model.embed_tokens.weight" not in tensors:
         raise BackendError(f"{model.path} has no language_model.embed_tokens.weight: not a FastVLM checkpoint?")
     tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied embeddings
@@ -78,6 +68,10 @@ def write_qwen2_dir(model, out: Path) -> tuple[Path, list[str]]:
               str(out / "model.safetensors"))
     shutil.copy(model.path / "tokenizer.json", out / "tokenizer.json")
     return out, sorted(tensors)
+
+
+def _as_float32(tensor) -> np.ndarray:
+    return tensor.float().numpy()
 
 
 def composer_config(text: dict, tensor_names, context: int, name: str = "fastvlm-qwen2") -> dict:
