@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -62,16 +61,6 @@ def child_write(spec: dict) -> dict:
             "image_encoder": {"precision": m["image_encoder"]["precision"]}, "weight_sharing": m["weight_sharing"]}
 
 
-def child_convert(spec: dict) -> dict:
-    """Open (convert into the store) the Apple-layout checkpoint: the native copy's path."""
-    from vlmrun.model import FastVLMModel
-    from vlmrun.store import ArtifactStore
-
-    t0 = time.perf_counter()
-    model = FastVLMModel.open(spec["model"], ArtifactStore(spec["cache_dir"]))
-    return {"native": str(model.path), "convert_s": round(time.perf_counter() - t0, 1)}
-
-
 def child_run(spec: dict) -> dict:
     from vlmrun import GenerationSettings, Pipeline
     from vlmrun.eval.dataset import heldout_dataset, read_dataset
@@ -93,7 +82,7 @@ def child_run(spec: dict) -> dict:
         sorted(seconds)[len(seconds) // 2], 2)}
 
 
-CHILDREN = {"convert": child_convert, "write": child_write, "run": child_run}
+CHILDREN = {"write": child_write, "run": child_run}
 
 
 def run_child(kind: str, spec: dict, log) -> dict:
@@ -114,10 +103,6 @@ def main() -> None:
     ap.add_argument("--context-length", type=int, default=None, help="default 1024 (full size) or 256")
     ap.add_argument("--decoder-option", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/vlmrun-bench"))
-    ap.add_argument("--remove-checkpoint-once-converted", action="store_true",
-                    help="--size: convert the random Apple checkpoint into the store in a child of its own, then"
-                         " remove it and build from the native copy (its disk, 15.5 GB at 7b, is not beside the"
-                         " build's; a user keeps the checkpoint they downloaded)")
     ap.add_argument("--log", default=None, help="children's stderr (default: a temporary file)")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -149,19 +134,10 @@ def main() -> None:
             print("building the full-size random FastVLM (once) ...", file=sys.stderr)
             make_tiny(model, image_size=1024, full_size=True)
         model = dense_vocab(model)
-    work = Path(tempfile.mkdtemp(prefix="vlmrun-bench-bundle-"))
-    log = open(args.log or work / "children.log", "a")
-    conversion = None
-    if args.size and args.remove_checkpoint_once_converted:
-        conversion = run_child("convert", {"cache_dir": args.cache_dir, "model": model}, log)
-        if conversion.get("failed"):
-            print(json.dumps({"conversion": conversion}, indent=1))
-            sys.exit(1)
-        shutil.rmtree(model)
-        model = conversion["native"]
-        print(f"[bundle] converted, random checkpoint removed: {json.dumps(conversion)}", file=sys.stderr)
     precisions = (args.precisions or ("w4a16" if args.full_size else "fp16,w8a16,w4a16")).split(",")
     target = args.target or ("android" if args.full_size else "local")
+    work = Path(tempfile.mkdtemp(prefix="vlmrun-bench-bundle-"))
+    log = open(args.log or work / "children.log", "a")
     results = []
     for precision in precisions:
         out = work / f"bundle-{precision}"
@@ -181,7 +157,7 @@ def main() -> None:
     name = (f"FastVLM-{args.size.upper()} dims (random weights, dense vocabulary rows, Apple's sharded bf16 layout)"
             if args.size else "FastVLM-0.5B dims (random weights, dense vocabulary rows)" if args.full_size else "tiny default model")
     print(json.dumps({"model": name, "memory_budget_gb": os.environ.get("VLMRUN_MEMORY_BUDGET_GB"),
-                      **({"conversion": conversion} if conversion else {}), "bundles": results}, indent=1))
+                      "bundles": results}, indent=1))
 
 
 if __name__ == "__main__":
