@@ -700,7 +700,7 @@ def test_sharded_apple_checkpoint_converts(apple_dir, roundtrip_dir, tmp_path):
 def test_store_reads_a_sharded_apple_checkpoint_where_it_is(apple_dir, tmp_path):
     """Opened into the store, a sharded Apple checkpoint is not copied: the store holds the grown vocabulary
     weights and a map, every weight reads back equal to the copying conversion's, the whole model loads, and the
-    checkpoint moved elsewhere is read from there (same store entry, same weights hash); a missing shard is one
+    checkpoint moved elsewhere is read from there (a new store entry, the same weights hash); a missing shard is one
     line naming it."""
     from vlmrun.checkpoint_formats import SOURCE_WEIGHTS_FILE, VOCAB_FILE, load_tensors
     from vlmrun.checkpoint_stream import ShardedWeights
@@ -727,8 +727,9 @@ def test_store_reads_a_sharded_apple_checkpoint_where_it_is(apple_dir, tmp_path)
 
     moved = tmp_path / "moved"
     shutil.move(src, moved)
-    again = FastVLMModel.open(moved, store)
-    assert again.path == model.path and again.weights_hash(store) == digest
+    again = FastVLMModel.open(moved, store)  # a new entry (its vocabulary weights), the same weights hash
+    assert again.path != model.path and again.weights_hash(store) == digest
+    assert store.verify() and all(v.ok for v in store.verify())
     assert all(torch.equal(ShardedWeights(again.path).read(k), copied[k]) for k in copied)
     os.remove(moved / names[0])
     key = next(k for k, f in ShardedWeights(again.path).files.items() if Path(f).name == names[0])

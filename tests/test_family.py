@@ -501,12 +501,11 @@ def test_a_part_reads_only_its_shards(apple_tiny, tmp_path):
     for name in ("all", "two", "one", "again"):
         (tmp_path / name).mkdir()
     export_parts(apple_tiny, form, tmp_path / "all")
-    # the converted checkpoint (a copy of the store's) reads its weights from a copy of the Apple source
-    from vlmrun.checkpoints import point_at_source
+    # a copy of the Apple source, opened into a store of its own: the converted checkpoint reads its shards
+    from vlmrun.store import ArtifactStore
 
-    ckpt = Path(shutil.copytree(apple_tiny.path, tmp_path / "converted"))
     src = Path(shutil.copytree(apple_tiny.source, tmp_path / "apple"))
-    point_at_source(ckpt, src)
+    ckpt = FastVLMModel.open(src, ArtifactStore(tmp_path / "store")).path
     needed = _part_files(ckpt, 1, 2, True)
     others = set(_shards(ckpt).values()) - needed - {"vlmrun_vocab.safetensors"}
     assert needed and len(others) > len(needed)

@@ -50,7 +50,7 @@ from .checkpoint_keys import (
     apple_key_to_native,
 )
 from .checkpoint_shards import TensorSpec, torch_dtype, write_shard_groups, write_single
-from .checkpoint_stream import ShardedWeights, read_source_weights
+from .checkpoint_stream import ShardedWeights
 from .errors import InputError
 from .fastvlm_files import (
     CHAT_TEMPLATE,
@@ -60,7 +60,7 @@ from .fastvlm_files import (
     fastvlm_processor,
 )
 
-__all__ = ["CONVERSION_FILE", "convert_apple_to_native", "point_at_source"]
+__all__ = ["CONVERSION_FILE", "convert_apple_to_native"]
 
 #: Written by `convert_apple_to_native` beside the converted checkpoint: what the source model was
 #: (``source_vocab_size``: the rows Apple's model has; the rows past it exist only for ``<image>`` and padding).
@@ -91,7 +91,7 @@ def convert_apple_to_native(src_dir: str | os.PathLike, out_dir: str | os.PathLi
     stored name in the source) and `VOCAB_FILE` (the embedding and an untied lm_head, grown by the new rows), read
     by `vlmrun.checkpoint_stream.ShardedWeights`: at 7B 2.2 GB written instead of 15.5. Such a checkpoint is read
     through vlmrun only (transformers' ``from_pretrained`` finds no weights in it) and needs its source where it
-    was (`point_at_source` follows a move).
+    was.
     """
     src, cfg = read_config(src_dir)
     fmt = detect_format(src)
@@ -108,20 +108,6 @@ def convert_apple_to_native(src_dir: str | os.PathLike, out_dir: str | os.PathLi
         _convert_apple(src, cfg, tmp, weights_in_source)
 
     return write_checkpoint_dir(out_dir, build)
-
-
-def point_at_source(converted: str | os.PathLike, src: str | os.PathLike) -> None:
-    """Make a checkpoint converted with ``weights_in_source`` read its weights from ``src`` (the same checkpoint,
-    by its digest, opened from another place); nothing to do when it already does or holds its weights."""
-    converted = pathlib.Path(converted)
-    data = read_source_weights(converted)
-    where = str(pathlib.Path(src).resolve())
-    if data is None or data["source"] == where:
-        return
-    data["source"] = where
-    tmp = converted / f".{SOURCE_WEIGHTS_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, converted / SOURCE_WEIGHTS_FILE)
 
 
 def _round_up(n: int, multiple: int) -> int:

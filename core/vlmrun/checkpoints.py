@@ -30,7 +30,7 @@ torch, transformers' model classes and safetensors' torch API are imported insid
 
 from __future__ import annotations
 
-from .checkpoint_convert import CONVERSION_FILE, convert_apple_to_native, point_at_source
+from .checkpoint_convert import CONVERSION_FILE, convert_apple_to_native
 from .checkpoint_digest import FILE_HASHES, conversion_digest, conversion_inputs
 from .checkpoint_formats import (
     APPLE,
@@ -63,7 +63,6 @@ __all__ = [
     "conversion_inputs",
     "conversion_digest",
     "convert_apple_to_native",
-    "point_at_source",
     "save_as_apple",
     "apple_key_to_native",
     "native_key_to_apple",

@@ -68,10 +68,12 @@ class FastVLMModel:
             return {"files": ["config.json"], "converted_from": str(src)}
 
         # v3: written tensor by tensor, one shard per source shard (v2: one file, converted in memory); v4: a
-        # sharded source's weights stay in it
-        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 4 if in_source else 3}
+        # sharded source's weights stay in it, so the entry is the source's place too (moved: a new entry of the
+        # vocabulary weights alone, with the same weights hash: nothing built from it is built again)
+        key = {"stage": "checkpoint", "kind": "native-from-llava_qwen2", "inputs": digest, "v": 3}
+        if in_source:
+            key.update(v=4, source=str(src.resolve()))
         art = store.get_or_build(key, convert, rebuild=rebuild)
-        checkpoints.point_at_source(art.path, src)
         return cls(art.path, src, fmt)
 
     # -- configuration -------------------------------------------------------------------------------
