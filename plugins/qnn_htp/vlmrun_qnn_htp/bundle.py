@@ -181,11 +181,7 @@ def write_bundle(request) -> dict:
             shutil.copyfile(dec_art.path / b, out / new)
         ctx_bins = [names[b] for b in bins]
         enc = dec_art.manifest["decoder_parts"]["embeds_input"]  # the table in the decoder input's encoding
-        table = image_encoder.quantize_values(np.asarray(lut, np.float32), enc)
-        table.tofile(out / LUT)
-        deq = image_encoder.dequantize_values(table, enc)
-        lut_sqnr = float(10 * np.log10((np.asarray(lut, np.float64) ** 2).sum() / max(((lut - deq) ** 2).sum(),
-                                                                                        1e-30)))
+        lut_sqnr = image_encoder.write_quantized_rows(lut, enc, out / LUT)
         copied = []
         for name in MODEL_FILES:
             if (model.path / name).is_file():
