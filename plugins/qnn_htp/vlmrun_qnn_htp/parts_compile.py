@@ -196,6 +196,9 @@ def make_part(job: PartJob) -> dict:
     entry["bytes"] = sum((out_dir / b).stat().st_size for b in entry["binaries"])
     res["entry"] = entry
     keep(job.keep, res, out_dir)
+    # the part's quantized graphs are in its binaries now: its scratch goes (at 7B, 2.1 GB a part, which the ten
+    # parts' scratch together, kept until the compile's end, would have taken from a disk the float graphs fill)
+    shutil.rmtree(work, ignore_errors=True)
     return res
 
 
