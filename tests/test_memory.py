@@ -174,27 +174,52 @@ def _nested(a: int, b: int):
     return in_child(divmod, a, b, what="the inner step")  # e.g. the image encoder's child quantizing its graph
 
 
-def _sleep():
+def _sleep_and_say(pid_file: str):
+    import os
     import time
 
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
     time.sleep(120)
 
 
-def test_steps_in_children_nest_and_an_interrupt_ends_the_child():
+_INTERRUPTED = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from test_memory import _sleep_and_say
+from vlmrun_qnn_htp.memory import in_child
+in_child(_sleep_and_say, sys.argv[1], what="a long step")
+"""
+
+
+def test_steps_in_children_nest_and_an_interrupt_ends_the_child(tmp_path):
     """A step in a child may run its own step in a child (at 7B the bundle's image-encoder child quantizes a big
     graph in one: a daemonic child could not, "daemonic processes are not allowed to have children"); a Ctrl-C
-    while a child works ends that child, and comes back as itself."""
-    import multiprocessing
+    to a process whose child is working ends that child too (none is left running), and the process stops with
+    the KeyboardInterrupt."""
     import os
     import signal
-    import threading
+    import subprocess
+    import sys
     import time
+    from pathlib import Path
 
     from vlmrun_qnn_htp.memory import in_child
 
     assert in_child(_nested, 7, 2, what="the outer step") == (3, 1)
-    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        in_child(_sleep, what="a long step")
-    assert time.monotonic() - t0 < 60 and multiprocessing.active_children() == []
+    pid_file = tmp_path / "child.pid"
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(pid_file), str(Path(__file__).parent)],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    for _ in range(100):  # the child was terminated and reaped by its parent before it exited
+        if not Path(f"/proc/{child}").exists():
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists(), f"child {child} still running after its parent's Ctrl-C"
