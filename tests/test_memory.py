@@ -184,7 +184,9 @@ def _sleep_and_say(pid_file: str):
 
 
 _INTERRUPTED = """
+import signal
 import sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with SIGINT ignored
 sys.path.insert(0, sys.argv[2])
 from test_memory import _sleep_and_say
 from vlmrun_qnn_htp.memory import in_child
